@@ -1,0 +1,286 @@
+"""The MemPO tag protocol: tag constants, the turn parser, and the canonical turn renderer.
+
+MEMPO_SPEC.md §1: one turn of the policy is ``<mem> m_t </mem>``, an optional
+``<think> … </think>``, then exactly one action — ``<search> q </search>``,
+``<access> id </access>`` or ``<answer> a </answer>``. The environment answers a search or
+access with ``<information> … </information>``. Generation stops at ``</search>``,
+``</access>``, ``</answer>`` or end-of-sequence. Parsing never throws on model output; a turn
+with no valid action gets an error observation (``format_error_observation``) and the episode
+goes on. The action vocabulary follows Search-R1 (``<search>``/``<answer>``/``<information>``)
+plus ASearcher's ``<access>``.
+
+Tag content is kept byte-for-byte (no stripping) so that ``parse_turn(render_turn(...))``
+round-trips; consumers that need a clean query or id strip it themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+MEM = ("<mem>", "</mem>")
+THINK = ("<think>", "</think>")
+SEARCH = ("<search>", "</search>")
+ACCESS = ("<access>", "</access>")
+ANSWER = ("<answer>", "</answer>")
+INFORMATION = ("<information>", "</information>")
+
+_TAGS: dict[str, tuple[str, str]] = {
+    "mem": MEM,
+    "think": THINK,
+    "search": SEARCH,
+    "access": ACCESS,
+    "answer": ANSWER,
+    "information": INFORMATION,
+}
+ACTIONS: tuple[str, ...] = ("search", "access", "answer")
+
+# The 12 strings a tokenizer must keep as single pieces (ARCHITECTURE.md, tokenizer.py).
+ALL_TAG_PIECES: tuple[str, ...] = tuple(piece for pair in _TAGS.values() for piece in pair)
+STOP_TAGS: tuple[str, ...] = (SEARCH[1], ACCESS[1], ANSWER[1])
+
+# No tag is a prefix of another (all end with ">"), so alternation order does not matter.
+_TAG_RE = re.compile("(" + "|".join(re.escape(p) for p in ALL_TAG_PIECES) + ")")
+_PIECE_INFO: dict[str, tuple[str, bool]] = {}
+for _name, (_open, _close) in _TAGS.items():
+    _PIECE_INFO[_open] = (_name, True)
+    _PIECE_INFO[_close] = (_name, False)
+
+_MAX_ERRORS = 3  # an observation names at most this many problems
+_QUOTE_CHARS = 30  # stray text is quoted up to this many characters
+
+Action = Literal["search", "access", "answer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    """One parsed policy turn (MEMPO_SPEC §1).
+
+    Attributes:
+      mem: content of the single ``<mem>`` block (verbatim), or None when absent/ambiguous.
+      think: content of the single ``<think>`` block (verbatim), or None.
+      action: ``"search" | "access" | "answer"`` when exactly one action block was found.
+      argument: that action block's content (verbatim, not stripped), or None.
+      error: None iff the turn is valid; else a short message naming what is wrong.
+    """
+
+    mem: str | None
+    think: str | None
+    action: Action | None
+    argument: str | None
+    error: str | None
+
+    @property
+    def valid(self) -> bool:
+        """True iff the turn follows the protocol (``error is None``)."""
+        return self.error is None
+
+
+@dataclasses.dataclass
+class _Block:
+    name: str
+    content: str
+    closed: bool
+
+
+def _quote(text: str) -> str:
+    text = " ".join(text.split())
+    if len(text) > _QUOTE_CHARS:
+        text = text[: _QUOTE_CHARS - 1] + "…"
+    return repr(text)
+
+
+def _scan(text: str) -> tuple[list[_Block], list[str]]:
+    """Split ``text`` into top-level blocks; returns (blocks, errors).
+
+    A tag opened inside an open block is *nested* when that block is closed later, otherwise
+    the open block is *unclosed* and the new tag starts a new top-level block (lenient).
+    """
+    tokens = _TAG_RE.split(text)  # [text, tag, text, tag, ..., text]
+    blocks: list[_Block] = []
+    errors: list[str] = []
+    current: _Block | None = None
+    current_parts: list[str] = []
+    inner_open: list[str] = []  # tags opened (and reported) inside the current block
+
+    def close_later(name: str, start: int) -> bool:
+        return _TAGS[name][1] in tokens[start:]
+
+    for i, tok in enumerate(tokens):
+        if i % 2 == 0:  # plain text
+            if current is not None:
+                current_parts.append(tok)
+            elif tok.strip():
+                if not blocks:
+                    where = "before the first tag"
+                elif i == len(tokens) - 1:
+                    where = "after the last tag"
+                else:
+                    where = "between tags"
+                errors.append(f"text outside blocks {where}: {_quote(tok)}")
+            continue
+        name, is_open = _PIECE_INFO[tok]
+        if current is not None:
+            if not is_open and name == current.name:
+                current.content = "".join(current_parts)
+                current.closed = True
+                current = None
+                continue
+            if close_later(current.name, i + 1):
+                if is_open:
+                    errors.append(f"nested {tok} inside <{current.name}>")
+                    inner_open.append(name)
+                elif name in inner_open:
+                    inner_open.remove(name)  # closes a nested tag already reported
+                else:
+                    errors.append(f"stray {tok} inside <{current.name}>")
+                current_parts.append(tok)
+                continue
+            errors.append(f"<{current.name}> is not closed")
+            current.content = "".join(current_parts)
+            current = None
+        if is_open:
+            current = _Block(name, "", False)
+            current_parts = []
+            inner_open = []
+            blocks.append(current)
+        else:
+            errors.append(f"{tok} without opening <{name}>")
+    if current is not None:
+        current.content = "".join(current_parts)
+        errors.append(f"<{current.name}> is not closed")
+    return blocks, errors
+
+
+def _structure_errors(blocks: list[_Block]) -> list[str]:
+    """Order/count rules over the top-level blocks (MEMPO_SPEC §1)."""
+    errors: list[str] = []
+    names = [b.name for b in blocks]
+    actions = [i for i, n in enumerate(names) if n in ACTIONS]
+    if "information" in names:
+        errors.append("<information> is written by the environment, not the model")
+    if "mem" not in names:
+        errors.append("missing <mem>")
+    elif names[0] != "mem":
+        errors.append("<mem> must come first")
+    if names.count("mem") > 1:
+        errors.append("more than one <mem>")
+    if names.count("think") > 1:
+        errors.append("more than one <think>")
+    if not actions:
+        errors.append("no action: end with <search>, <access> or <answer>")
+    elif len(actions) > 1:
+        errors.append(f"more than one action ({', '.join(names[i] for i in actions)})")
+    else:
+        act = blocks[actions[0]]
+        if actions[0] != len(blocks) - 1:
+            errors.append(f"<{names[actions[0] + 1]}> after the action <{act.name}>")
+        if act.closed and not act.content.strip():
+            errors.append(f"empty <{act.name}>")
+    return errors
+
+
+def parse_turn(text: str) -> ParsedTurn:
+    """Parse one generated turn; never raises (MEMPO_SPEC §1: parsing never throws).
+
+    A valid turn is: optional whitespace, ``<mem>…</mem>``, optional whitespace, optional
+    ``<think>…</think>``, optional whitespace, exactly one closed action block
+    (``<search>``/``<access>``/``<answer>``) with a non-blank argument, then only whitespace.
+    Block contents must not contain any of the 12 tag pieces. Whitespace is ``str.isspace``.
+
+    Lenient extraction: ``mem``/``think`` are filled when exactly one such block exists (an
+    unclosed block ends at the next tag), ``action``/``argument`` when exactly one action block
+    exists — even if the turn is otherwise invalid; ``error`` is set whenever the format is off.
+
+    Args:
+      text: decoded model output of one turn (any string; non-str input yields an error).
+
+    Returns:
+      ParsedTurn; ``error`` names up to three problems joined by ``"; "``.
+    """
+    try:
+        if not isinstance(text, str):
+            return ParsedTurn(None, None, None, None, f"turn is not text ({type(text).__name__})")
+        blocks, errors = _scan(text)
+        errors += _structure_errors(blocks)
+        mems = [b for b in blocks if b.name == "mem"]
+        thinks = [b for b in blocks if b.name == "think"]
+        acts = [b for b in blocks if b.name in ACTIONS]
+        mem = mems[0].content if len(mems) == 1 else None
+        think = thinks[0].content if len(thinks) == 1 else None
+        action: Action | None = acts[0].name if len(acts) == 1 else None  # type: ignore[assignment]
+        argument = acts[0].content if len(acts) == 1 else None
+        unique: list[str] = []
+        for e in errors:
+            if e not in unique:
+                unique.append(e)
+        error = "; ".join(unique[:_MAX_ERRORS]) if unique else None
+        return ParsedTurn(mem, think, action, argument, error)
+    except Exception as exc:  # pragma: no cover - defensive: model output must never crash
+        return ParsedTurn(None, None, None, None, f"unparseable turn ({type(exc).__name__})")
+
+
+_FORMAT_HELP = (
+    "Each turn must be: <mem>what you need to remember</mem> then optionally "
+    "<think>your reasoning</think> then exactly one action: <search>query</search>, "
+    "<access>document id</access> or <answer>final answer</answer>. "
+    "For several questions, put all answers in one <answer> separated by ';'."
+)
+
+
+def format_error_observation(error: str) -> str:
+    """Observation body for an invalid turn (MEMPO_SPEC §1: error observation, episode goes on).
+
+    The environment wraps the returned text in ``<information>…</information>``; any
+    ``<information>`` pieces inside ``error`` are removed so the wrapper stays well-formed.
+
+    Args:
+      error: ``ParsedTurn.error`` (or a tool error message), a short string.
+
+    Returns:
+      ``"Format error: {error}. {allowed format}"`` — one line, no trailing newline.
+    """
+    msg = str(error)
+    for piece in INFORMATION:
+        msg = msg.replace(piece, "")
+    msg = " ".join(msg.split()).rstrip(".") or "invalid turn"
+    return f"Format error: {msg}. {_FORMAT_HELP}"
+
+
+def render_turn(mem: str, think: str | None, action: str, argument: str) -> str:
+    """Canonical text of one turn: ``"<mem>m</mem><think>t</think><search>q</search>"``.
+
+    Used by the scripted agent to produce SFT trajectories; no whitespace is added around or
+    between blocks. ``parse_turn(render_turn(m, t, a, q))`` returns exactly ``(m, t, a, q)``
+    with ``error is None``.
+
+    Args:
+      mem: memory text (may be empty).
+      think: reasoning text, or None to omit the ``<think>`` block.
+      action: ``"search" | "access" | "answer"``.
+      argument: the query / document id / answer; must not be blank.
+
+    Raises:
+      ValueError: unknown action, blank argument, or a field containing one of the 12 tag
+        pieces (the result would not parse back to the same fields).
+    """
+    if action not in ACTIONS:
+        raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
+    if not isinstance(argument, str) or not argument.strip():
+        raise ValueError(f"argument of <{action}> must be non-blank text, got {argument!r}")
+    fields = {"mem": mem, "think": think, "argument": argument}
+    for field, value in fields.items():
+        if value is None and field == "think":
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"{field} must be a str, got {type(value).__name__}")
+        found = _TAG_RE.search(value)
+        if found:
+            raise ValueError(f"{field} contains the tag piece {found.group(0)!r}")
+    out = [MEM[0], mem, MEM[1]]
+    if think is not None:
+        out += [THINK[0], think, THINK[1]]
+    open_, close = _TAGS[action]
+    out += [open_, argument, close]
+    return "".join(out)
