@@ -1,0 +1,193 @@
+"""Grouped advantages: outcome A_T per trajectory, memory A_M per ``<mem>`` span (MEMPO_SPEC §4).
+
+Everything here is pure JAX and jittable (``num_groups`` and ``shape`` are static). Group
+statistics are segment reductions over question ids (``jax.ops.segment_*``), never Python loops
+over groups and never whole-batch statistics: questions of different difficulty must not
+interfere. Group ids are assigned per question *before* the n rollout copies are made, e.g.
+``group_ids = np.repeat(question_ids, n)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+AdvantageFn = Callable[..., jax.Array]
+_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: register an advantage estimator under ``name`` (tunix style).
+
+    Raises:
+      ValueError: if ``name`` is already registered.
+    """
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_advantage_estimator(name: str) -> AdvantageFn:
+    """The estimator registered under ``name`` (e.g. ``"grpo"``).
+
+    Raises:
+      ValueError: naming the unknown estimator and listing the known ones.
+    """
+    try:
+        return _ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(_ESTIMATORS)}") from None
+
+
+def group_normalize(
+    values: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    valid: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Per-group z-score ``(v - mean_g) / (std_g + eps)`` with segment ops (MEMPO_SPEC §4, GRPO).
+
+    ``std_g`` is the unbiased standard deviation (divisor ``N_g - 1``) over the group's valid
+    entries. Special cases, decided exactly (not through float arithmetic):
+
+    * all valid values of a group equal (``segment_max == segment_min``) → exactly 0.0, even when
+      the float mean differs from the values (16 × 0.35);
+    * a group with one valid entry → that entry's raw value;
+    * invalid entries → 0.0, and they do not enter any statistic.
+
+    Args:
+      values: ``[N]`` float rewards (cast to float32).
+      group_ids: ``[N]`` int32 group index in ``[0, num_groups)``; ids of invalid entries are
+        ignored (ids of valid entries outside the range are a caller bug: their statistics are
+        undefined).
+      num_groups: static number of groups (segments).
+      valid: ``[N]`` bool, default all True.
+      eps: added to the std (same units as ``values``).
+
+    Returns:
+      ``[N]`` float32 normalised values.
+    """
+    v = jnp.asarray(values, jnp.float32)
+    valid = jnp.ones(v.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    gid = jnp.where(valid, jnp.asarray(group_ids, jnp.int32), 0)
+    w = valid.astype(jnp.float32)
+    seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=num_groups)  # noqa: E731
+
+    count = seg(w)
+    mean = seg(v * w) / jnp.maximum(count, 1.0)
+    centred = (v - mean[gid]) * w
+    var = seg(centred * centred) / jnp.maximum(count - 1.0, 1.0)
+    std = jnp.sqrt(var)
+    vmax = jax.ops.segment_max(jnp.where(valid, v, -jnp.inf), gid, num_segments=num_groups)
+    vmin = jax.ops.segment_min(jnp.where(valid, v, jnp.inf), gid, num_segments=num_groups)
+
+    z = centred / (std[gid] + eps)
+    out = jnp.where((vmax == vmin)[gid], 0.0, z)
+    out = jnp.where((count == 1.0)[gid], v, out)
+    return jnp.where(valid, out, 0.0)
+
+
+@register_advantage_estimator("grpo")
+def outcome_advantage(rewards: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    """Outcome advantage A_T: GRPO group normalisation of R_T (MEMPO_SPEC §4).
+
+    Args:
+      rewards: ``[N]`` float outcome rewards, one per trajectory.
+      group_ids: ``[N]`` int32 question index of each trajectory.
+      num_groups: static number of questions.
+
+    Returns:
+      ``[N]`` float32 ``group_normalize(rewards, group_ids, num_groups)``.
+    """
+    return group_normalize(rewards, group_ids, num_groups)
+
+
+def memory_advantage(
+    mem_rewards: jax.Array,
+    mem_group_ids: jax.Array,
+    num_groups: int,
+    valid: jax.Array,
+) -> jax.Array:
+    """Memory advantage A_M per ``<mem>`` turn (MEMPO_SPEC §4).
+
+    One mean/std per question group, pooled over *every turn of every trajectory* of that group;
+    each turn's R_M is normalised with it (so turns of one trajectory get different values).
+
+    Args:
+      mem_rewards: ``[M]`` float R_M = P_mem − P_full (probability units), one per turn.
+      mem_group_ids: ``[M]`` int32 question index of the turn's trajectory.
+      num_groups: static number of questions.
+      valid: ``[M]`` bool, False on padding turns.
+
+    Returns:
+      ``[M]`` float32; 0 on invalid turns.
+    """
+    return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
+
+
+def scatter_span_values(
+    values: jax.Array,
+    rows: jax.Array,
+    starts: jax.Array,
+    ends: jax.Array,
+    valid: jax.Array,
+    shape: tuple[int, int],
+) -> jax.Array:
+    """Write ``values[m]`` on tokens ``[starts[m], ends[m])`` of row ``rows[m]``, zero elsewhere.
+
+    Built from an integer difference array (span index ``m + 1`` added at ``start``, subtracted at
+    ``end``, cumulative sum along the sequence) then a gather, so outside spans the result is
+    exactly 0.0 and inside it is exactly ``values[m]``; cost O(B·T + M).
+
+    Args:
+      values: ``[M]`` float values (e.g. ``memory_advantage``).
+      rows: ``[M]`` int32 row of each span in ``[0, B)``.
+      starts: ``[M]`` int32 first token position (clipped to ``[0, T]``).
+      ends: ``[M]`` int32 exclusive end (clipped to ``[0, T]``); ``end <= start`` is an empty span.
+      valid: ``[M]`` bool, invalid spans are skipped.
+      shape: static ``(B, T)``.
+
+    Returns:
+      ``[B, T]`` float32.
+
+    Precondition: valid spans do not overlap (overlaps give wrong values; not checked).
+    """
+    b, t = shape
+    valid = jnp.asarray(valid, bool)
+    starts = jnp.clip(jnp.asarray(starts, jnp.int32), 0, t)
+    ends = jnp.clip(jnp.asarray(ends, jnp.int32), 0, t)
+    nonempty = valid & (ends > starts)
+    rows = jnp.where(nonempty, jnp.asarray(rows, jnp.int32), 0)
+    span_id = jnp.where(nonempty, jnp.arange(1, values.shape[0] + 1, dtype=jnp.int32), 0)
+    diff = jnp.zeros((b, t + 1), jnp.int32)
+    diff = diff.at[rows, starts].add(span_id).at[rows, ends].add(-span_id)
+    idx = jnp.cumsum(diff, axis=1)[:, :t]
+    table = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.asarray(values, jnp.float32)])
+    return table[idx]
+
+
+def token_advantages(
+    outcome_adv: jax.Array,
+    mem_token_adv: jax.Array,
+    loss_mask: jax.Array,
+) -> jax.Array:
+    """Final per-token advantage ``A = (A_T[:, None] + A_M) * loss_mask`` (MEMPO_SPEC §4).
+
+    Args:
+      outcome_adv: ``[B]`` float A_T per sequence.
+      mem_token_adv: ``[B, T]`` float A_M, non-zero only on ``<mem>`` tokens.
+      loss_mask: ``[B, T]`` bool/float, 1 on trained (generated) tokens.
+
+    Returns:
+      ``[B, T]`` float32.
+    """
+    a = jnp.asarray(outcome_adv, jnp.float32)[:, None] + jnp.asarray(mem_token_adv, jnp.float32)
+    return a * jnp.asarray(loss_mask, jnp.float32)
