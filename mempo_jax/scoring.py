@@ -1,0 +1,183 @@
+"""Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (MEMPO_SPEC §3).
+
+A detached extra forward pass: nothing is generated; the answer Z is re-scored under the full
+history snapshot and under the compressed memory view of every ``<mem>`` turn. All 2M contexts
+are stacked into one batch ``[full_0 .. full_{M-1}; mem_0 .. mem_{M-1}]`` with Z repeated twice
+and scored with one jitted call (reference: one ``compute_log_prob`` over the stacked batch).
+Its values enter the advantage as constants (``jax.lax.stop_gradient``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mempo_jax.batching import bucket_length, pad_sequences
+from mempo_jax.logprobs import token_logprobs
+
+LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+def answer_likelihood(logp: jax.Array, answer_mask: jax.Array) -> jax.Array:
+    """Length-normalised likelihood ``P(Z | c) = exp(Σ_t logp·m / Σ_t m)`` (MEMPO_SPEC §3).
+
+    The geometric mean of Z's token probabilities.
+
+    Args:
+      logp: ``[B, L]`` float32 natural-log token probabilities (``token_logprobs`` convention).
+      answer_mask: ``[B, L]`` bool, True exactly on Z's tokens.
+
+    Returns:
+      ``[B]`` float32 probabilities in [0, 1]; 0.0 for rows without answer tokens.
+    """
+    m = jnp.asarray(answer_mask, bool)
+    n = jnp.sum(m, axis=-1)
+    total = jnp.sum(jnp.where(m, jnp.asarray(logp, jnp.float32), 0.0), axis=-1)
+    mean = total / jnp.maximum(n, 1).astype(jnp.float32)
+    return jnp.where(n > 0, jnp.exp(mean), 0.0)
+
+
+def build_scoring_batch(
+    full_contexts: Sequence[Sequence[int]],
+    mem_contexts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    answer_prefix: Sequence[int],
+    pad_id: int,
+    *,
+    pad_rows_to_bucket: bool = False,
+    min_rows: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stack ``[full_i + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` into one padded batch.
+
+    Row ``i < M`` is ``full_contexts[i] + answer_prefix + answers[i]``, row ``M + i`` is
+    ``mem_contexts[i] + answer_prefix + answers[i]``; right-padded with ``pad_id`` to
+    ``L = bucket_length(longest row)``. With ``pad_rows_to_bucket`` the row count is padded to
+    ``bucket_length(2M, min_rows)`` with all-invalid rows (callers drop them from outputs).
+
+    Args:
+      full_contexts: M token-id lists, ``full_traj[t]`` snapshots.
+      mem_contexts: M token-id lists, ``mem_traj[t]`` views.
+      answers: M token-id lists, the answer Z of each turn (may be empty: its P is 0).
+      answer_prefix: ids between context and Z (e.g. the ``<answer>`` tag); never scored.
+      pad_id: padding id.
+      pad_rows_to_bucket: pad the row count to a power of two (jit sees few shapes).
+      min_rows: smallest row bucket (a power of two, e.g. the data-parallel device count).
+
+    Returns:
+      ``(input_ids [R, L] int32, valid [R, L] bool, answer_mask [R, L] bool)``, ``R = 2M``
+      (or its bucket); ``answer_mask`` is True exactly on Z's tokens (not prefix, not padding).
+
+    Raises:
+      ValueError: if the three lists differ in length, or a non-empty Z would sit at position 0
+        (context and prefix both empty: nothing predicts the first token).
+    """
+    m = len(full_contexts)
+    if len(mem_contexts) != m or len(answers) != m:
+        raise ValueError(f"need as many contexts as answers: {m} full, {len(mem_contexts)} mem, {len(answers)} answers")
+    prefix = list(answer_prefix)
+    rows, spans = [], []
+    for ctx, z in list(zip(full_contexts, answers)) + list(zip(mem_contexts, answers)):
+        start = len(ctx) + len(prefix)
+        if start == 0 and len(z) > 0:
+            raise ValueError("an empty context with an empty answer_prefix leaves Z's first token unscored")
+        rows.append(list(ctx) + prefix + list(z))
+        spans.append((start, start + len(z)))
+    ids, valid = pad_sequences(rows, pad_id)
+    answer_mask = np.zeros_like(valid)
+    for r, (s, e) in enumerate(spans):
+        answer_mask[r, s:e] = True
+    if pad_rows_to_bucket:
+        extra = bucket_length(2 * m, minimum=min_rows) - 2 * m
+        ids = np.concatenate([ids, np.full((extra, ids.shape[1]), pad_id, np.int32)])
+        valid = np.concatenate([valid, np.zeros((extra, ids.shape[1]), bool)])
+        answer_mask = np.concatenate([answer_mask, np.zeros((extra, ids.shape[1]), bool)])
+    return ids, valid, answer_mask
+
+
+class MemoryRewardOutput(NamedTuple):
+    """Per-turn memory reward (MEMPO_SPEC §3); ``[M]`` float32 numpy arrays, probability units."""
+
+    r_mem: np.ndarray  # p_mem − p_full
+    p_full: np.ndarray  # P(Z | full_traj[t])
+    p_mem: np.ndarray  # P(Z | mem_traj[t])
+
+
+class MemoryRewardScorer:
+    """Scores P(Z | full) and P(Z | mem) for all turns of a batch in one detached jitted call.
+
+    Args:
+      logits_fn: ``logits_fn(params, input_ids [B, L] int32, valid_mask [B, L] bool) -> logits
+        [B, L, V]`` (the policy's uniform call contract; ``logits[:, t]`` predicts token t + 1).
+      pad_id: padding id.
+      answer_prefix: ids placed between context and Z (e.g. ``[id("<answer>")]``).
+      temperature: the sampler's softmax temperature (> 0), as for the trainer's log-probs.
+      min_rows: smallest row bucket; use a multiple of the data-parallel device count.
+      batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.
+
+    Raises:
+      ValueError: if ``temperature <= 0``.
+    """
+
+    def __init__(
+        self,
+        logits_fn: LogitsFn,
+        pad_id: int,
+        answer_prefix: Sequence[int],
+        temperature: float = 1.0,
+        *,
+        min_rows: int = 8,
+        batch_sharding: jax.sharding.Sharding | None = None,
+    ):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.logits_fn = logits_fn
+        self.pad_id = int(pad_id)
+        self.answer_prefix = [int(t) for t in answer_prefix]
+        self.temperature = float(temperature)
+        self.min_rows = int(min_rows)
+        self.batch_sharding = batch_sharding
+        self.likelihoods = jax.jit(self._likelihoods)
+
+    def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
+        """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
+        params = jax.lax.stop_gradient(params)
+        logits = self.logits_fn(params, input_ids, valid)
+        logp = token_logprobs(logits, input_ids, self.temperature)
+        return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
+
+    def __call__(
+        self,
+        params: Any,
+        full_contexts: Sequence[Sequence[int]],
+        mem_contexts: Sequence[Sequence[int]],
+        answers: Sequence[Sequence[int]],
+    ) -> MemoryRewardOutput:
+        """R_M for M turns: one model call on the stacked ``[2M → bucket, L]`` batch.
+
+        Args:
+          params: policy parameters (current policy; treated as constants).
+          full_contexts, mem_contexts, answers: M token-id lists each (see ``build_scoring_batch``).
+
+        Returns:
+          ``MemoryRewardOutput`` of ``[M]`` float32 arrays; empty arrays (no model call) if M = 0.
+
+        Raises:
+          ValueError: as ``build_scoring_batch``.
+        """
+        m = len(full_contexts)
+        if m == 0 and len(mem_contexts) == 0 and len(answers) == 0:
+            empty = np.zeros((0,), np.float32)
+            return MemoryRewardOutput(empty, empty.copy(), empty.copy())
+        ids, valid, answer_mask = build_scoring_batch(
+            full_contexts, mem_contexts, answers, self.answer_prefix, self.pad_id,
+            pad_rows_to_bucket=True, min_rows=self.min_rows,
+        )
+        batch = (ids, valid, answer_mask)
+        if self.batch_sharding is not None:
+            batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+        p = np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32)
+        p_full, p_mem = p[:m], p[m : 2 * m]
+        return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
