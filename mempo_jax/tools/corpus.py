@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-PathLike = str | os.PathLike
+from mempo_jax.tools.records import PathLike, field_error, iter_jsonl, iter_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,31 +78,6 @@ class Hit:
     score: float
 
 
-def iter_jsonl(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, row)`` for every non-blank line of a JSONL file (1-based lines).
-
-    Raises:
-      ValueError: ``"{path}:{line}: invalid JSON (...)"`` or a row that is not a JSON object.
-      OSError: the file cannot be opened.
-    """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: row must be a JSON object, got {type(row).__name__}")
-            yield lineno, row
-
-
-def field_error(path: PathLike, lineno: int, field: str, problem: str) -> ValueError:
-    """The house error for bad input rows: ``"{path}:{line}: field '{field}': {problem}"``."""
-    return ValueError(f"{path}:{lineno}: field {field!r}: {problem}")
-
-
 def load_corpus_jsonl(path: PathLike) -> list[Document]:
     """Read a Search-R1/FlashRAG corpus JSONL (rows ``{"id", "contents"}``, MEMPO_SPEC §7).
 
@@ -147,3 +121,99 @@ def write_corpus_jsonl(docs: Iterable[Document], path: PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for doc in docs:
             f.write(json.dumps(doc.to_row(), ensure_ascii=False) + "\n")
+
+
+def _pool(docs: list[Document], seen: set[tuple[str, str]], title: str, text: str) -> None:
+    if (title, text) not in seen:
+        seen.add((title, text))
+        docs.append(Document(str(len(docs)), title, text))
+
+
+def _require(row: dict[str, Any], path: PathLike, where: str, field: str, kind: type) -> Any:
+    if field not in row:
+        raise field_error(path, where, field, "missing")
+    if not isinstance(row[field], kind):
+        raise field_error(path, where, field, f"must be {kind.__name__}, got {type(row[field]).__name__}")
+    return row[field]
+
+
+def hotpotqa_paragraphs(row: dict[str, Any], path: PathLike = "<row>", where: str = "?") -> list[tuple[str, list[str]]]:
+    """``[(title, sentences)]`` of one HotpotQA / 2WikiMultihopQA record's ``context``.
+
+    Accepts both layouts: Hugging Face ``context = {"title": [...], "sentences": [[...], ...]}``
+    and the official ``context = [[title, [sentence, ...]], ...]``.
+
+    Raises:
+      ValueError: ``"{path}:{where}: field 'context…': ..."`` for a malformed context.
+    """
+    ctx = row.get("context")
+    if ctx is None:
+        raise field_error(path, where, "context", "missing")
+    if isinstance(ctx, dict):
+        titles, sents = ctx.get("title"), ctx.get("sentences")
+        if not isinstance(titles, list) or not isinstance(sents, list) or len(titles) != len(sents):
+            raise field_error(path, where, "context", "needs lists 'title' and 'sentences' of equal length")
+        pairs = list(zip(titles, sents))
+    elif isinstance(ctx, list):
+        pairs = []
+        for i, item in enumerate(ctx):
+            if not isinstance(item, list) or len(item) != 2:
+                raise field_error(path, where, f"context[{i}]", "must be [title, [sentences]]")
+            pairs.append((item[0], item[1]))
+    else:
+        raise field_error(path, where, "context", f"must be a dict or list, got {type(ctx).__name__}")
+    for i, (title, sentences) in enumerate(pairs):
+        if not isinstance(title, str):
+            raise field_error(path, where, f"context.title[{i}]", "must be a string")
+        if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
+            raise field_error(path, where, f"context.sentences[{i}]", "must be a list of strings")
+    return [(t, list(s)) for t, s in pairs]
+
+
+def pool_hotpotqa_contexts(path: PathLike) -> list[Document]:
+    """Pool the context paragraphs of a HotpotQA (or 2WikiMultihopQA) file into a corpus.
+
+    Each paragraph becomes ``Document(id, title, text)`` with ``text`` the sentences joined by
+    one space (each stripped; HotpotQA's sentences carry their own leading space). Duplicates by
+    ``(title, text)`` are dropped; ids are ``"0"``, ``"1"``, … in first-seen order. The shared
+    HotpotQA dev distractor sample (300 questions × 10 paragraphs) pools to 2,967 documents.
+
+    Args:
+      path: JSONL (HF layout) or JSON array (official layout) file; see ``records.iter_records``.
+
+    Raises:
+      ValueError: a malformed record, naming the file, the line/record and the field.
+    """
+    docs: list[Document] = []
+    seen: set[tuple[str, str]] = set()
+    for where, row in iter_records(path):
+        for title, sentences in hotpotqa_paragraphs(row, path, where):
+            text = " ".join(s.strip() for s in sentences if s.strip())
+            _pool(docs, seen, " ".join(title.split()), text)
+    return docs
+
+
+def pool_musique_paragraphs(path: PathLike) -> list[Document]:
+    """Pool MuSiQue ``paragraphs[{title, paragraph_text}]`` into a corpus, dedup by (title, text).
+
+    Ids are ``"0"``, ``"1"``, … in first-seen order (MuSiQue's per-question ``idx`` is not unique
+    across questions).
+
+    Raises:
+      ValueError: a malformed record, naming the file, the line and the field.
+    """
+    docs: list[Document] = []
+    seen: set[tuple[str, str]] = set()
+    for where, row in iter_records(path):
+        paragraphs = _require(row, path, where, "paragraphs", list)
+        for i, para in enumerate(paragraphs):
+            if not isinstance(para, dict):
+                raise field_error(path, where, f"paragraphs[{i}]", "must be an object")
+            title = para.get("title")
+            text = para.get("paragraph_text")
+            if not isinstance(title, str):
+                raise field_error(path, where, f"paragraphs[{i}].title", "missing or not a string")
+            if not isinstance(text, str):
+                raise field_error(path, where, f"paragraphs[{i}].paragraph_text", "missing or not a string")
+            _pool(docs, seen, " ".join(title.split()), text.strip())
+    return docs

@@ -1,0 +1,273 @@
+"""QA datasets in their public formats → ``QAExample`` records, and a grain source over them.
+
+Formats (MEMPO_SPEC §6–7; all read by ``load_dataset(path, format="auto")``):
+
+* ``"flashrag"`` — FlashRAG / Search-R1 rows ``{"id", "question", "golden_answers": [str]}``
+  (JSONL or Search-R1 parquet); when ``golden_answers`` is absent, Search-R1's
+  ``reward_model.ground_truth.target`` is used. A list of lists is read as one alias list per
+  objective (multi-objective).
+* ``"qa"`` — question/answer rows ``{"question", "answer": str | [str]}`` with an optional
+  ``id``/``idx`` (e.g. R1-Searcher's ``eval_set/*.jsonl``).
+* ``"hotpotqa"`` — HF ``hotpot_qa`` layout (``id``, ``context.title/sentences``) or the official
+  layout (``_id``, ``context = [[title, sentences]]``, a JSON array).
+* ``"2wikimultihopqa"`` — 2WikiMultihopQA (official layout, HotpotQA-like plus ``evidences``).
+* ``"musique"`` — MuSiQue (``paragraphs``, ``answer``, ``answer_aliases``).
+
+Gold strings are whitespace-stripped and de-duplicated (order kept); rewards apply SQuAD
+normalisation later (MEMPO_SPEC §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Callable, Iterator, Sequence
+
+import grain
+
+from mempo_jax.tools.corpus import hotpotqa_paragraphs
+from mempo_jax.tools.records import PathLike, field_error, first_record, iter_records
+
+FORMATS: tuple[str, ...] = ("flashrag", "qa", "hotpotqa", "2wikimultihopqa", "musique")
+_TWOWIKI_TYPES = {"compositional", "inference", "bridge_comparison"}
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class QAExample:
+    """One (possibly multi-objective) question.
+
+    Attributes:
+      id: example id (string).
+      question: the prompt text.
+      golds: one tuple of accepted aliases per objective; single-hop QA has one objective.
+      source: dataset name (Search-R1 ``data_source``, else the file name without extension).
+
+    Raises:
+      ValueError: empty question/golds, an objective without aliases, or non-string values.
+    """
+
+    id: str
+    question: str
+    golds: tuple[tuple[str, ...], ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not isinstance(self.source, str):
+            raise ValueError("QAExample.id and .source must be strings")
+        if not isinstance(self.question, str) or not self.question.strip():
+            raise ValueError(f"QAExample {self.id!r}: question must be non-empty text")
+        if not isinstance(self.golds, tuple) or not self.golds:
+            raise ValueError(f"QAExample {self.id!r}: golds must be a non-empty tuple of alias tuples")
+        for aliases in self.golds:
+            if not isinstance(aliases, tuple) or not aliases or not all(isinstance(a, str) and a for a in aliases):
+                raise ValueError(f"QAExample {self.id!r}: each objective needs >= 1 non-empty alias, got {aliases!r}")
+
+    @property
+    def num_objectives(self) -> int:
+        """Number of sub-questions whose answers go into one ``<answer>`` (``;``-separated)."""
+        return len(self.golds)
+
+
+# -- field helpers ------------------------------------------------------------------------------
+def _aliases(value: Any, path: PathLike, where: str, field: str) -> tuple[str, ...]:
+    """A gold value (str | number | list of those) → a tuple of stripped, unique, non-empty strings."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out: list[str] = []
+    for i, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise field_error(path, where, field, f"answers must be strings, got {type(item).__name__} at [{i}]")
+        text = str(item).strip()
+        if text and text not in out:
+            out.append(text)
+    if not out:
+        raise field_error(path, where, field, "no non-empty answer")
+    return tuple(out)
+
+
+def _golds(value: Any, path: PathLike, where: str, field: str) -> tuple[tuple[str, ...], ...]:
+    """Flat list → one objective; list of lists → one objective each."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        return tuple(_aliases(v, path, where, f"{field}[{i}]") for i, v in enumerate(value))
+    return (_aliases(value, path, where, field),)
+
+
+def _question(row: dict[str, Any], path: PathLike, where: str) -> str:
+    q = row.get("question")
+    if not isinstance(q, str) or not q.strip():
+        raise field_error(path, where, "question", "missing or not a non-empty string")
+    return q.strip()
+
+
+def _id(row: dict[str, Any], path: PathLike, where: str, keys: Sequence[str]) -> str:
+    for key in keys:
+        if key in row and row[key] is not None:
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+                raise field_error(path, where, key, f"must be a non-empty string or int, got {value!r}")
+            return str(value)
+    return where  # no id field: the location is unique within the file
+
+
+def _require(row: dict[str, Any], path: PathLike, where: str, field: str) -> Any:
+    if field not in row or row[field] is None:
+        raise field_error(path, where, field, "missing")
+    return row[field]
+
+
+# -- one reader per format ------------------------------------------------------------------------
+def _flashrag(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
+    if "golden_answers" in row and row["golden_answers"] is not None:
+        golds = _golds(row["golden_answers"], path, where, "golden_answers")
+    else:
+        rm = row.get("reward_model")
+        target = rm.get("ground_truth") if isinstance(rm, dict) else None
+        target = target.get("target") if isinstance(target, dict) else target
+        if target is None:
+            raise field_error(path, where, "golden_answers", "missing (and no reward_model.ground_truth.target)")
+        golds = _golds(target, path, where, "reward_model.ground_truth.target")
+    src = row.get("data_source") if isinstance(row.get("data_source"), str) and row.get("data_source") else source
+    return QAExample(_id(row, path, where, ("id", "idx")), _question(row, path, where), golds, src)
+
+
+def _qa(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
+    golds = _golds(_require(row, path, where, "answer"), path, where, "answer")
+    return QAExample(_id(row, path, where, ("id", "idx", "_id")), _question(row, path, where), golds, source)
+
+
+def _hotpot_like(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
+    hotpotqa_paragraphs(row, path, where)  # validates the context layout
+    answer = _require(row, path, where, "answer")
+    if not isinstance(answer, str):
+        raise field_error(path, where, "answer", f"must be a string, got {type(answer).__name__}")
+    golds = (_aliases(answer, path, where, "answer"),)
+    return QAExample(_id(row, path, where, ("_id", "id")), _question(row, path, where), golds, source)
+
+
+def _musique(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
+    answer = _require(row, path, where, "answer")
+    if not isinstance(answer, str):
+        raise field_error(path, where, "answer", f"must be a string, got {type(answer).__name__}")
+    aliases = row.get("answer_aliases") or []
+    if not isinstance(aliases, list):
+        raise field_error(path, where, "answer_aliases", f"must be a list, got {type(aliases).__name__}")
+    _require(row, path, where, "paragraphs")
+    golds = (_aliases([answer, *aliases], path, where, "answer"),)
+    return QAExample(_id(row, path, where, ("id",)), _question(row, path, where), golds, source)
+
+
+_READERS: dict[str, Callable[[dict[str, Any], PathLike, str, str], QAExample]] = {
+    "flashrag": _flashrag,
+    "qa": _qa,
+    "hotpotqa": _hotpot_like,
+    "2wikimultihopqa": _hotpot_like,
+    "musique": _musique,
+}
+
+
+def sniff_format(row: dict[str, Any]) -> str | None:
+    """The format of one row by its keys (see module doc), or None when none fits."""
+    if "paragraphs" in row and "answer" in row:
+        return "musique"
+    if "context" in row and "supporting_facts" in row:
+        if "evidences" in row or row.get("type") in _TWOWIKI_TYPES:
+            return "2wikimultihopqa"
+        return "hotpotqa"
+    if "golden_answers" in row or "reward_model" in row:
+        return "flashrag"
+    if "question" in row and "answer" in row:
+        return "qa"
+    return None
+
+
+def default_source(path: PathLike) -> str:
+    """Dataset name from a file name: ``bamboogle_125.r1searcher.jsonl`` → ``bamboogle_125.r1searcher``."""
+    name = pathlib.Path(path).name
+    for suffix in _DATA_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def detect_format(path: PathLike) -> str:
+    """Sniff the format of a file from its first row (``sniff_format``).
+
+    Raises:
+      ValueError: an empty file, or a first row that fits no format (naming file and line).
+    """
+    first = first_record(path)
+    if first is None:
+        raise ValueError(f"{path}: empty file, cannot detect the QA format")
+    where, row = first
+    fmt = sniff_format(row)
+    if fmt is None:
+        raise ValueError(f"{path}:{where}: cannot detect the QA format from fields {sorted(row)} (one of {FORMATS})")
+    return fmt
+
+
+def iter_dataset(path: PathLike, format: str = "auto", source: str | None = None) -> Iterator[QAExample]:
+    """Stream ``QAExample``s from a file (JSONL, JSON array or parquet; see ``records``).
+
+    Args:
+      path: the data file.
+      format: one of ``FORMATS`` or ``"auto"`` (sniffed from the first row).
+      source: dataset name for ``QAExample.source``; default ``default_source(path)``
+        (a Search-R1 row's ``data_source`` wins in the flashrag format).
+
+    Raises:
+      ValueError: unknown format, or a malformed row: ``"{path}:{line}: field '{field}': ..."``.
+    """
+    if format == "auto":
+        format = detect_format(path)
+    if format not in _READERS:
+        raise ValueError(f"unknown QA format {format!r}; expected 'auto' or one of {FORMATS}")
+    reader = _READERS[format]
+    src = default_source(path) if source is None else source
+    for where, row in iter_records(path):
+        yield reader(row, path, where, src)
+
+
+def load_dataset(path: PathLike, format: str = "auto", source: str | None = None) -> list[QAExample]:
+    """All examples of a file as a list; see ``iter_dataset`` for arguments and errors.
+
+    Raises:
+      ValueError: also on duplicate example ids (naming the file and the id).
+    """
+    examples = list(iter_dataset(path, format, source))
+    seen: set[str] = set()
+    for ex in examples:
+        if ex.id in seen:
+            raise ValueError(f"{path}: duplicate example id {ex.id!r}")
+        seen.add(ex.id)
+    return examples
+
+
+class QADataSource(Sequence[QAExample]):
+    """A grain random-access data source (``__len__``/``__getitem__``) over one QA file.
+
+    Usable as ``grain.MapDataset.source(QADataSource(path))`` or with ``grain.DataLoader``.
+    Records are parsed once, at construction.
+    """
+
+    def __init__(self, path: PathLike, format: str = "auto", source: str | None = None):
+        self._examples = load_dataset(path, format, source)
+        self.path = str(path)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._examples[index]
+
+    def __repr__(self) -> str:
+        return f"QADataSource({self.path!r}, {len(self)} examples)"
+
+
+def map_dataset(path_or_examples: PathLike | Sequence[QAExample], format: str = "auto") -> grain.MapDataset:
+    """``grain.MapDataset.source`` over a QA file (via ``QADataSource``) or a list of examples.
+
+    Example: ``map_dataset(path).shuffle(seed=0).batch(8)`` — grain MapDataset transformations.
+    """
+    if isinstance(path_or_examples, (str, pathlib.Path)):
+        return grain.MapDataset.source(QADataSource(path_or_examples, format))
+    return grain.MapDataset.source(list(path_or_examples))

@@ -1,0 +1,99 @@
+"""Reading rows out of data files: JSONL, a JSON array, or parquet — each with its location.
+
+Shared by the corpus reader/pooling (``tools/corpus.py``) and the QA readers
+(``data/qa_formats.py``). Every row comes with a location string for error messages
+(house rule: a bad row names the file, the line and the field):
+
+* JSONL — the 1-based line number, e.g. ``data.jsonl:12``;
+* JSON array (the official HotpotQA / 2Wiki ``*.json`` files) — ``data.json:record 7`` (1-based);
+* parquet (Search-R1 ``train.parquet``) — ``data.parquet:row 7`` (1-based; needs ``pyarrow``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Iterator
+
+PathLike = str | os.PathLike
+
+
+def field_error(path: PathLike, where: int | str, field: str, problem: str) -> ValueError:
+    """The house error for a bad row: ``"{path}:{where}: field '{field}': {problem}"``."""
+    return ValueError(f"{path}:{where}: field {field!r}: {problem}")
+
+
+def iter_jsonl(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, row)`` for every non-blank line of a JSONL file (1-based lines).
+
+    Raises:
+      ValueError: ``"{path}:{line}: invalid JSON (...)"`` or a row that is not a JSON object.
+      OSError: the file cannot be opened.
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: row must be a JSON object, got {type(row).__name__}")
+            yield lineno, row
+
+
+def _first_char(path: PathLike) -> str:
+    with open(path, encoding="utf-8") as f:
+        while True:
+            chunk = f.read(4096)
+            if not chunk:
+                return ""
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[0]
+
+
+def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(location, row)`` for every row of a JSONL, JSON-array or parquet file.
+
+    The container is chosen by content, not name: ``*.parquet`` → parquet; a file whose first
+    non-blank character is ``[`` → one JSON array of objects; anything else → JSONL.
+
+    Returns:
+      an iterator of ``("12", row)`` (JSONL line), ``("record 7", row)`` or ``("row 7", row)``.
+
+    Raises:
+      ValueError: invalid JSON or a non-object row (naming the file and location).
+      ImportError: a parquet file without ``pyarrow`` installed.
+      OSError: the file cannot be opened.
+    """
+    path = pathlib.Path(path)
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"row {i}", row
+        return
+    if _first_char(path) == "[":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        for i, row in enumerate(rows, 1):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:record {i}: row must be a JSON object, got {type(row).__name__}")
+            yield f"record {i}", row
+        return
+    for lineno, row in iter_jsonl(path):
+        yield str(lineno), row
+
+
+def first_record(path: PathLike) -> tuple[str, dict[str, Any]] | None:
+    """The first ``(location, row)`` of a file (see ``iter_records``), or None when it is empty."""
+    for item in iter_records(path):
+        return item
+    return None
