@@ -104,8 +104,10 @@ def _scan(text: str) -> tuple[list[_Block], list[str]]:
     current_parts: list[str] = []
     inner_open: list[str] = []  # tags opened (and reported) inside the current block
 
+    last_close = {_PIECE_INFO[t][0]: i for i, t in enumerate(tokens) if i % 2 and not _PIECE_INFO[t][1]}
+
     def close_later(name: str, start: int) -> bool:
-        return _TAGS[name][1] in tokens[start:]
+        return last_close.get(name, -1) >= start
 
     for i, tok in enumerate(tokens):
         if i % 2 == 0:  # plain text
