@@ -1,0 +1,189 @@
+"""Building blocks of the Qwen2 / Llama decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Numerics follow ``modeling_qwen2.py`` / ``modeling_llama.py`` in Hugging Face transformers
+(rotate-half RoPE, Llama-3 rope scaling, RMSNorm in float32). Every parameter carries its logical
+axis names as NNX ``out_sharding`` metadata (MaxText style); ``mempo_jax.sharding`` maps them to
+mesh axes. Logical axes used: ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
+``mlp``, ``norm``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mempo_jax.model.config import ModelConfig
+
+INIT_STD = 0.02  # HF ``initializer_range``
+
+
+def logical_param(rngs: nnx.Rngs | None, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
+    """An ``nnx.Param`` initialised by ``init(key, shape, dtype)`` and tagged with logical ``axes``.
+
+    Raises:
+      ValueError: if ``len(axes) != len(shape)``.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    key = rngs.params() if rngs is not None else jax.random.key(0)
+    return nnx.Param(init(key, shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_cached(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+    # float32 arithmetic as in transformers' _compute_default_rope_parameters.
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    s = dict(scaling)
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_freq_wavelen = old_ctx / low
+    high_freq_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32 (radians per position).
+
+    ``1 / theta ** (2i / head_dim)``, then Llama-3 scaling when ``cfg.rope_scaling`` is set:
+    long wavelengths (> original_ctx / low_freq_factor) are divided by ``factor``, short ones
+    (< original_ctx / high_freq_factor) are kept, the band between is interpolated.
+    Source: ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters`` in
+    transformers ``modeling_rope_utils.py``.
+    """
+    return _inv_freq_cached(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
+    """Rotate ``x`` by position (rotate-half convention of HF ``apply_rotary_pos_emb``).
+
+    Args:
+      x: ``[batch, seq, heads, head_dim]`` any float dtype.
+      positions: ``[batch, seq]`` int32 absolute positions.
+      inv_freq: ``[head_dim // 2]`` float32 from ``rope_inv_freq``.
+
+    Returns:
+      ``[batch, seq, heads, head_dim]`` in ``x.dtype``:
+      ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = concat(-x2, x1)``.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B,T,hd/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# --------------------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm: ``weight * (x / sqrt(mean(x**2) + eps))``, statistics in float32 (HF ``Qwen2RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.weight = logical_param(None, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE (HF ``Qwen2Attention`` / ``LlamaAttention``).
+
+    Parameters: ``q [embed, heads, head_dim]``, ``k``/``v [embed, kv_heads, head_dim]``,
+    optional biases ``[heads|kv_heads, head_dim]``, ``o [heads, head_dim, embed]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, k, hd, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
+        init = nnx.initializers.normal(INIT_STD)
+        self.q = logical_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pd)
+        self.k = logical_param(rngs, init, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.v = logical_param(rngs, init, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.o = logical_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = logical_param(rngs, zeros, (h, hd), ("heads", "head_dim"), pd)
+            self.k_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
+            self.v_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Project and rotate.
+
+        Args:
+          x: ``[batch, seq, embed]`` activations.
+          positions: ``[batch, seq]`` int32.
+
+        Returns:
+          ``q [batch, seq, heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]`` (RoPE on q, k).
+        """
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt))
+        if self.cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        inv_freq = rope_inv_freq(self.cfg)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask: jax.Array) -> jax.Array:
+        """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query heads.
+
+        Args:
+          q: ``[batch, T, heads, head_dim]``.
+          k, v: ``[batch, S, kv_heads, head_dim]``.
+          attn_mask: ``[batch, T, S]`` bool, True where query t may attend to slot s. A query
+            row with no True entry gets uniform weights (its output is garbage, never NaN).
+
+        Returns:
+          ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).
+        """
+        b, t, h, hd = q.shape
+        kvh = k.shape[2]
+        qg = q.reshape(b, t, kvh, h // kvh, hd)  # query head j uses kv head j // groups (HF repeat_kv)
+        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores * jnp.float32(1.0 / math.sqrt(hd))
+        scores = jnp.where(attn_mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
+        return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(q.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))`` (HF ``Qwen2MLP``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
+        init = nnx.initializers.normal(INIT_STD)
+        self.gate = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
+        self.up = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
+        self.down = logical_param(rngs, init, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[batch, seq, embed]`` → ``[batch, seq, embed]`` in ``x.dtype``."""
+        dt = x.dtype
+        g = jnp.einsum("btd,df->btf", x, self.gate[...].astype(dt))
+        u = jnp.einsum("btd,df->btf", x, self.up[...].astype(dt))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down[...].astype(dt))

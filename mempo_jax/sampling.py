@@ -1,0 +1,237 @@
+"""Jitted KV-cache sampler: one prefill, then a ``lax.while_loop`` decode with per-row stops.
+
+Design after the gemma sampler (google-deepmind/gemma ``gm.text.Sampler``): a frozen dataclass
+of static options, the whole generation one jitted program, a preallocated KV cache of
+``prompt bucket + max_new_tokens`` slots, static shapes. Returned log-probs are
+``log softmax(logits / temperature)`` of the sampled ids, i.e. exactly what
+``mempo_jax.model.forward.sequence_logprobs`` gives the same ids at the same temperature
+(MEMPO_SPEC §2 token-in/token-out, §5 "log-probs in the trainer use the same temperature").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.decoder import init_cache
+from mempo_jax.model.forward import positions_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Static sampling options.
+
+    Attributes:
+      max_new_tokens: generation budget N per row (> 0).
+      temperature: softmax temperature; 0.0 means greedy (argmax).
+      top_p: nucleus mass in (0, 1]; 1.0 disables the filter.
+
+    Raises:
+      ValueError: naming the field that is out of range.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"SamplerConfig.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplerConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature == 0``."""
+        return self.temperature == 0.0
+
+
+class SampleOutput(NamedTuple):
+    """What ``Sampler.__call__`` returns (all jax arrays).
+
+    Attributes:
+      tokens: ``[B, N]`` int32 sampled ids, ``pad_id`` after a row stopped.
+      logprobs: ``[B, N]`` float32, log softmax(logits / temperature) of each sampled id
+        (temperature 1 when greedy); 0 on padding.
+      mask: ``[B, N]`` bool, True on generated tokens including the stop token.
+      lengths: ``[B]`` int32 generated tokens per row (``mask.sum(-1)``).
+      stopped: ``[B]`` bool, True when the row emitted a stop id, False when it ran out of budget.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+
+
+def top_p_filter(logits: jax.Array, top_p: jax.Array | float) -> jax.Array:
+    """Keep the nucleus: the most probable tokens whose mass first reaches ``top_p``.
+
+    Token j (in descending probability order) is kept when the mass strictly before it is
+    ``< top_p``; the most probable token is always kept. Source: Holtzman et al. 2019, as in
+    HF ``TopPLogitsWarper`` / the gemma sampler.
+
+    Args:
+      logits: ``[B, V]`` float (already divided by the temperature).
+      top_p: scalar in (0, 1].
+
+    Returns:
+      ``[B, V]`` float32 logits with ``-inf`` outside the nucleus.
+    """
+    logits = logits.astype(jnp.float32)
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (mass_before < top_p).at[:, 0].set(True)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+class Sampler:
+    """Batched autoregressive sampler over ``(graphdef, params)`` of a ``Decoder``.
+
+    Args:
+      graphdef: from ``mempo_jax.model.forward.split_model``.
+      model_cfg: the model's ``ModelConfig`` (cache shapes).
+      stop_ids: ids that end a row (EOS, end-of-turn, single-token closing tags); the stop id
+        itself is emitted and masked in.
+      pad_id: id written after a row stopped.
+
+    Compiles once per (B, P, N, greedy, top_p < 1); temperature and top_p values are traced.
+    The jitted program is shared by every ``Sampler`` with equal (graphdef, model_cfg, stop_ids,
+    pad_id), so building samplers per rollout call costs no recompilation.
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int):
+        self.graphdef = graphdef
+        self.model_cfg = model_cfg
+        self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
+        self.pad_id = int(pad_id)
+        self._generate = _compiled_generate(graphdef, model_cfg, self.stop_ids, self.pad_id)
+
+    def __call__(
+        self,
+        params: nnx.State,
+        prompt_ids: jax.Array,
+        prompt_mask: jax.Array,
+        key: jax.Array,
+        cfg: SamplerConfig,
+    ) -> SampleOutput:
+        """Generate up to ``cfg.max_new_tokens`` tokens per row.
+
+        Args:
+          params: model parameters (any sharding; jit propagates it).
+          prompt_ids: ``[B, P]`` int32, left-padded to the caller's bucket P (right or inner
+            padding also works: the first token is predicted from each row's last real token).
+          prompt_mask: ``[B, P]`` bool, True on real prompt tokens; every row needs at least one.
+          key: a PRNG key; step i of row b uses ``fold_in(fold_in(key, i), b)``.
+          cfg: static options.
+
+        Returns:
+          ``SampleOutput`` with ``[B, N]`` arrays, ``N = cfg.max_new_tokens``.
+
+        Raises:
+          ValueError: if ``prompt_ids`` and ``prompt_mask`` shapes differ or are not 2-D.
+        """
+        if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+            raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
+        temperature = 1.0 if cfg.greedy else cfg.temperature
+        return self._generate(
+            params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool), key,
+            jnp.float32(temperature), jnp.float32(cfg.top_p),
+            max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, use_top_p=cfg.top_p < 1.0,
+        )
+
+
+# ----------------------------------------------------------------------------------- internals
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id):
+    impl = functools.partial(_generate_impl, graphdef, model_cfg, stop_ids, pad_id)
+    return jax.jit(impl, static_argnames=("max_new_tokens", "greedy", "use_top_p"))
+
+
+def _pick(logits, step, key, temperature, top_p, greedy, use_top_p):
+    """``[B, V]`` logits → (token ``[B]`` int32, its log-prob ``[B]`` float32)."""
+    scaled = logits.astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    if greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        if use_top_p:
+            scaled = top_p_filter(scaled, top_p)
+        step_key = jax.random.fold_in(key, step)
+        row_keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(jnp.arange(logits.shape[0]))
+        tok = jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
+    lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+    return tok, lp
+
+
+def _is_stop(tok, stop_ids):
+    if not stop_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.any(tok[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
+
+
+def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, prompt_mask, key, temperature,
+                   top_p, *, max_new_tokens, greedy, use_top_p):
+    model = nnx.merge(graphdef, params)
+    b, p = prompt_ids.shape
+    n = max_new_tokens
+    size = p + n
+    slots = jnp.arange(size)
+    plen = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+    prompt_slots = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)  # [B, S]
+
+    # Prefill: all P prompt tokens at slots [0, P).
+    causal = slots[None, :] <= jnp.arange(p)[:, None]  # [P, S]
+    mask = causal[None] & prompt_slots[:, None, :]
+    cache = init_cache(model_cfg, b, size)
+    logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), mask, cache, jnp.int32(0))
+    last = jnp.max(jnp.where(prompt_mask, jnp.arange(p)[None], 0), axis=-1)
+    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+    pick = functools.partial(_pick, key=key, temperature=temperature, top_p=top_p, greedy=greedy,
+                             use_top_p=use_top_p)
+    tok0, lp0 = pick(last_logits, 0)
+    tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok0)
+    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
+    valid = jnp.zeros((b, n), bool).at[:, 0].set(True)
+    done = _is_stop(tok0, stop_ids)
+
+    def cond(state):
+        i, _, _, _, done, _ = state
+        return (i < n) & ~jnp.all(done)
+
+    def body(state):
+        # Feed token i-1 (slot P+i-1, position plen+i-1), sample token i.
+        i, tokens, logps, valid, done, cache = state
+        prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
+        slot = p + i - 1
+        attend = prompt_slots | ((slots[None, :] >= p) & (slots[None, :] <= slot))  # [B, S]
+        logits, cache = model(prev, (plen + i - 1)[:, None], attend[:, None, :], cache, slot)
+        tok, lp = pick(logits[:, 0], i)
+        active = ~done
+        tok = jnp.where(active, tok, pad_id)
+        lp = jnp.where(active, lp, 0.0)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok[:, None], i, axis=1)
+        logps = jax.lax.dynamic_update_slice_in_dim(logps, lp[:, None], i, axis=1)
+        valid = jax.lax.dynamic_update_slice_in_dim(valid, active[:, None], i, axis=1)
+        done = done | (active & _is_stop(tok, stop_ids))
+        return i + 1, tokens, logps, valid, done, cache
+
+    state = (jnp.int32(1), tokens, logps, valid, done, cache)
+    _, tokens, logps, valid, done, _ = jax.lax.while_loop(cond, body, state)
+    return SampleOutput(tokens, logps, valid, jnp.sum(valid, axis=-1).astype(jnp.int32), done)

@@ -1,0 +1,181 @@
+"""Device mesh and logical-axis sharding rules (MaxText style).
+
+Parameters carry logical axis names (``vocab``, ``embed``, ``heads``, ...) as NNX
+``out_sharding`` metadata; a rules table maps each logical name to mesh axes of a
+``("data", "fsdp", "tensor")`` mesh. Source: AI-Hypercomputer/maxtext ``logical_axis_rules`` and
+``flax.linen.partitioning.logical_to_mesh_axes``. A 1-device mesh is just the smallest mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+    ("seq", None),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def make_mesh(data: int, fsdp: int, tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``("data", "fsdp", "tensor")`` mesh of ``data * fsdp * tensor`` devices (Auto axis types).
+
+    Args:
+      data, fsdp, tensor: axis sizes (>= 1).
+      devices: devices to use (the first ``data * fsdp * tensor``); default ``jax.devices()``,
+        laid out topology-aware by ``jax.make_mesh`` when all of them are used.
+
+    Raises:
+      ValueError: if a size is < 1 or there are too few devices.
+    """
+    shape = (data, fsdp, tensor)
+    if any(int(n) < 1 for n in shape):
+        raise ValueError(f"mesh axis sizes must be >= 1, got data={data} fsdp={fsdp} tensor={tensor}")
+    need = math.prod(shape)
+    available = list(jax.devices() if devices is None else devices)
+    if len(available) < need:
+        raise ValueError(f"mesh {shape} needs {need} devices, only {len(available)} available")
+    auto = (AxisType.Auto,) * 3
+    if devices is None and need == len(available):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(available[:need]).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """Map logical axis names to a ``PartitionSpec`` of mesh axes.
+
+    A mesh axis is used at most once (a later dimension that maps to an already used mesh axis
+    is replicated). With ``mesh`` and ``shape``, mesh axes whose size does not divide the
+    dimension are dropped (that dimension is replicated over them), so e.g. 2 kv heads on an
+    8-way tensor axis stay replicated instead of failing.
+
+    Args:
+      logical_axes: one name (or None) per array dimension.
+      rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs.
+      mesh, shape: optional, for the divisibility check.
+
+    Raises:
+      ValueError: for a logical name absent from ``rules``, or a shape of the wrong rank.
+    """
+    table = dict(rules)
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(logical_axes):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no sharding rule (known: {sorted(table)})")
+        target = table[name]
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        kept = []
+        for axis in axes:
+            if axis in used:
+                continue
+            if mesh is not None and shape is not None:
+                size = math.prod(mesh.shape[a] for a in kept + [axis])
+                if shape[dim] % size != 0:
+                    continue
+            kept.append(axis)
+        used.update(kept)
+        spec.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
+    return PartitionSpec(*spec)
+
+
+def logical_to_sharding(
+    logical_axes: Sequence[str | None],
+    mesh: Mesh,
+    rules: Rules = DEFAULT_RULES,
+    shape: Sequence[int] | None = None,
+) -> NamedSharding:
+    """``NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))``.
+
+    Raises:
+      ValueError: as ``logical_to_spec``.
+    """
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """Shardings of every parameter, from its NNX ``out_sharding`` logical-axis metadata.
+
+    Args:
+      params: ``nnx.State`` of ``nnx.Variable`` leaves (concrete arrays or ``ShapeDtypeStruct``
+        from ``abstract_model``); a variable without metadata is replicated.
+      mesh: the device mesh.
+      rules: logical → mesh axis rules.
+
+    Returns:
+      The same ``nnx.State`` structure with a ``NamedSharding`` as each variable's value — a
+      valid ``jax.device_put`` / ``jax.jit(out_shardings=...)`` tree for ``params``.
+
+    Raises:
+      ValueError: for a logical axis without a rule.
+    """
+
+    def one(var):
+        axes = var.get_metadata().get("out_sharding")
+        shape = var.get_value().shape
+        if not axes:
+            return var.replace(NamedSharding(mesh, PartitionSpec()))
+        return var.replace(logical_to_sharding(axes, mesh, rules, shape))
+
+    return jax.tree.map(one, params, is_leaf=_is_variable)
+
+
+def shard_params(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """``params`` placed on ``mesh`` by ``param_shardings`` (``jax.device_put``)."""
+    return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """Sharding of a ``[batch, seq, ...]`` array: batch over the ``batch`` rule's axes
+    (data × fsdp by default), the rest replicated. The batch must divide by that product."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def init_sharded_params(cfg, seed: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[nnx.GraphDef, nnx.State]:
+    """Initialise a ``Decoder`` with every parameter created directly in its sharding
+    (one jitted init with ``out_shardings``; no full copy on one device).
+
+    Args:
+      cfg: ``ModelConfig``.
+      seed: params RNG seed (the values of ``create_model(cfg, seed)`` up to float rounding).
+
+    Returns:
+      ``(graphdef, params)`` as ``split_model``.
+    """
+    from mempo_jax.model.forward import abstract_model, create_model, split_model
+
+    graphdef, abstract = split_model(abstract_model(cfg))
+    shardings = param_shardings(abstract, mesh, rules)
+    params = jax.jit(lambda: split_model(create_model(cfg, seed))[1], out_shardings=shardings)()
+    return graphdef, params
