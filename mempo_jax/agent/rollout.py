@@ -1,0 +1,204 @@
+"""Multi-turn rollout: batched sampling on device, tools on the host (MEMPO_SPEC §2).
+
+Every turn, the contexts of all unfinished trajectories are left-padded into one static-shape
+batch (power-of-two buckets for rows and length), sampled in one jitted call, parsed on the host,
+and answered by the tool environment in one batched call. The sampled ids, their log-probs, the
+``<mem>`` span (found on the ids) and the encoded tool result are appended to each trajectory;
+``full_traj[t]`` / ``mem_traj[t]`` are views of that record (see ``trajectory.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, MEM, ParsedTurn, format_error_observation, parse_turn
+from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, find_span, parse_context_steps
+from mempo_jax.batching import bucket_length, pad_sequences
+
+SYSTEM_PROMPT = "Search to find facts, keep what you need in mem, then answer."
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Static options of a rollout.
+
+    Attributes:
+      max_turns: an episode ends after this many turns without an answer.
+      max_new_tokens: generation budget of one turn (tokens).
+      max_context_tokens: an episode ends when the next context would exceed this (the token budget).
+      max_observation_tokens: tool results are cut to this many tokens (tags excluded).
+      temperature: sampling temperature (0 = greedy).
+      top_p: nucleus mass.
+      context_steps: ``FULL`` (0) for the whole history, or k ≥ 1 (MemPO inference, k = 1).
+    """
+
+    max_turns: int = 6
+    max_new_tokens: int = 48
+    max_context_tokens: int = 1024
+    max_observation_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    context_steps: int | str = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "context_steps", parse_context_steps(self.context_steps))
+        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "max_observation_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def build_prompt(tokenizer, question: str) -> list[int]:
+    """BOS + system prompt + question, as ids."""
+    return [tokenizer.bos_id] + tokenizer.encode(f"{SYSTEM_PROMPT}\nQuestion: {question}\n")
+
+
+def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """``<information>`` + text (cut to ``max_tokens`` ids) + ``</information>`` as ids."""
+    body = tokenizer.encode(text)[:max_tokens]
+    return [tokenizer.piece_id(INFORMATION[0])] + body + [tokenizer.piece_id(INFORMATION[1])]
+
+
+def make_turn(tokenizer, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
+    """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids.
+
+    A turn that ran out of its token budget without a stop tag is a format failure.
+    """
+    ids = [int(i) for i in output_ids]
+    parsed = parse_turn(tokenizer.decode(ids))
+    if not stopped and parsed.error is None:
+        parsed = ParsedTurn(parsed.mem, parsed.think, None, None, "turn ended without a closing action tag")
+    span = find_span(ids, tokenizer.piece_id(MEM[0]), tokenizer.piece_id(MEM[1]))
+    return Turn(ids, None if logprobs is None else [float(x) for x in logprobs], [], parsed, span)
+
+
+def apply_tools(tokenizer, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg: RolloutConfig) -> None:
+    """Append each turn to its trajectory and answer it: an answer ends the episode; a search or
+    access goes to the tool environment (one batched call); a malformed turn gets an error
+    observation and the episode goes on (MEMPO_SPEC §1)."""
+    pending = []
+    for tr, turn in zip(trajs, turns):
+        tr.turns.append(turn)
+        if turn.parsed.error is None and turn.parsed.action == "answer":
+            tr.done, tr.answer, tr.end_reason = True, (turn.parsed.argument or "").strip(), "answer"
+        elif turn.parsed.error is not None:
+            turn.tool_ok = False
+            turn.observation_ids = encode_observation(
+                tokenizer, format_error_observation(turn.parsed.error), cfg.max_observation_tokens
+            )
+        else:
+            pending.append(turn)
+    if pending:
+        results = tool_env.execute_batch([t.parsed for t in pending])
+        for turn, res in zip(pending, results):
+            turn.tool_ok = bool(res.ok)
+            turn.observation_ids = encode_observation(tokenizer, res.observation, cfg.max_observation_tokens)
+    for tr in trajs:
+        if not tr.done and len(tr.turns) >= cfg.max_turns:
+            tr.done, tr.end_reason = True, "max_turns"
+
+
+SampleFn = Callable[..., object]
+
+
+def rollout(
+    sample_fn: SampleFn,
+    params,
+    trajs: list[Trajectory],
+    tokenizer,
+    tool_env,
+    cfg: RolloutConfig,
+    key: jax.Array,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> list[Trajectory]:
+    """Run fresh trajectories (prompt only) to the end of their episodes, in place.
+
+    Args:
+      sample_fn: ``(params, prompt_ids [B,P] int32 left-padded, prompt_mask [B,P] bool, key,
+        max_new_tokens, temperature, top_p) -> SampleOutput`` with ``tokens``, ``logprobs``,
+        ``lengths``, ``stopped`` (``[B, N]`` / ``[B]``).
+      params: the policy parameters.
+      trajs: trajectories holding only ``prompt_ids`` (the n copies of each question share a group id).
+      tokenizer: the project tokenizer (tags are single pieces).
+      tool_env: host tools with ``execute_batch(list[ParsedTurn]) -> list[ToolResult]``.
+      cfg: rollout options.
+      key: PRNG key; turn t uses ``fold_in(key, t)``.
+      progress: optional callback ``(turn, active_rows)``.
+
+    Returns:
+      The same trajectories, finished.
+    """
+    for t in range(cfg.max_turns):
+        active = [tr for tr in trajs if not tr.done]
+        if not active:
+            break
+        contexts = []
+        runnable = []
+        for tr in active:
+            ctx = tr.policy_context(cfg.context_steps)
+            if len(ctx) + cfg.max_new_tokens > cfg.max_context_tokens:
+                tr.done, tr.end_reason = True, "budget"
+                continue
+            contexts.append(ctx)
+            runnable.append(tr)
+        if not runnable:
+            break
+        if progress is not None:
+            progress(t, len(runnable))
+        rows = bucket_length(len(contexts), 8)
+        length = bucket_length(max(len(c) for c in contexts), 64)
+        padded = contexts + [[tokenizer.bos_id]] * (rows - len(contexts))
+        ids, mask = pad_sequences(padded, tokenizer.pad_id, length, side="left")
+        out = sample_fn(params, ids, mask, jax.random.fold_in(key, t), cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        tokens, logprobs, lengths, stopped = jax.device_get((out.tokens, out.logprobs, out.lengths, out.stopped))
+        turns = []
+        for i, (tr, ctx) in enumerate(zip(runnable, contexts)):
+            n = int(lengths[i])
+            turn = make_turn(tokenizer, tokens[i, :n], logprobs[i, :n], bool(stopped[i]))
+            turn.context_len = len(ctx)
+            turns.append(turn)
+        apply_tools(tokenizer, tool_env, runnable, turns, cfg)
+    for tr in trajs:
+        if not tr.done:
+            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
+    return trajs
+
+
+def new_trajectories(tokenizer, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
+    """``group_size`` fresh trajectories per question; the group id is the question's index in
+    ``questions`` (+ ``group_offset``), assigned before the copies are made (MEMPO_SPEC §4).
+
+    ``questions`` items need ``id``, ``question`` and ``golds``.
+    """
+    out = []
+    for g, q in enumerate(questions):
+        prompt = build_prompt(tokenizer, q.question)
+        out += [Trajectory(q.id, g + group_offset, tuple(q.golds), list(prompt)) for _ in range(group_size)]
+    return out
+
+
+def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-batch episode statistics: turns, tool calls, format failures, TT and PT (means)."""
+    if not trajs:
+        return {}
+    tt_pt = np.array([tr.token_stats() for tr in trajs], dtype=np.float64)
+    turns = np.array([len(tr.turns) for tr in trajs], dtype=np.float64)
+    fails = np.array([tr.format_failures for tr in trajs], dtype=np.float64)
+    return {
+        "num_turns/mean": float(turns.mean()),
+        "tool_calls/mean": float(np.mean([tr.num_tool_calls for tr in trajs])),
+        "format_fail/rate": float(fails.sum() / max(turns.sum(), 1.0)),
+        "answered/rate": float(np.mean([tr.answer is not None for tr in trajs])),
+        "tokens/tt": float(tt_pt[:, 0].mean()),
+        "tokens/pt": float(tt_pt[:, 1].mean()),
+        "response_length/mean": float(np.mean([sum(len(t.output_ids) for t in tr.turns) for tr in trajs])),
+    }
+
+
+__all__ = [
+    "ALL_TAG_PIECES", "FULL", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
+    "encode_observation", "make_turn", "new_trajectories", "rollout", "rollout_metrics",
+]

@@ -1,0 +1,155 @@
+"""Experiment configuration: validated dataclasses, bound by gin at the entry point only.
+
+Every runnable recipe is a ``configs/*.gin`` file that binds fields of these dataclasses, e.g.::
+
+    ExperimentConfig.rl = @RLConfig()
+    RLConfig.group_size = 8
+    RLConfig.rollout = @RolloutConfig()
+    RolloutConfig.context_steps = 1
+
+``load_config`` parses gin files and ``--gin_param`` overrides and returns one frozen
+``ExperimentConfig``; library code never reads gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import gin
+
+from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.data.scripted_agent import ScriptedAgentConfig
+from mempo_jax.data.world import WorldConfig
+from mempo_jax.learner import OptimConfig
+from mempo_jax.losses import LossConfig
+from mempo_jax.rl_step import RLConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Which model to build.
+
+    Attributes:
+      preset: a ``ModelConfig`` classmethod name (``tiny``, ``qwen2_5_0_5b``, …).
+      overrides: ``(field, value)`` pairs applied to the preset (e.g. ``(("num_layers", 2),)``).
+      checkpoint: a Hugging Face checkpoint folder to import instead of random weights ("" = none).
+    """
+
+    preset: str = "tiny"
+    overrides: tuple = ()
+    checkpoint: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Cold-start SFT on scripted trajectories.
+
+    Attributes:
+      steps: optimizer steps.
+      batch_rows: training rows per step.
+      full_fraction: share of trajectories also trained as one whole-history (``full``) row, so
+        the policy works in both context modes.
+      agent: the scripted agent's imperfections.
+      optim: optimizer options.
+    """
+
+    steps: int = 300
+    batch_rows: int = 64
+    full_fraction: float = 0.25
+    agent: ScriptedAgentConfig = ScriptedAgentConfig()
+    optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation.
+
+    Attributes:
+      num_questions: held-out questions evaluated (0 = all).
+      temperature: sampling temperature (0 = greedy).
+      context_modes: the context modes evaluated (``"k1"``-style names built from ints; ``"full"``).
+      bootstrap_samples: resamples for the EM-gain confidence interval.
+    """
+
+    num_questions: int = 0
+    temperature: float = 0.0
+    context_modes: tuple = (1, "full")
+    bootstrap_samples: int = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """One complete run.
+
+    Attributes:
+      seed: master seed (world, model init, rollouts, shuffles).
+      dataset: ``"tiny_world"`` (embedded default) or ``"hotpotqa"`` (real data, see README).
+      data_path: the data file for ``dataset != "tiny_world"``.
+      world: the embedded world's sizes.
+      vocab_size: SentencePiece vocabulary size.
+      topk: passages returned per search.
+      model: model choice.
+      sft: cold start (``steps = 0`` skips it).
+      rl: MemPO RL.
+      optim: RL optimizer.
+      eval: held-out evaluation.
+      log_rollouts: sample trajectories written per logging step to ``rollouts.jsonl``.
+    """
+
+    seed: int = 0
+    dataset: str = "tiny_world"
+    data_path: str = ""
+    world: WorldConfig = WorldConfig()
+    vocab_size: int = 1024
+    topk: int = 1
+    model: ModelOptions = ModelOptions()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    optim: OptimConfig = OptimConfig(learning_rate=1e-4, warmup_steps=2)
+    eval: EvalConfig = EvalConfig()
+    log_rollouts: int = 4
+
+    def __post_init__(self):
+        if self.dataset not in ("tiny_world", "hotpotqa"):
+            raise ValueError(f"ExperimentConfig.dataset must be 'tiny_world' or 'hotpotqa', got {self.dataset!r}")
+        if self.dataset != "tiny_world" and not self.data_path:
+            raise ValueError(f"ExperimentConfig.data_path is required for dataset {self.dataset!r}")
+        if self.topk < 1:
+            raise ValueError(f"ExperimentConfig.topk must be >= 1, got {self.topk}")
+
+
+_CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
+                  RLConfig, RolloutConfig, LossConfig, EvalConfig)
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        for cls in _CONFIGURABLES:
+            gin.external_configurable(cls)
+        _registered = True
+
+
+def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> ExperimentConfig:
+    """Parse gin files and bindings into a validated ``ExperimentConfig``.
+
+    Raises:
+      ValueError: one line naming the unknown binding, bad value or missing file.
+    """
+    _register()
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
+        with gin.config_scope(None):
+            cfg = gin.get_configurable(ExperimentConfig)()
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        msg = str(e).strip().splitlines()
+        raise ValueError(f"config error: {msg[0] if msg else e!r}") from None
+    return cfg
+
+
+def operative_config() -> str:
+    """The gin bindings actually used (written to ``RUN_DIR/config.gin``)."""
+    return gin.operative_config_str()

@@ -1,0 +1,246 @@
+"""The embedded default: a seeded, procedurally generated knowledge world.
+
+The world has countries, cities, companies and people with attributes and relations. It is
+rendered into a passage corpus in the Search-R1 JSONL format (``{"id", "contents":
+"\\"Title\\"\\ntext"}``) and into questions of three kinds:
+
+* ``single`` — one fact of one entity ("Where was Kalo Venn born?"): one search.
+* ``bridge`` — two hops where the answer needs a fact found in the *first* hop
+  ("Who runs the office of Kalo Venn's company in the city where Kalo Venn was born?"): the agent
+  reads the person's passage (birth city, employer), then the company's passage (one office head
+  per city). The company passage alone does not say which office is meant, so an agent that keeps
+  only its ``<mem>`` must have remembered the birth city.
+* ``multi`` — multi-objective: 2–4 single-hop sub-questions in one prompt, answers joined by
+  ``;`` (MEMPO_SPEC §1). Every earlier sub-answer must survive in ``<mem>`` until the answer turn.
+
+Train and held-out splits share no question (they are split by question text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from mempo_jax.tools.corpus import Document
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
+_CODAS = ["", "n", "r", "l", "s", "th", "x", "m"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldConfig:
+    """Sizes and seed of the generated world.
+
+    Attributes:
+      seed: RNG seed; the same seed gives the same world, corpus and questions.
+      num_countries, num_cities, num_companies, num_people: entity counts (≥ 300 in total by default).
+      offices_per_company: cities in which each company has an office (bridge questions need ≥ 2).
+      multi_min, multi_max: sub-questions per multi-objective question (inclusive).
+      num_single, num_bridge, num_multi: questions generated per kind (before the split).
+      heldout_fraction: share of each kind's questions kept out of training.
+    """
+
+    seed: int = 0
+    num_countries: int = 12
+    num_cities: int = 48
+    num_companies: int = 60
+    num_people: int = 300
+    offices_per_company: int = 3
+    multi_min: int = 2
+    multi_max: int = 4
+    num_single: int = 600
+    num_bridge: int = 600
+    num_multi: int = 600
+    heldout_fraction: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """One question with its gold answers and the scripted solution path.
+
+    Attributes:
+      id: stable id (``"<kind>-<n>"``).
+      kind: ``"single"``, ``"bridge"`` or ``"multi"``.
+      question: the question text as the policy sees it.
+      golds: one tuple of accepted aliases per objective.
+      hops: the scripted agent's plan: one ``(query, facts)`` per search, where ``facts`` are the
+        memory lines read from that search's top passage (``"(i) value"`` for the answer of
+        objective i; ``"born in X"`` / ``"works for C"`` for a bridge's first hop).
+    """
+
+    id: str
+    kind: str
+    question: str
+    golds: tuple[tuple[str, ...], ...]
+    hops: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @property
+    def answer(self) -> str:
+        """The canonical gold answer string (objectives joined by ``"; "``)."""
+        return "; ".join(g[0] for g in self.golds)
+
+
+@dataclasses.dataclass
+class World:
+    """The generated entities, corpus and question splits."""
+
+    config: WorldConfig
+    countries: list[str]
+    cities: list[dict]
+    companies: list[dict]
+    people: list[dict]
+    documents: list[Document]
+    train: list[Question]
+    heldout: list[Question]
+
+    def all_text(self) -> list[str]:
+        """Every passage and question text (the tokenizer's training material)."""
+        return [d.contents for d in self.documents] + [q.question for q in self.train + self.heldout]
+
+
+def _names(rng: np.random.Generator, count: int, taken: set[str], syllables: int) -> list[str]:
+    out = []
+    while len(out) < count:
+        parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)]
+        name = "".join(parts).capitalize()
+        if name not in taken and len(name) >= 4:
+            taken.add(name)
+            out.append(name)
+    return out
+
+
+def _single_facts(world_people, world_cities, world_companies):
+    """All single-hop facts: (subject, question, answer)."""
+    facts = []
+    for p in world_people:
+        facts.append((p["name"], f"Where was {p['name']} born?", p["born"], "city"))
+        facts.append((p["name"], f"Which company does {p['name']} work for?", p["employer"], "company"))
+    for c in world_cities:
+        facts.append((c["name"], f"In which country is {c['name']}?", c["country"], "country"))
+        facts.append((c["name"], f"Who is the mayor of {c['name']}?", c["mayor"], "person"))
+    for c in world_companies:
+        facts.append((c["name"], f"Who founded {c['name']}?", c["founder"], "person"))
+    return facts
+
+
+def build_world(cfg: WorldConfig = WorldConfig()) -> World:
+    """Generate the world, its corpus and its question splits from ``cfg.seed``.
+
+    Args:
+      cfg: sizes and seed.
+
+    Returns:
+      A ``World``; ``len(documents) == countries + cities + companies + people``.
+
+    Raises:
+      ValueError: if the sizes cannot support bridge questions (fewer than 2 offices or cities).
+    """
+    if cfg.offices_per_company < 2 or cfg.num_cities < cfg.offices_per_company:
+        raise ValueError("WorldConfig.offices_per_company must be >= 2 and <= num_cities")
+    rng = np.random.default_rng(cfg.seed)
+    taken: set[str] = set()
+    countries = _names(rng, cfg.num_countries, taken, 2)
+    city_names = _names(rng, cfg.num_cities, taken, 2)
+    company_names = _names(rng, cfg.num_companies, taken, 2)
+    first = _names(rng, cfg.num_people, taken, 2)
+    people = [{"name": n} for n in first]
+
+    cities = [
+        {"name": n, "country": countries[i % len(countries)], "mayor": people[int(rng.integers(len(people)))]["name"]}
+        for i, n in enumerate(city_names)
+    ]
+    companies = []
+    for n in company_names:
+        offices = [city_names[int(i)] for i in rng.choice(len(city_names), cfg.offices_per_company, replace=False)]
+        heads = [people[int(i)]["name"] for i in rng.choice(len(people), cfg.offices_per_company, replace=False)]
+        companies.append({
+            "name": n,
+            "founder": people[int(rng.integers(len(people)))]["name"],
+            "city": offices[0],
+            "offices": dict(zip(offices, heads)),
+        })
+    for p in people:
+        comp = companies[int(rng.integers(len(companies)))]
+        p["employer"] = comp["name"]
+        # Most people are born in a city where their employer has an office (bridge questions).
+        if rng.random() < 0.8:
+            p["born"] = list(comp["offices"])[int(rng.integers(cfg.offices_per_company))]
+        else:
+            p["born"] = city_names[int(rng.integers(len(city_names)))]
+
+    documents = _render_corpus(countries, cities, companies, people)
+    questions = _make_questions(rng, cfg, cities, companies, people)
+    train, heldout = _split(rng, questions, cfg.heldout_fraction)
+    return World(cfg, countries, cities, companies, people, documents, train, heldout)
+
+
+def _render_corpus(countries, cities, companies, people) -> list[Document]:
+    docs: list[Document] = []
+
+    def add(title: str, text: str) -> None:
+        docs.append(Document(id=str(len(docs)), title=title, text=text))
+
+    capitals = {}
+    for c in cities:
+        capitals.setdefault(c["country"], c["name"])
+    for country in countries:
+        add(country, f"{country} is a country. Its capital is {capitals.get(country, 'unknown')}.")
+    for c in cities:
+        add(c["name"], f"{c['name']} is a city in {c['country']}. Its mayor is {c['mayor']}.")
+    for c in companies:
+        offices = "; ".join(f"{city} office: {head}" for city, head in c["offices"].items())
+        add(c["name"], f"{c['name']} was founded by {c['founder']}. Offices run by: {offices}.")
+    for p in people:
+        add(p["name"], f"{p['name']} was born in {p['born']}. {p['name']} works for {p['employer']}.")
+    return docs
+
+
+def _make_questions(rng, cfg: WorldConfig, cities, companies, people) -> list[Question]:
+    facts = _single_facts(people, cities, companies)
+    by_company = {c["name"]: c for c in companies}
+    out: list[Question] = []
+    seen: set[str] = set()
+
+    def emit(kind: str, text: str, golds, hops) -> None:
+        if text in seen:
+            return
+        seen.add(text)
+        out.append(Question(f"{kind}-{len(out)}", kind, text, tuple(golds), tuple(hops)))
+
+    for i in rng.permutation(len(facts))[: cfg.num_single]:
+        subj, text, ans, _ = facts[int(i)]
+        emit("single", text, [(ans,)], [(subj, (f"(1) {ans}",))])
+
+    bridge_people = [p for p in people if p["born"] in by_company[p["employer"]]["offices"]]
+    for i in rng.permutation(len(bridge_people))[: cfg.num_bridge]:
+        p = bridge_people[int(i)]
+        comp = by_company[p["employer"]]
+        head = comp["offices"][p["born"]]
+        text = f"Who runs the office of {p['name']}'s company in the city where {p['name']} was born?"
+        hops = [(p["name"], (f"born in {p['born']}", f"works for {comp['name']}")), (comp["name"], (f"(1) {head}",))]
+        emit("bridge", text, [(head,)], hops)
+
+    attempts = 0
+    while sum(q.kind == "multi" for q in out) < cfg.num_multi and attempts < cfg.num_multi * 10:
+        attempts += 1
+        k = int(rng.integers(cfg.multi_min, cfg.multi_max + 1))
+        picks = [facts[int(i)] for i in rng.choice(len(facts), k, replace=False)]
+        if len({p[0] for p in picks}) < k:
+            continue  # distinct subjects, so every sub-question needs its own search
+        text = "Answer all: " + " ".join(f"({j + 1}) {p[1]}" for j, p in enumerate(picks))
+        emit("multi", text, [(p[2],) for p in picks], [(p[0], (f"({j + 1}) {p[2]}",)) for j, p in enumerate(picks)])
+    return out
+
+
+def _split(rng, questions: Sequence[Question], heldout_fraction: float):
+    train, heldout = [], []
+    for kind in ("single", "bridge", "multi"):
+        qs = [q for q in questions if q.kind == kind]
+        order = rng.permutation(len(qs))
+        n_held = int(round(len(qs) * heldout_fraction))
+        heldout += [qs[int(i)] for i in order[:n_held]]
+        train += [qs[int(i)] for i in order[n_held:]]
+    return train, heldout

@@ -1,0 +1,77 @@
+"""Evaluating a policy: one rollout per question, EM/F1/TT/PT/turns/format failures (MEMPO_SPEC §6).
+
+TT (total tokens per question) is the sum over turns of the tokens the model processed for that
+turn (its context + its output); PT (peak tokens) is the largest such single context. In ``full``
+mode TT grows with the square of the turn count; in k = 1 mode each context stays bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+from mempo_jax.agent.trajectory import Trajectory, mode_name
+from mempo_jax.rewards import outcome_reward
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Means over questions, and the per-question values kept for paired statistics."""
+
+    metrics: dict
+    per_question_em: np.ndarray
+    trajectories: list
+
+
+def summarize(trajs: Sequence[Trajectory]) -> dict:
+    """``{"em", "f1", "tt", "pt", "turns", "format_fail", "n"}`` means over trajectories.
+
+    ``format_fail`` is the share of episodes with at least one malformed turn or no answer.
+    """
+    em = np.array([outcome_reward(t.answer, t.golds, "em") for t in trajs], np.float64)
+    f1 = np.array([outcome_reward(t.answer, t.golds, "f1") for t in trajs], np.float64)
+    tt_pt = np.array([t.token_stats() for t in trajs], np.float64).reshape(-1, 2)
+    fails = np.array([(t.format_failures > 0) or (t.answer is None) for t in trajs], np.float64)
+    return {
+        "em": float(em.mean()), "f1": float(f1.mean()),
+        "tt": float(tt_pt[:, 0].mean()), "pt": float(tt_pt[:, 1].mean()),
+        "turns": float(np.mean([len(t.turns) for t in trajs])),
+        "format_fail": float(fails.mean()), "n": len(trajs),
+    }
+
+
+def evaluate_policy(sample_fn, params, questions: Sequence, tokenizer, tool_env, base: RolloutConfig,
+                    context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
+                    progress: Optional[Callable[[int], None]] = None) -> EvalResult:
+    """Run the policy once on each question in one context mode.
+
+    Args:
+      sample_fn, params, tokenizer, tool_env: as for ``rollout.rollout``.
+      questions: items with ``id``, ``question``, ``golds``.
+      base: rollout options; ``context_steps`` and ``temperature`` are replaced.
+      context_steps: ``FULL`` or k.
+      temperature: 0 for greedy.
+      key: PRNG key.
+      chunk: questions per rollout batch.
+      progress: called with the number of questions finished so far.
+
+    Returns:
+      ``EvalResult`` with means and per-question EM (in ``questions`` order).
+    """
+    cfg = dataclasses.replace(base, context_steps=context_steps, temperature=temperature)
+    trajs: list[Trajectory] = []
+    for s in range(0, len(questions), chunk):
+        batch = new_trajectories(tokenizer, questions[s : s + chunk], 1, group_offset=s)
+        rollout(sample_fn, params, batch, tokenizer, tool_env, cfg, jax.random.fold_in(key, s))
+        trajs += batch
+        if progress is not None:
+            progress(len(trajs))
+    em = np.array([outcome_reward(t.answer, t.golds, "em") for t in trajs], np.float64)
+    return EvalResult(summarize(trajs), em, trajs)
+
+
+__all__ = ["EvalResult", "evaluate_policy", "mode_name", "summarize"]

@@ -1,0 +1,131 @@
+"""Building a run's components from its config: questions, corpus, tools, tokenizer, model.
+
+``build_experiment`` is the one place that turns an ``ExperimentConfig`` into objects; the
+training loop (``train.py``) and the evaluation command only consume them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from mempo_jax.agent.protocol import STOP_TAGS, render_turn
+from mempo_jax.agent.rollout import build_prompt
+from mempo_jax.config import ExperimentConfig
+from mempo_jax.data.world import Question, build_world
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.forward import create_model, make_logits_fn, split_model
+from mempo_jax.sampling import Sampler, SamplerConfig
+from mempo_jax.scoring import MemoryRewardScorer
+from mempo_jax.tokenizer import train_sentencepiece
+from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.corpus import Document
+from mempo_jax.tools.search import ToolEnvironment
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run needs, built once."""
+
+    cfg: ExperimentConfig
+    train_questions: list
+    heldout_questions: list
+    documents: list
+    offices: dict
+    tokenizer: Any
+    tool_env: ToolEnvironment
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    sample_fn: Any
+    logits_fn: Any
+    scorer: MemoryRewardScorer
+
+
+def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
+    """Questions and the pooled context corpus of a HotpotQA file (HF distractor layout).
+
+    The scripted cold-start plan searches each supporting-fact title in turn, keeps the titles
+    read so far in ``<mem>`` and answers the gold answer.
+
+    Raises:
+      ValueError: naming the file, line and field of a malformed record.
+    """
+    from mempo_jax.tools.corpus import pool_hotpotqa_contexts
+
+    docs = pool_hotpotqa_contexts(path)
+    questions = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
+                qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: malformed HotpotQA record ({e!r})") from None
+            hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
+            hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
+            questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
+    return questions, docs
+
+
+def _tokenizer_texts(documents, questions) -> list[str]:
+    texts = [d.contents for d in documents] + [q.question for q in questions]
+    for q in questions:  # the protocol's own phrases, as the scripted agent renders them
+        for query, facts in q.hops:
+            texts.append(render_turn(" " + "; ".join(facts), " search", "search", " " + query))
+        texts.append(render_turn(" " + q.answer, " answer", "answer", " " + q.answer))
+    texts.append("unknown none " + build_prompt.__doc__)
+    return texts
+
+
+def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path) -> Experiment:
+    """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
+
+    Args:
+      cfg: the run's config.
+      cache_dir: folder for cached artefacts (the SentencePiece model).
+
+    Raises:
+      ValueError / FileNotFoundError: for a missing or malformed data file (names it).
+    """
+    if cfg.dataset == "tiny_world":
+        world = build_world(cfg.world)
+        train_q, held_q, docs = world.train, world.heldout, world.documents
+        offices = {c["name"]: c["offices"] for c in world.companies}
+    else:
+        if not pathlib.Path(cfg.data_path).is_file():
+            raise FileNotFoundError(f"ExperimentConfig.data_path: no such file: {cfg.data_path}")
+        questions, docs = hotpotqa_questions(cfg.data_path)
+        rng = np.random.default_rng(cfg.seed)
+        order = rng.permutation(len(questions))
+        n_held = max(1, int(0.2 * len(questions)))
+        held_q = [questions[int(i)] for i in order[:n_held]]
+        train_q = [questions[int(i)] for i in order[n_held:]]
+        offices = {}
+    tokenizer = train_sentencepiece(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
+    tool_env = ToolEnvironment(BM25Index(docs), topk=cfg.topk)
+
+    model_cfg = getattr(ModelConfig, cfg.model.preset)
+    model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
+    if cfg.model.overrides:
+        model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
+    graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
+    stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
+    sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+
+    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
+
+    logits_fn = make_logits_fn(graphdef)
+    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, [tokenizer.piece_id("<answer>")],
+                                temperature=cfg.rl.rollout.temperature or 1.0)
+    return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
+                      sample_fn, logits_fn, scorer)

@@ -1,0 +1,222 @@
+"""Jitted numeric steps of training: log-probs, the SFT step and the PPO update.
+
+The learner owns the policy parameters and the optimizer state. All functions are jitted once
+per (rows, seq) bucket; mini-batches are split into micro-batches that accumulate gradients
+with one denominator for the whole mini-batch (MEMPO_SPEC §5: gradient accumulation equals the
+full-batch gradient; tunix-style (sum, denominator) losses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mempo_jax.batching import bucket_length
+from mempo_jax.logprobs import token_entropy, token_logprobs
+from mempo_jax.losses import LossConfig, mempo_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and global-norm clipping.
+
+    Attributes:
+      learning_rate: peak learning rate.
+      warmup_steps: linear warm-up length (optimizer steps).
+      weight_decay: AdamW decoupled weight decay.
+      grad_clip: global gradient-norm clip.
+      b1, b2: Adam moments.
+    """
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.98
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """optax chain: clip by global norm → AdamW with a warm-up then constant schedule."""
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)), optax.constant_schedule(cfg.learning_rate)],
+        [max(cfg.warmup_steps, 1)],
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
+    return x.reshape((n_micro, x.shape[0] // n_micro) + x.shape[1:])
+
+
+class Learner:
+    """Policy parameters, optimizer state and the jitted steps that use them.
+
+    Args:
+      logits_fn: ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits [B,L,V] f32``.
+      params: the policy parameters (a pytree; nnx.State).
+      optimizer: an optax transformation.
+      temperature: the sampler's temperature, used for every log-prob the trainer computes.
+      micro_batch_rows: rows per micro-batch in gradient accumulation.
+    """
+
+    def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
+                 micro_batch_rows: int = 32):
+        self.logits_fn = logits_fn
+        self.params = params
+        self.optimizer = optimizer
+        self.opt_state = optimizer.init(params)
+        self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.micro_batch_rows = int(micro_batch_rows)
+        self.num_updates = 0
+
+        self._logprobs = jax.jit(self._logprobs_impl)
+        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1))
+        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1))
+
+    # ---- log-probs -------------------------------------------------------------------------
+    def _logprobs_impl(self, params, ids, valid):
+        logits = self.logits_fn(params, ids, valid)
+        return token_logprobs(logits, ids, self.temperature), token_entropy(logits, self.temperature)
+
+    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int = 64) -> np.ndarray:
+        """Per-token log-probs ``[rows, seq]`` float32 of ``params`` (no gradient), in row chunks."""
+        out = []
+        for s in range(0, input_ids.shape[0], chunk_rows):
+            ids, v = input_ids[s : s + chunk_rows], valid[s : s + chunk_rows]
+            n = ids.shape[0]
+            if n < chunk_rows and input_ids.shape[0] > chunk_rows:
+                ids = np.pad(ids, ((0, chunk_rows - n), (0, 0)))
+                v = np.pad(v, ((0, chunk_rows - n), (0, 0)))
+            lp, _ = self._logprobs(params, ids, v)
+            out.append(np.asarray(lp)[:n])
+        return np.concatenate(out, axis=0)
+
+    # ---- SFT -------------------------------------------------------------------------------
+    def _sft_step_impl(self, params, opt_state, batch, n_micro):
+        denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+
+        def loss_fn(p, mb):
+            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            logp = token_logprobs(logits, mb["input_ids"], 1.0)
+            return -(logp * mb["loss_mask"]).sum() / denom
+
+        def body(carry, mb):
+            loss, grads = carry
+            l, g = jax.value_and_grad(loss_fn)(params, mb)
+            return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), micro)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"sft/loss": loss, "sft/grad_norm": optax.global_norm(grads)}
+
+    def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
+
+        Args:
+          batch: ``input_ids [B,L] int32``, ``valid [B,L] bool``, ``loss_mask [B,L] float32``;
+            ``B`` a multiple of ``micro_batch_rows`` (or smaller than it).
+        """
+        b = batch["input_ids"].shape[0]
+        n_micro = max(1, b // min(self.micro_batch_rows, b))
+        self.params, self.opt_state, m = self._sft_step(self.params, self.opt_state, dict(batch), n_micro)
+        self.num_updates += 1
+        return {k: float(v) for k, v in jax.device_get(m).items()}
+
+    # ---- PPO -------------------------------------------------------------------------------
+    def _ppo_step_impl(self, params, opt_state, batch, n_micro, loss_cfg: LossConfig):
+        denom = jnp.maximum(_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode), 1.0)
+        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+
+        def loss_fn(p, mb):
+            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            logp = token_logprobs(logits, mb["input_ids"], self.temperature)
+            ent = jax.lax.stop_gradient(token_entropy(logits, self.temperature)) if not loss_cfg.entropy_coef \
+                else token_entropy(logits, self.temperature)
+            total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
+                                                    mb["loss_mask"], loss_cfg, entropy=ent)
+            metrics = dict(metrics, _denominator=part_denom)
+            return total / denom, metrics
+
+        def body(carry, mb):
+            grads, msum = carry
+            (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, msum, metrics)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
+        m0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0)
+        (grads, msum), _ = jax.lax.scan(body, (zeros, m0), micro)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite gradient skips the update (params and optimizer state unchanged).
+        params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
+        opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state)
+        msum = dict(msum)
+        part_total = jnp.maximum(msum.pop("_denominator"), 1.0)
+        metrics = {f"actor/{_VERL_NAMES.get(k, k)}": v / part_total for k, v in msum.items()}
+        metrics["actor/grad_norm"] = grad_norm
+        metrics["actor/update_skipped"] = 1.0 - finite.astype(jnp.float32)
+        return params, opt_state, metrics
+
+    def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
+                   rng: np.random.Generator) -> dict[str, float]:
+        """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
+
+        Args:
+          rows: ``input_ids, valid, loss_mask, old_logprobs, ref_logprobs, advantages``, each
+            ``[R, L]``; rows are shuffled, padded to a power-of-two count, split into mini-batches,
+            each mini-batch into micro-batches of ``micro_batch_rows``.
+          loss_cfg: clip, dual clip, KL and aggregation options.
+          num_mini_batches: optimizer steps per epoch.
+          rng: numpy generator for the shuffle.
+
+        Returns:
+          Metrics averaged over mini-batches (``actor/pg_loss``, ``actor/ppo_kl``,
+          ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ...).
+        """
+        n = rows["input_ids"].shape[0]
+        order = rng.permutation(n)
+        total = bucket_length(n, max(num_mini_batches, self.micro_batch_rows))
+        per_mb = total // num_mini_batches
+        micro = min(self.micro_batch_rows, per_mb)
+        padded = {}
+        for k, v in rows.items():
+            v = v[order]
+            pad = [(0, total - n)] + [(0, 0)] * (v.ndim - 1)
+            padded[k] = np.pad(v, pad)
+        out: dict[str, list[float]] = {}
+        for i in range(num_mini_batches):
+            mb = {k: v[i * per_mb : (i + 1) * per_mb] for k, v in padded.items()}
+            self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, mb, per_mb // micro, loss_cfg)
+            self.num_updates += 1
+            for k, v in jax.device_get(m).items():
+                out.setdefault(k, []).append(float(v))
+        return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+_VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
+
+
+def _denominator(loss_mask: jax.Array, mode: str) -> jax.Array:
+    """The whole mini-batch's denominator for the aggregation mode (see ``losses.aggregate_loss``)."""
+    if mode == "token-mean":
+        return loss_mask.sum()
+    return (loss_mask.sum(-1) > 0).sum().astype(jnp.float32)
+
+
+__all__ = ["Learner", "OptimConfig", "make_optimizer"]

@@ -1,0 +1,78 @@
+"""Cold-start SFT: the scripted agent's trajectories as training rows (MEMPO_SPEC §5, reference:
+SFT on trajectories that contain ``<mem>`` before RL).
+
+Each scripted trajectory gives one row per turn in k-step form (the turn's own context + its
+output) and, for a ``full_fraction`` share, one whole-history row, so the policy works in both
+context modes. Loss: token-mean cross-entropy on generated tokens only (tool results masked).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from mempo_jax.agent.trajectory import FULL, Trajectory, build_training_rows
+from mempo_jax.batching import bucket_length, pad_sequences
+
+
+def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: float, pad_id: int,
+             rng: np.random.Generator) -> list[tuple[list[int], list[float]]]:
+    """Training rows ``(ids, loss_mask)`` from scripted trajectories.
+
+    Args:
+      trajs: finished scripted trajectories.
+      context_steps: the k of the k-step rows (``FULL`` gives whole-history rows only).
+      full_fraction: share of trajectories that also give a whole-history row.
+      pad_id: padding id.
+      rng: picks the trajectories for whole-history rows.
+    """
+    out = []
+    modes = [(context_steps, list(trajs))]
+    if context_steps != FULL and full_fraction > 0:
+        chosen = [tr for tr in trajs if rng.random() < full_fraction]
+        modes.append((FULL, chosen))
+    for steps, group in modes:
+        if not group:
+            continue
+        rows = build_training_rows(group, steps, pad_id)
+        for ids, valid, mask in zip(rows.input_ids, rows.valid, rows.loss_mask):
+            n = int(valid.sum())
+            out.append((ids[:n].tolist(), mask[:n].tolist()))
+    return out
+
+
+def iterate_sft_batches(rows: Sequence[tuple[list[int], list[float]]], batch_rows: int, pad_id: int,
+                        rng: np.random.Generator):
+    """Endless shuffled batches; rows of similar length share a batch (sorted within a window)
+    so padding stays small. Yields ``{"input_ids", "valid", "loss_mask"}`` ``[batch_rows, L]``."""
+    while True:
+        order = rng.permutation(len(rows))
+        window = batch_rows * 16
+        for s in range(0, len(order), window):
+            chunk = sorted(order[s : s + window], key=lambda i: len(rows[i][0]))
+            batches = [chunk[i : i + batch_rows] for i in range(0, len(chunk), batch_rows)]
+            rng.shuffle(batches)
+            for b in batches:
+                if len(b) < batch_rows:
+                    continue
+                seqs = [rows[i][0] for i in b]
+                length = bucket_length(max(len(x) for x in seqs), 64)
+                ids, valid = pad_sequences(seqs, pad_id, length, "right")
+                mask = np.zeros(ids.shape, np.float32)
+                for j, i in enumerate(b):
+                    mask[j, : len(rows[i][1])] = rows[i][1]
+                yield {"input_ids": ids, "valid": valid, "loss_mask": mask}
+
+
+def run_sft(learner, rows, steps: int, batch_rows: int, pad_id: int, rng: np.random.Generator,
+            on_step: Optional[Callable[[int, dict], None]] = None) -> list[dict]:
+    """Train ``learner`` for ``steps`` SFT steps; returns the per-step metrics."""
+    history = []
+    batches = iterate_sft_batches(rows, batch_rows, pad_id, rng)
+    for step in range(steps):
+        m = learner.sft_step(next(batches))
+        history.append(m)
+        if on_step is not None:
+            on_step(step, m)
+    return history

@@ -1,0 +1,132 @@
+"""SentencePiece tokenizer with the MemPO protocol tags as single pieces.
+
+The tokenizer is trained on the world's text (or a real corpus) with every protocol tag
+(``<mem>``, ``</mem>``, ``<think>``, … ``</information>``) as a *user-defined symbol*, so a tag is
+always exactly one id, wherever it appears. That makes the rollout's bookkeeping exact: the
+``<mem>`` span of a turn and the stop tags are found on the sampled ids, never by re-tokenising
+text (ARCHITECTURE.md, "Token-in/token-out").
+
+The trained model is cached on disk, keyed by a hash of its training text and options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from mempo_jax.agent.protocol import ALL_TAG_PIECES
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class SentencePieceTokenizer:
+    """Thin wrapper over a SentencePiece model; the project's tokenizer interface.
+
+    Attributes:
+      vocab_size: number of ids.
+      pad_id, bos_id, eos_id: special ids (0, 2, 3 for models trained here).
+    """
+
+    def __init__(self, model_path: str | os.PathLike):
+        """Load a ``.model`` file.
+
+        Raises:
+          FileNotFoundError: if the file does not exist.
+          ValueError: if the model lacks a protocol tag as a single piece (names the tag).
+        """
+        path = pathlib.Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer model not found: {path}")
+        self.path = path
+        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.pad_id = int(self._sp.pad_id())
+        self.bos_id = int(self._sp.bos_id())
+        self.eos_id = int(self._sp.eos_id())
+        self.check_protocol_tags(ALL_TAG_PIECES)
+
+    def encode(self, text: str) -> list[int]:
+        """Text → ids (no BOS/EOS added)."""
+        return list(self._sp.encode(text, out_type=int))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids → text; pad, BOS and EOS ids are dropped, tags decode to their text."""
+        specials = {self.pad_id, self.bos_id, self.eos_id}
+        return self._sp.decode([int(i) for i in ids if int(i) not in specials])
+
+    def piece_id(self, piece: str) -> int:
+        """Id of a piece that must exist as one token.
+
+        Raises:
+          KeyError: if ``piece`` is not a single piece of this vocabulary.
+        """
+        i = int(self._sp.piece_to_id(piece))
+        if i == self._sp.unk_id() or self._sp.id_to_piece(i) != piece:
+            raise KeyError(f"piece {piece!r} is not a single token of {self.path}")
+        return i
+
+    def check_protocol_tags(self, tags: Sequence[str]) -> None:
+        """Raise ``ValueError`` naming the first tag that is not a single piece."""
+        for tag in tags:
+            try:
+                self.piece_id(tag)
+            except KeyError:
+                raise ValueError(
+                    f"tokenizer {self.path} lacks the protocol tag {tag!r} as a single piece; "
+                    "retrain it with the tags as user-defined symbols"
+                ) from None
+
+
+def train_sentencepiece(
+    texts: Sequence[str], cache_dir: str | os.PathLike, vocab_size: int = 1024, model_type: str = "bpe"
+) -> SentencePieceTokenizer:
+    """Train (or load from cache) a SentencePiece model whose tags are single pieces.
+
+    Args:
+      texts: training sentences (passages, questions, scripted trajectories).
+      cache_dir: folder for ``spm-<hash>.model``; reused when the same texts and options recur.
+      vocab_size: vocabulary size including special ids and the tags.
+      model_type: ``"bpe"`` or ``"unigram"``.
+
+    Returns:
+      The loaded tokenizer. Byte fallback is on, so unseen characters never map to ``<unk>``.
+
+    Raises:
+      ValueError: if ``texts`` is empty.
+    """
+    if not texts:
+        raise ValueError("train_sentencepiece needs at least one text")
+    digest = hashlib.sha256()
+    for t in (model_type, str(vocab_size), *ALL_TAG_PIECES, *texts):
+        digest.update(t.encode("utf-8"))
+        digest.update(b"\0")
+    cache = pathlib.Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    model_path = cache / f"spm-{digest.hexdigest()[:16]}.model"
+    if not model_path.is_file():
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(t.replace("\n", " ") for t in texts),
+            model_writer=buf,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            user_defined_symbols=list(ALL_TAG_PIECES),
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            character_coverage=1.0,
+            max_sentence_length=16384,
+            num_threads=2,
+            minloglevel=2,
+        )
+        tmp = model_path.with_suffix(".tmp")
+        tmp.write_bytes(buf.getvalue())
+        os.replace(tmp, model_path)  # atomic: a killed run never leaves a half-written model
+    return SentencePieceTokenizer(model_path)
