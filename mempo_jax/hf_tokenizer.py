@@ -1,0 +1,206 @@
+"""Tokenizer of Hugging Face checkpoints (``tokenizer.json``) behind the project's tokenizer interface.
+
+Same surface as ``mempo_jax.tokenizer.SentencePieceTokenizer``: ``encode``, ``decode``,
+``piece_id``, ``vocab_size``, ``pad_id``, ``bos_id``, ``eos_id``. Differences a caller must know:
+
+* ``bos_id`` is ``None`` for tokenizers without a BOS token (Qwen2.5); prepend nothing then.
+* Protocol tags (``<mem>``, ``</search>``, …) are usually *several* byte-level BPE tokens here, so
+  ``piece_id`` raises ``KeyError`` for them. Closing tags are detected on the sampled ids by
+  decoding (``tag_stop_matcher`` / ``first_tag_stop``), never by re-tokenising text
+  (ARCHITECTURE.md, token-in/token-out).
+* The Qwen chat template (``<|im_start|>role\\n…<|im_end|>\\n``) is applied by ``chat_ids``,
+  with the special tokens inserted as ids.
+
+Sources: the ``tokenizers`` library; Qwen2.5 ``tokenizer_config.json`` chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Callable, Iterable, Mapping, Sequence
+
+from tokenizers import Tokenizer
+
+from mempo_jax.agent.protocol import STOP_TAGS
+
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# End-of-turn / end-of-text specials of the supported families (Qwen2.5, Llama 3.x).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
+def _token_name(value) -> str | None:
+    if isinstance(value, Mapping):  # {"content": "<|im_end|>", ...} in older tokenizer_config.json
+        return value.get("content")
+    return value
+
+
+class HFTokenizer:
+    """``tokenizers.Tokenizer`` of an HF checkpoint with the project's tokenizer interface.
+
+    Args:
+      path: a checkpoint folder (``tokenizer.json`` and optional ``tokenizer_config.json``,
+        ``generation_config.json``) or a ``tokenizer.json`` file.
+      eos_token, pad_token, bos_token: override the special token names of
+        ``tokenizer_config.json``. Without a pad token the EOS id is used for padding.
+
+    Attributes:
+      vocab_size: ids of the tokenizer incl. added tokens (the model's embedding may be larger).
+      pad_id, eos_id: int; bos_id: int or None.
+      extra_eos_ids: further end-of-sequence ids from ``generation_config.json``.
+
+    Raises:
+      FileNotFoundError: if ``tokenizer.json`` is absent.
+      KeyError: if a named special token is not in the vocabulary, or there is no EOS token.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, eos_token: str | None = None, pad_token: str | None = None,
+                 bos_token: str | None = None):
+        path = pathlib.Path(path)
+        folder = path if path.is_dir() else path.parent
+        tok_file = path / "tokenizer.json" if path.is_dir() else path
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"tokenizer.json not found: {tok_file}")
+        self.path = tok_file
+        self._tok = Tokenizer.from_file(str(tok_file))
+        conf = {}
+        if (folder / "tokenizer_config.json").is_file():
+            conf = json.loads((folder / "tokenizer_config.json").read_text())
+        eos = eos_token or _token_name(conf.get("eos_token"))
+        if eos is None:
+            eos = next((t for t in END_OF_TURN_TOKENS if self._tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise KeyError(f"no EOS token named in {folder} and none of {END_OF_TURN_TOKENS} in the vocabulary")
+        self.eos_id = self.piece_id(eos)
+        pad = pad_token or _token_name(conf.get("pad_token"))
+        self.pad_id = self.piece_id(pad) if pad else self.eos_id
+        bos = bos_token or _token_name(conf.get("bos_token"))
+        self.bos_id = self.piece_id(bos) if bos else None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        extra = []
+        if (folder / "generation_config.json").is_file():
+            gen = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+            extra = [gen] if isinstance(gen, int) else list(gen or [])
+        self.extra_eos_ids = tuple(int(i) for i in extra if int(i) != self.eos_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Text → ids, no BOS/EOS added. Special-token strings in ``text`` map to their ids."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids → text; pad, BOS and EOS ids are dropped, other specials decode to their text."""
+        drop = {self.pad_id, self.eos_id, self.bos_id}
+        return self._tok.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
+
+    def piece_id(self, piece: str) -> int:
+        """Id of a token string that is one entry of the vocabulary (e.g. ``"<|im_end|>"``).
+
+        Raises:
+          KeyError: if ``piece`` is not a single token (e.g. a protocol tag split by BPE).
+        """
+        i = self._tok.token_to_id(piece)
+        if i is None:
+            raise KeyError(f"piece {piece!r} is not a single token of {self.path}")
+        return int(i)
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """Ids of the end-of-turn / end-of-text specials present (``END_OF_TURN_TOKENS``)."""
+        ids = (self._tok.token_to_id(t) for t in END_OF_TURN_TOKENS)
+        return tuple(int(i) for i in ids if i is not None)
+
+    def stop_ids(self, tags: Sequence[str] = STOP_TAGS) -> tuple[int, ...]:
+        """The sampler's stop set: EOS ∪ generation-config EOS ids ∪ end-of-turn ids ∪ the ids of
+        those ``tags`` that are single tokens. Multi-token tags need ``tag_stop_matcher``."""
+        ids = {self.eos_id, *self.extra_eos_ids, *self.end_of_turn_ids}
+        for tag in tags:
+            i = self._tok.token_to_id(tag)
+            if i is not None:
+                ids.add(int(i))
+        return tuple(sorted(ids))
+
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        default_system: str | None = QWEN_DEFAULT_SYSTEM,
+    ) -> list[int]:
+        """Qwen (ChatML) template as ids: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+        then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``.
+
+        Args:
+          messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, …]``.
+          add_generation_prompt: open an assistant turn at the end.
+          default_system: system message inserted when the first message is not a system one
+            (Qwen2.5's default); None inserts nothing.
+
+        Returns:
+          ids equal to ``encode`` of the rendered template string (special tokens as ids).
+
+        Raises:
+          KeyError: if the vocabulary lacks ``<|im_start|>`` / ``<|im_end|>``, or a message lacks
+            ``role`` / ``content``.
+        """
+        start, end = self.piece_id(IM_START), self.piece_id(IM_END)
+        msgs = list(messages)
+        if default_system is not None and (not msgs or msgs[0]["role"] != "system"):
+            msgs.insert(0, {"role": "system", "content": default_system})
+        newline = self.encode("\n")
+        ids: list[int] = []
+        for m in msgs:
+            ids += [start] + self.encode(f"{m['role']}\n{m['content']}") + [end] + newline
+        if add_generation_prompt:
+            ids += [start] + self.encode("assistant\n")
+        return ids
+
+
+def tag_stop_matcher(tokenizer, tags: Sequence[str] = STOP_TAGS) -> Callable[[Sequence[int]], bool]:
+    """Build ``matches(ids) -> bool``: True iff the decoded text of ``ids`` has an occurrence of
+    one of ``tags`` that ends inside the text of the *last* id (so it fires exactly once, at the
+    token that completes the tag, also when that token carries more text, e.g. ``">\\n"``).
+
+    Only the last ``max tag bytes + 1`` ids are decoded (a tag of b bytes spans at most b ids).
+    Works for any tokenizer with ``decode(ids) -> str``.
+
+    Raises:
+      ValueError: if ``tags`` is empty or contains an empty string.
+    """
+    if not tags or any(not t for t in tags):
+        raise ValueError(f"tags must be non-empty strings, got {tags!r}")
+    window = max(len(t.encode("utf-8")) for t in tags) + 1
+    longest = max(len(t) for t in tags)
+
+    def matches(ids: Sequence[int]) -> bool:
+        ids = [int(i) for i in ids]
+        if not ids:
+            return False
+        tail = ids[-window:]
+        text = tokenizer.decode(tail)
+        before = len(tokenizer.decode(tail[:-1]))
+        region = text[max(0, before - longest + 1):]
+        offset = max(0, before - longest + 1)
+        for tag in tags:
+            pos = region.find(tag)
+            while pos >= 0:
+                if offset + pos + len(tag) > before:
+                    return True
+                pos = region.find(tag, pos + 1)
+        return False
+
+    return matches
+
+
+def first_tag_stop(tokenizer, tags: Sequence[str], ids: Sequence[int]) -> int | None:
+    """Length of the shortest prefix of ``ids`` whose decoded text contains one of ``tags``
+    (keep ``ids[:n]``, the turn ends there), or None. Host-side, for sampled rows.
+
+    Raises:
+      ValueError: as ``tag_stop_matcher``.
+    """
+    matches = tag_stop_matcher(tokenizer, tags)
+    for n in range(1, len(ids) + 1):
+        if matches(ids[:n]):
+            return n
+    return None

@@ -1,0 +1,327 @@
+"""Import and export Hugging Face checkpoints (Qwen2 / Llama layout: config.json + safetensors).
+
+Source of the layout: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` ``state_dict`` names in
+transformers, and the safetensors sharding index (``model.safetensors.index.json``:
+``{"metadata": {"total_size"}, "weight_map": {name: file}}``).
+
+Import reads one tensor at a time with ``safetensors.safe_open``, reshapes it to our layout and
+places it straight into its target sharding (``jax.make_array_from_callback``: every device only
+receives its own slice). Every checkpoint key is consumed exactly once; an unknown, missing or
+mis-shaped key raises ``CheckpointError`` naming the key.
+
+Layout map (HF torch ``Linear.weight`` is ``[out, in]``; ours is ``[in, ...out]``):
+``q_proj.weight [H*hd, D] → q [D, H, hd]``, ``o_proj.weight [D, H*hd] → o [H, hd, D]``,
+``gate/up_proj [F, D] → [D, F]``, ``down_proj [D, F] → [F, D]``, ``lm_head [V, D] → [D, V]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.hf_config import CheckpointError, config_from_hf, config_to_hf
+from mempo_jax.model.forward import abstract_model, split_model
+from mempo_jax.sharding import DEFAULT_RULES, Rules, param_shardings
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Non-parameter buffers some older checkpoints carry; recomputed from the config, never loaded.
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+# ------------------------------------------------------------------------------------ name map
+
+# Layout kinds: how an HF tensor maps onto our parameter of shape ``target``:
+# copy, transpose, proj_in (q/k/v weight), proj_bias (q/k/v bias), proj_out (o weight).
+
+
+def _hf_shape(kind: str, target: tuple[int, ...]) -> tuple[int, ...]:
+    if kind == "copy":
+        return target
+    if kind == "transpose":
+        return target[::-1]
+    if kind == "proj_in":  # ours [D, N, hd]  ← HF [N*hd, D]
+        return (target[1] * target[2], target[0])
+    if kind == "proj_bias":  # ours [N, hd] ← HF [N*hd]
+        return (target[0] * target[1],)
+    if kind == "proj_out":  # ours [H, hd, D] ← HF [D, H*hd]
+        return (target[2], target[0] * target[1])
+    raise AssertionError(kind)
+
+
+def _to_ours(kind: str, arr: np.ndarray, target: tuple[int, ...]) -> np.ndarray:
+    if kind == "copy" or kind == "proj_bias":
+        return arr.reshape(target)
+    if kind == "transpose":
+        return arr.T
+    if kind == "proj_in":
+        return arr.T.reshape(target)
+    if kind == "proj_out":
+        return arr.T.reshape(target)
+    raise AssertionError(kind)
+
+
+def _to_hf(kind: str, arr: np.ndarray) -> np.ndarray:
+    if kind == "copy":
+        return arr
+    if kind == "transpose":
+        return arr.T
+    if kind == "proj_in":
+        return arr.reshape(arr.shape[0], -1).T
+    if kind == "proj_bias":
+        return arr.reshape(-1)
+    if kind == "proj_out":
+        return arr.reshape(-1, arr.shape[-1]).T
+    raise AssertionError(kind)
+
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
+    """HF tensor name → (our param path in the ``nnx.State``, layout kind), in checkpoint order.
+
+    The tied LM head has no entry (transformers omits ``lm_head.weight`` when tied).
+    """
+    names: dict[str, tuple[tuple, str]] = {"model.embed_tokens.weight": (("embed",), "copy")}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        L = ("layers", i)
+        names[p + "input_layernorm.weight"] = (L + ("attn_norm", "weight"), "copy")
+        for x in ("q", "k", "v"):
+            names[p + f"self_attn.{x}_proj.weight"] = (L + ("attn", x), "proj_in")
+            if cfg.qkv_bias:
+                names[p + f"self_attn.{x}_proj.bias"] = (L + ("attn", f"{x}_bias"), "proj_bias")
+        names[p + "self_attn.o_proj.weight"] = (L + ("attn", "o"), "proj_out")
+        names[p + "post_attention_layernorm.weight"] = (L + ("mlp_norm", "weight"), "copy")
+        for x in ("gate", "up", "down"):
+            names[p + f"mlp.{x}_proj.weight"] = (L + ("mlp", x), "transpose")
+    names["model.norm.weight"] = (("final_norm", "weight"), "copy")
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = (("lm_head",), "transpose")
+    return names
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+
+
+# ------------------------------------------------------------------------------------- import
+
+
+def _checkpoint_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Key → safetensors file, from the index when present, else every ``*.safetensors``."""
+    index = path / INDEX_FILE
+    key_file: dict[str, pathlib.Path] = {}
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {path / f for f in weight_map.values()}
+    else:
+        files = set(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    for f in sorted(files):
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f.name} listed in {INDEX_FILE} is missing")
+        with safe_open(str(f), framework="np") as st:
+            for key in st.keys():
+                if key in key_file:
+                    raise CheckpointError(f"checkpoint key {key} appears in both {key_file[key].name} and {f.name}")
+                key_file[key] = f
+    if index.is_file():
+        for key, fname in weight_map.items():
+            if key not in key_file or key_file[key].name != fname:
+                raise CheckpointError(f"checkpoint key {key} is listed in {INDEX_FILE} under {fname} but not stored there")
+    return key_file
+
+
+def read_hf_config(path: str | os.PathLike, **dtypes) -> ModelConfig:
+    """``config_from_hf`` of ``path/config.json`` (``dtype=``, ``param_dtype=`` passed on)."""
+    return config_from_hf(json.loads((pathlib.Path(path) / "config.json").read_text()), **dtypes)
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules = DEFAULT_RULES,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """Load a Qwen2 / Llama checkpoint directory into ``(cfg, graphdef, params)``.
+
+    Args:
+      path: folder with ``config.json`` and ``*.safetensors`` (+ optional index).
+      mesh: target mesh; params are placed by ``param_shardings(…, mesh, rules)``. Default: the
+        default device.
+      rules: logical-axis rules.
+      dtype, param_dtype: activation / parameter dtype names of the returned config; tensors
+        are cast to ``param_dtype`` on the host before placement.
+
+    Returns:
+      ``(cfg, graphdef, params)`` as ``mempo_jax.model.forward.split_model``.
+
+    Raises:
+      CheckpointError: naming the key for an unknown, missing, duplicated or mis-shaped tensor,
+        or a tied checkpoint whose ``lm_head.weight`` differs from the embedding; or naming the
+        field of an unsupported config.
+      FileNotFoundError: if ``config.json`` is absent.
+    """
+    path = pathlib.Path(path)
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype)
+    names = hf_name_map(cfg)
+    key_file = _checkpoint_files(path)
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in key_file
+    unknown = sorted(k for k in key_file if k not in names and not _IGNORED.match(k)
+                     and not (tied_head and k == "lm_head.weight"))
+    if unknown:
+        raise CheckpointError(f"unknown checkpoint key(s) for this config: {', '.join(unknown)}")
+    missing = [k for k in names if k not in key_file]
+    if missing:
+        raise CheckpointError(f"missing checkpoint key(s): {', '.join(missing)}")
+
+    graphdef, abstract = split_model(abstract_model(cfg))
+    targets = {_path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+    shardings = None
+    if mesh is not None:
+        flat = jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh, rules),
+                                                    is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        shardings = {_path_key(p): v.get_value() for p, v in flat}
+    np_dtype = jnp.dtype(param_dtype)
+    loaded: dict[tuple, jax.Array] = {}
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for key in names:
+        by_file.setdefault(key_file[key], []).append(key)
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="np") as st:
+            for key in keys:
+                ours, kind = names[key]
+                target = tuple(targets[ours].get_value().shape)
+                want = _hf_shape(kind, target)
+                got = tuple(st.get_slice(key).get_shape())
+                if got != want:
+                    raise CheckpointError(f"checkpoint key {key} has shape {got}, expected {want}")
+                arr = np.ascontiguousarray(_to_ours(kind, st.get_tensor(key), target).astype(np_dtype))
+                if shardings is None:
+                    loaded[ours] = jnp.asarray(arr)
+                else:
+                    loaded[ours] = jax.make_array_from_callback(target, shardings[ours], lambda idx, a=arr: a[idx])
+                del arr
+    if tied_head:
+        with safe_open(str(key_file["lm_head.weight"]), framework="np") as st:
+            head = st.get_tensor("lm_head.weight")
+        with safe_open(str(key_file["model.embed_tokens.weight"]), framework="np") as st:
+            same = head.shape == tuple(st.get_slice("model.embed_tokens.weight").get_shape()) and np.array_equal(
+                head, st.get_tensor("model.embed_tokens.weight"))
+        if not same:
+            raise CheckpointError("checkpoint key lm_head.weight differs from model.embed_tokens.weight "
+                                  "but config.json has tie_word_embeddings=true")
+
+    def fill(p, var):
+        return var.replace(loaded[_path_key(p)])
+
+    params = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return cfg, graphdef, params
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    params: nnx.State,
+    *,
+    model_type: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> list[str]:
+    """Write ``config.json`` and safetensors in the HF layout, loadable by ``from_pretrained``.
+
+    Tensors are written in ``cfg.param_dtype`` (as stored in ``params``). Above
+    ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors`` files
+    plus ``model.safetensors.index.json``; otherwise one ``model.safetensors``. Only process 0
+    writes (every process must call it: sharded arrays are gathered collectively).
+
+    Args:
+      path: output folder (created).
+      cfg: the model's config.
+      params: ``nnx.State`` from ``split_model`` / ``load_hf_checkpoint``.
+      model_type, extra_config: see ``config_to_hf``.
+      max_shard_bytes: shard size threshold in bytes.
+
+    Returns:
+      The file names written (config first).
+
+    Raises:
+      CheckpointError: if the config cannot be expressed (``config_to_hf``) or a parameter is
+        missing from ``params``.
+    """
+    path = pathlib.Path(path)
+    hf_config = config_to_hf(cfg, model_type, extra_config)
+    flat = {_path_key(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+    names = hf_name_map(cfg)
+    # Plan the shards from shapes alone, then fetch, convert and write one shard at a time.
+    plan: list[list[str]] = [[]]
+    sizes = [0]
+    for key, (ours, _) in names.items():
+        if ours not in flat:
+            raise CheckpointError(f"params lack {'/'.join(map(str, ours))} needed for checkpoint key {key}")
+        nbytes = int(np.prod(flat[ours].shape)) * jnp.dtype(flat[ours].dtype).itemsize
+        if plan[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            plan.append([])
+            sizes.append(0)
+        plan[-1].append(key)
+        sizes[-1] += nbytes
+    writer = jax.process_index() == 0
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    n = len(plan)
+    fnames = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for fname, keys in zip(fnames, plan):
+        shard = {}
+        for key in keys:
+            ours, kind = names[key]
+            shard[key] = np.ascontiguousarray(_to_hf(kind, _host(flat[ours])))
+        if writer:
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+        del shard
+    if not writer:
+        return []
+    written = ["config.json"] + fnames
+    if n == 1:
+        return written
+    index = {"metadata": {"total_size": int(sum(sizes))},
+             "weight_map": {k: f for f, keys in zip(fnames, plan) for k in keys}}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return written + [INDEX_FILE]
+
+
+def num_checkpoint_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the weights in ``cfg.param_dtype`` (what ``save_hf_checkpoint`` writes)."""
+    return cfg.num_params() * jnp.dtype(cfg.param_dtype).itemsize
+
+
+__all__ = [
+    "CheckpointError", "config_from_hf", "config_to_hf", "hf_name_map", "load_hf_checkpoint",
+    "read_hf_config", "save_hf_checkpoint", "num_checkpoint_bytes",
+]

@@ -1,0 +1,102 @@
+"""HFTokenizer on a small byte-level BPE trained here (Qwen2.5-Instruct special-token layout)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mempo_jax.agent.protocol import STOP_TAGS
+from mempo_jax.hf_tokenizer import QWEN_DEFAULT_SYSTEM, HFTokenizer, first_tag_stop, tag_stop_matcher
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT = [
+    "the capital of france is paris . who wrote hamlet ? shakespeare wrote hamlet .",
+    "search the wiki for the director of the film and answer with the name",
+    "<mem>paris is the capital</mem><think>need the river</think><search>river paris</search>",
+    "naïve café — 東京 is tokyo; ünïcödé text survives byte level bpe",
+] * 20
+
+
+def _train(path, added=()):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    if added:
+        tok.add_tokens(list(added))
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return HFTokenizer(_train(tmp_path_factory.mktemp("t") / "qwen_like"))
+
+
+def test_special_ids_and_interface(tok):
+    assert (tok.eos_id, tok.pad_id, tok.bos_id) == (2, 0, None)
+    assert tok.piece_id("<|im_start|>") == 1
+    vocab = Tokenizer.from_file(str(tok.path)).get_vocab(with_added_tokens=True)
+    assert tok.vocab_size == max(vocab.values()) + 1 > 300
+    with pytest.raises(KeyError, match="</search>"):
+        tok.piece_id("</search>")  # a protocol tag is several BPE tokens here
+    text = "who wrote hamlet ? naïve 東京"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text) + [tok.eos_id, tok.pad_id]) == text
+
+
+def test_stop_ids_are_eos_end_of_turn_and_single_token_tags(tok, tmp_path):
+    assert tok.stop_ids() == (0, 2)  # <|endoftext|> and <|im_end|>; tags are multi-token
+    with_tag = HFTokenizer(_train(tmp_path / "with_tag", added=["</answer>"]))
+    answer_id = with_tag.piece_id("</answer>")
+    assert with_tag.stop_ids() == (0, 2, answer_id)
+    assert set(with_tag.stop_ids(STOP_TAGS)) >= {answer_id}
+
+
+def test_chat_ids_equal_encoding_of_the_rendered_template(tok):
+    messages = [{"role": "user", "content": "who wrote hamlet?"}]
+    ids = tok.chat_ids(messages)
+    rendered = (f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
+                "<|im_start|>user\nwho wrote hamlet?<|im_end|>\n<|im_start|>assistant\n")
+    assert ids == tok.encode(rendered)
+    assert ids.count(tok.piece_id("<|im_start|>")) == 3 and ids.count(tok.eos_id) == 2
+    own_system = tok.chat_ids([{"role": "system", "content": "be brief"}] + messages, add_generation_prompt=False)
+    assert tok.decode(own_system) == "<|im_start|>system\nbe brief\n<|im_start|>user\nwho wrote hamlet?\n"
+
+
+def test_tag_stop_matcher_fires_once_at_the_completing_token(tok):
+    ids = tok.encode("<think>need the river</think><search>river paris</search>")
+    matches = tag_stop_matcher(tok, STOP_TAGS)
+    fired = [n for n in range(1, len(ids) + 1) if matches(ids[:n])]
+    assert fired == [len(ids)]
+    assert not matches(tok.encode("<search>river paris</sea"))
+    assert first_tag_stop(tok, STOP_TAGS, ids + tok.encode(" the capital")) == len(ids)
+
+
+WORDS = ["the", " paris", " river", "?", " 東京", "naïve", "</search>", "</answer>", "<mem>", "</", "search>",
+         ">", "\n", " <", "answer"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=14))
+def test_first_tag_stop_equals_brute_force(tok, words):
+    ids = tok.encode("".join(words))
+    brute = next((n for n in range(1, len(ids) + 1) if any(t in tok.decode(ids[:n]) for t in STOP_TAGS)), None)
+    assert first_tag_stop(tok, STOP_TAGS, ids) == brute
+
+
+def test_tag_ending_inside_a_longer_token(tmp_path):
+    merged = HFTokenizer(_train(tmp_path / "merged", added=["h>\n"]))  # "</search>\n" ends in "h>\n"
+    ids = merged.encode("river paris</search>\nmore text")
+    n = first_tag_stop(merged, STOP_TAGS, ids)
+    assert merged._tok.id_to_token(ids[n - 1]) == "h>\n"
+    assert merged.decode(ids[:n]).endswith("</search>\n")
+    assert tag_stop_matcher(merged, STOP_TAGS)(ids[:n]) and not tag_stop_matcher(merged, STOP_TAGS)(ids[:n + 1])
