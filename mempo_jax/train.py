@@ -49,7 +49,7 @@ def run(args) -> dict:
     """Run every stage; returns the summary written to ``RUN_DIR/summary.json``."""
     from mempo_jax import config as config_lib
     from mempo_jax.agent.trajectory import mode_name, parse_context_steps
-    from mempo_jax.checkpoint import Checkpointer
+    from mempo_jax.checkpoint import Checkpointer, save_run_artifacts
     from mempo_jax.data.scripted_agent import scripted_trajectory
     from mempo_jax.evaluation import evaluate_policy
     from mempo_jax.experiment import build_experiment
@@ -59,6 +59,9 @@ def run(args) -> dict:
     from mempo_jax.sft import run_sft, sft_rows
 
     t_start = time.time()
+    jax.config.update("jax_compilation_cache_dir", os.environ.get(
+        "MEMPO_XLA_CACHE", str(pathlib.Path.home() / ".cache" / "mempo_jax" / "xla")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     run_dir = pathlib.Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_lib.load_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
@@ -67,6 +70,7 @@ def run(args) -> dict:
 
     exp = build_experiment(cfg, cache)
     tok = exp.tokenizer
+    save_run_artifacts(run_dir, tok, exp.model_cfg)
     print(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
           f"questions, {len(exp.documents)} passages, vocab {tok.vocab_size}, "
           f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
@@ -149,9 +153,8 @@ def run(args) -> dict:
     }
     write_json_atomic(run_dir / "summary.json", summary)
     ckpt = Checkpointer(run_dir / "checkpoints")
-    ckpt.save(learner.num_updates, {"params": learner.params, "opt_state": learner.opt_state},
-              {"stage": "rl", "step": cfg.rl.steps, "updates": learner.num_updates, "seed": cfg.seed,
-               "tokenizer": str(tok.path), "model": exp.model_cfg.__dict__ if hasattr(exp.model_cfg, "__dict__") else {}})
+    ckpt.save(learner.num_updates, learner.params, learner.opt_state,
+              {"stage": "rl", "step": cfg.rl.steps, "updates": learner.num_updates, "seed": cfg.seed})
     ckpt.close()
     writer.close()
     print("\n" + format_eval_table(evals))

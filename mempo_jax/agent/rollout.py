@@ -19,7 +19,7 @@ from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, MEM, ParsedTur
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, find_span, parse_context_steps
 from mempo_jax.batching import bucket_length, pad_sequences
 
-SYSTEM_PROMPT = "Search to find facts, keep what you need in mem, then answer."
+SYSTEM_PROMPT = "Search, remember in mem, answer."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class RolloutConfig:
       temperature: sampling temperature (0 = greedy).
       top_p: nucleus mass.
       context_steps: ``FULL`` (0) for the whole history, or k ≥ 1 (MemPO inference, k = 1).
+      min_rows_bucket: the smallest row bucket of a sampling batch (fewer compiled shapes).
     """
 
     max_turns: int = 6
@@ -43,6 +44,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     context_steps: int | str = 1
+    min_rows_bucket: int = 64
 
     def __post_init__(self):
         object.__setattr__(self, "context_steps", parse_context_steps(self.context_steps))
@@ -52,8 +54,9 @@ class RolloutConfig:
 
 
 def build_prompt(tokenizer, question: str) -> list[int]:
-    """BOS + system prompt + question, as ids."""
-    return [tokenizer.bos_id] + tokenizer.encode(f"{SYSTEM_PROMPT}\nQuestion: {question}\n")
+    """BOS (when the tokenizer has one; Qwen has none) + system prompt + question, as ids."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return bos + tokenizer.encode(f"{SYSTEM_PROMPT}\nQuestion: {question}\n")
 
 
 def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
@@ -148,9 +151,11 @@ def rollout(
             break
         if progress is not None:
             progress(t, len(runnable))
-        rows = bucket_length(len(contexts), 8)
-        length = bucket_length(max(len(c) for c in contexts), 64)
-        padded = contexts + [[tokenizer.bos_id]] * (rows - len(contexts))
+        # Few static shapes: rows and length buckets have large minimums, so a whole evaluation
+        # or RL run compiles the sampler only a handful of times.
+        rows = bucket_length(len(contexts), cfg.min_rows_bucket)
+        length = bucket_length(max(len(c) for c in contexts), 128)
+        padded = contexts + [contexts[0][:1]] * (rows - len(contexts))
         ids, mask = pad_sequences(padded, tokenizer.pad_id, length, side="left")
         out = sample_fn(params, ids, mask, jax.random.fold_in(key, t), cfg.max_new_tokens, cfg.temperature, cfg.top_p)
         tokens, logprobs, lengths, stopped = jax.device_get((out.tokens, out.logprobs, out.lengths, out.stopped))
