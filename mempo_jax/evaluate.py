@@ -206,7 +206,7 @@ def plan_corpora(specs: Sequence[DatasetSpec], corpus: Optional[str], retriever_
         for name in missing:
             backends[name] = index
             notes[name] = f"pooled from {'+'.join(own)} ({len(union)} passages)"
-    return backends, notes
+    return {s.name: backends[s.name] for s in specs}, {s.name: notes[s.name] for s in specs}
 
 
 def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int = 1, seed: int = 0) -> list:

@@ -21,6 +21,7 @@ from mempo_jax.tokenizer import train_sentencepiece
 BAMBOOGLE = "bamboogle/bamboogle_125.r1searcher.jsonl"
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
 MUSIQUE = "musique/musique_dev_10_with_paragraphs.hoprag.jsonl"
+CORPUS = "flashrag/corpus_sample.flashrag.jsonl"
 KEYS = ("em", "f1", "tt", "pt", "turns", "format_fail")
 STEP = 7
 
@@ -93,20 +94,6 @@ def test_predictions_agree_with_eval_json(evaluated):
                               m["format_fail"])
 
 
-def test_first_turn_context_is_the_same_in_both_modes(evaluated):
-    """Turn 1 sees only the prompt in either mode, and greedy decoding with one key makes it equal:
-    a one-turn episode costs the same tokens in k1 and full."""
-    _, out = evaluated
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    by = {(r["dataset"], r["id"], r["mode"]): r for r in rows}
-    for (name, qid, mode), r in by.items():
-        if mode == "k1" and r["turns"] == 1:
-            assert by[(name, qid, "full")]["tt"] == r["tt"]
-    # the k = 1 context never exceeds the full history's at the same turn: PT(k1) <= PT(full) when
-    # both episodes have the same number of turns and identical first turns is not guaranteed, so
-    # only the bound on one turn above is asserted.
-
-
 def test_eval_md_png_and_meta(evaluated, run_dir):
     _, out = evaluated
     md = (out / "eval.md").read_text()
@@ -119,6 +106,95 @@ def test_eval_md_png_and_meta(evaluated, run_dir):
     assert meta["corpus"]["hotpotqa"] == "own passages (2967)"  # SOURCES.md: 2,967 distinct paragraphs
     assert meta["corpus"]["bamboogle"] == "pooled from hotpotqa (2967 passages)"
     assert meta["rollout"]["max_turns"] == 3 and meta["topk"] == ev.DEFAULT_TOPK
+
+
+class ScriptedPolicy:
+    """A stand-in ``sample_fn``: two searches, then the answer "james madison".
+
+    The stage is read from the context (the last query the policy wrote), so it works in k = 1
+    mode, where only the previous turn is visible, as well as in full mode.
+    """
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.turns = [tok.encode("<mem> none </mem><search> Citibank founded </search>"),
+                      tok.encode("<mem> Citibank </mem><search> Madison president </search>"),
+                      tok.encode("<mem> Citibank 1812 </mem><answer> james madison </answer>")]
+
+    def _next(self, row) -> list[int]:
+        text = self.tok.decode(row)
+        return self.turns[2 if "Madison president" in text else 1 if "Citibank founded" in text else 0]
+
+    def __call__(self, params, ids, mask, key, max_new_tokens, temperature, top_p):
+        from mempo_jax.sampling import SampleOutput
+
+        rows = [self._next(row) for row in np.asarray(ids).tolist()]
+        n = max_new_tokens
+        assert max(map(len, rows)) <= n
+        tokens = np.array([r + [self.tok.pad_id] * (n - len(r)) for r in rows], np.int32)
+        lengths = np.array([len(r) for r in rows], np.int32)
+        return SampleOutput(tokens, np.zeros(tokens.shape, np.float32), np.arange(n)[None] < lengths[:, None],
+                            lengths, np.ones(len(rows), bool))
+
+
+def _scripted_eval(run_dir, shared_data, out, retrieval: list[str]) -> dict:
+    rc = ev.main(["--run_dir", str(run_dir), "--dataset", f"bamboogle={shared_data / BAMBOOGLE}", *retrieval,
+                  "--topk", "2", "--limit", "4", "--out", str(out)])
+    assert rc == 0
+    return json.loads((out / "eval.json").read_text())
+
+
+def test_scripted_policy_scores_through_the_cli(run_dir, shared_data, tmp_path, monkeypatch):
+    """Search, search, answer: Bamboogle idx 1's gold is "james madison", idx 2–4's are not, so
+    EM = F1 = 1/4 in both modes, 3 turns and 2 tool calls per episode, no format failure. The
+    answer turn's k = 1 context drops the first search and its result, so k1 has fewer tokens."""
+    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, tok: ScriptedPolicy(tok))
+    out = tmp_path / "out"
+    results = _scripted_eval(run_dir, shared_data, out, ["--corpus", str(shared_data / CORPUS)])["bamboogle"]
+    for mode in ("k1", "full"):
+        m = results[mode]
+        assert (m["em"], m["f1"], m["turns"], m["tool_calls"], m["format_fail"]) == (0.25, 0.25, 3.0, 2.0, 0.0)
+        assert m["tt"] > m["pt"] > 0
+    assert results["k1"]["pt"] < results["full"]["pt"] and results["k1"]["tt"] < results["full"]["tt"]
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["em"] for r in rows if r["mode"] == "k1"] == [1.0, 0.0, 0.0, 0.0]
+    assert {r["answer"] for r in rows} == {"james madison"} and {r["end"] for r in rows} == {"answer"}
+    meta = json.loads((out / "eval_meta.json").read_text())
+    assert meta["topk"] == 2 and meta["corpus"]["bamboogle"].endswith("(1000 passages)")
+
+
+def test_retriever_url_gives_the_local_corpus_results(run_dir, shared_data, tmp_path, monkeypatch):
+    """The same corpus behind a Search-R1 /retrieve server (in-process uvicorn on loopback) yields
+    the same search results, hence the same token counts, as the local BM25 index."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.corpus import load_corpus_jsonl
+    from mempo_jax.tools.retrieval_server import create_app
+
+    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, tok: ScriptedPolicy(tok))
+    local = _scripted_eval(run_dir, shared_data, tmp_path / "local", ["--corpus", str(shared_data / CORPUS)])
+    app = create_app(BM25Index(load_corpus_jsonl(shared_data / CORPUS)))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (server.started and server.servers):
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        remote = _scripted_eval(run_dir, shared_data, tmp_path / "remote",
+                                ["--retriever_url", f"http://127.0.0.1:{port}"])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert remote == local
+    assert json.loads((tmp_path / "remote" / "eval_meta.json").read_text())["corpus"]["bamboogle"] == \
+        f"retriever http://127.0.0.1:{port}"
 
 
 # -- corpus planning ----------------------------------------------------------------------------
@@ -135,7 +211,7 @@ def test_passage_less_dataset_pools_from_every_other_file(shared_data):
 
 def test_explicit_corpus_serves_every_dataset(shared_data):
     specs = [ev.DatasetSpec("hotpotqa", shared_data / HOTPOT)]
-    backends, notes = ev.plan_corpora(specs, str(shared_data / "flashrag/corpus_sample.flashrag.jsonl"), None)
+    backends, notes = ev.plan_corpora(specs, str(shared_data / CORPUS), None)
     assert len(backends["hotpotqa"]) == 1000 and "1000 passages" in notes["hotpotqa"]
 
 
@@ -164,6 +240,7 @@ def test_checkpoint_accepts_step_or_run_folder(run_dir):
     ("no_file", "no such file"),
     ("no_corpus", "pass --corpus FILE"),
     ("bad_mode", "context_steps must be 'full'"),
+    ("no_server", "the retrieval server does not answer"),
 ])
 def test_bad_input_exits_2_with_one_line(case, message, run_dir, shared_data, tmp_path, capsys):
     bamboogle = f"bamboogle={shared_data / BAMBOOGLE}"
@@ -174,6 +251,7 @@ def test_bad_input_exits_2_with_one_line(case, message, run_dir, shared_data, tm
         "no_file": ["--run_dir", str(run_dir), "--dataset", f"x={tmp_path / 'missing.jsonl'}"],
         "no_corpus": ["--run_dir", str(run_dir), "--dataset", bamboogle],
         "bad_mode": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--modes", "1,everything"],
+        "no_server": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--retriever_url", "http://127.0.0.1:9"],
     }[case]
     assert ev.main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
