@@ -144,7 +144,7 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
         with gin.config_scope(None):
             cfg = gin.get_configurable(ExperimentConfig)()
-    except (ValueError, TypeError, KeyError, OSError) as e:
+    except (ValueError, TypeError, KeyError, OSError, SyntaxError) as e:
         msg = str(e).strip().splitlines()
         raise ValueError(f"config error: {msg[0] if msg else e!r}") from None
     return cfg
