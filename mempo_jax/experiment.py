@@ -45,6 +45,7 @@ class Experiment:
     sample_fn: Any
     logits_fn: Any
     scorer: MemoryRewardScorer
+    mesh: Any = None
 
 
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
@@ -86,12 +87,17 @@ def _tokenizer_texts(documents, questions) -> list[str]:
     return texts
 
 
-def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path) -> Experiment:
+def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
+                     scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
 
     Args:
       cfg: the run's config.
       cache_dir: folder for cached artefacts (the SentencePiece model).
+      mesh: optional device mesh: params are placed by their logical-axis rules, the sampler and
+        the memory-reward scorer declare shardings on it (``None``: one device, as before).
+      rules: logical → mesh axis rules (default ``mempo_jax.sharding.DEFAULT_RULES``).
+      scoring_chunk_rows: rows per memory-reward scorer call (``None``: one call).
 
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
@@ -119,13 +125,24 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path) -> Ex
         model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
     graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
     stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
-    sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+    scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
+    if mesh is None:
+        sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+    else:
+        from mempo_jax import sharding
+
+        rules = sharding.DEFAULT_RULES if rules is None else rules
+        params = sharding.shard_params(params, mesh, rules)
+        sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id, mesh=mesh, rules=rules)
+        scorer_kw.update(min_rows=max(8, sharding.batch_shards(mesh, rules)),
+                         batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
+                         param_shardings=sharding.param_shardings(params, mesh, rules))
 
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
 
     logits_fn = make_logits_fn(graphdef)
     scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, [tokenizer.piece_id("<answer>")],
-                                temperature=cfg.rl.rollout.temperature or 1.0)
+                                temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
-                      sample_fn, logits_fn, scorer)
+                      sample_fn, logits_fn, scorer, mesh)

@@ -20,6 +20,8 @@ import optax
 from mempo_jax.batching import bucket_length
 from mempo_jax.logprobs import token_entropy, token_logprobs
 from mempo_jax.losses import LossConfig, mempo_loss
+from mempo_jax.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, opt_state_shardings,
+                                param_shardings, replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,21 +69,62 @@ class Learner:
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       micro_batch_rows: rows per micro-batch in gradient accumulation.
+      mesh: optional device mesh. ``None`` (default): plain ``jax.jit``, arrays where JAX puts them
+        (one device). With a mesh, ``params`` (an ``nnx.State``) are placed by their logical-axis
+        rules, the optimizer state by ``opt_state_shardings``, batches ``[B, L]`` over the
+        ``batch`` rule, and every jitted step declares these in/out shardings (metrics and
+        log-probs come back replicated). Batch rows must then divide by ``batch_shards(mesh)``.
+      rules: logical → mesh axis rules (``mempo_jax.sharding.DEFAULT_RULES``).
     """
 
     def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
-                 micro_batch_rows: int = 32):
+                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES):
         self.logits_fn = logits_fn
         self.params = params
         self.optimizer = optimizer
-        self.opt_state = optimizer.init(params)
         self.temperature = float(temperature) if temperature > 0 else 1.0
         self.micro_batch_rows = int(micro_batch_rows)
         self.num_updates = 0
+        self.mesh, self.rules = mesh, rules
 
-        self._logprobs = jax.jit(self._logprobs_impl)
-        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1))
-        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1))
+        if mesh is None:
+            self.opt_state = optimizer.init(params)
+            self._logprobs = jax.jit(self._logprobs_impl)
+            self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1))
+            self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1))
+            return
+        ps = self.param_shardings = param_shardings(params, mesh, rules)
+        opt = self.opt_shardings = opt_state_shardings(optimizer, params, mesh, rules)
+        bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
+        rep = replicated(mesh)
+        self.params = jax.device_put(params, ps)
+        self.opt_state = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)(self.params)
+        self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=(rep, rep))
+        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1),
+                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
+        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1),
+                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
+
+    def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
+        """With a mesh: ``batch`` put on the ``batch`` sharding (rows must divide); else as is."""
+        if self.mesh is None:
+            return dict(batch)
+        rows = next(iter(batch.values())).shape[0]
+        shards = batch_shards(self.mesh, self.rules)
+        if rows % shards:
+            raise ValueError(f"batch of {rows} rows does not divide over {shards} batch shards of the mesh "
+                             f"{dict(self.mesh.shape)}")
+        return jax.device_put(dict(batch), self.batch_sharding)
+
+    def _split_micro_sharded(self, batch, n_micro):
+        """``[B, ...]`` → ``[n_micro, B / n_micro, ...]``; with a mesh the micro-batch rows stay on
+        the ``batch`` axes (constraint with the shape-aware rule, so an indivisible micro-batch is
+        replicated rather than failing)."""
+        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+        if self.mesh is None:
+            return micro
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
 
     # ---- log-probs -------------------------------------------------------------------------
     def _logprobs_impl(self, params, ids, valid):
@@ -91,12 +134,18 @@ class Learner:
     def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int = 64) -> np.ndarray:
         """Per-token log-probs ``[rows, seq]`` float32 of ``params`` (no gradient), in row chunks."""
         out = []
+        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        if self.mesh is not None:
+            params = jax.device_put(params, self.param_shardings)
         for s in range(0, input_ids.shape[0], chunk_rows):
             ids, v = input_ids[s : s + chunk_rows], valid[s : s + chunk_rows]
             n = ids.shape[0]
-            if n < chunk_rows and input_ids.shape[0] > chunk_rows:
-                ids = np.pad(ids, ((0, chunk_rows - n), (0, 0)))
-                v = np.pad(v, ((0, chunk_rows - n), (0, 0)))
+            target = chunk_rows if (n < chunk_rows and input_ids.shape[0] > chunk_rows) else -(-n // shards) * shards
+            if n < target:
+                ids = np.pad(ids, ((0, target - n), (0, 0)))
+                v = np.pad(v, ((0, target - n), (0, 0)))
+            if self.mesh is not None:
+                ids, v = jax.device_put((ids, v), self.batch_sharding)
             lp, _ = self._logprobs(params, ids, v)
             out.append(np.asarray(lp)[:n])
         return np.concatenate(out, axis=0)
@@ -104,7 +153,7 @@ class Learner:
     # ---- SFT -------------------------------------------------------------------------------
     def _sft_step_impl(self, params, opt_state, batch, n_micro):
         denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+        micro = self._split_micro_sharded(batch, n_micro)
 
         def loss_fn(p, mb):
             logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
@@ -131,14 +180,14 @@ class Learner:
         """
         b = batch["input_ids"].shape[0]
         n_micro = max(1, b // min(self.micro_batch_rows, b))
-        self.params, self.opt_state, m = self._sft_step(self.params, self.opt_state, dict(batch), n_micro)
+        self.params, self.opt_state, m = self._sft_step(self.params, self.opt_state, self._place_batch(batch), n_micro)
         self.num_updates += 1
         return {k: float(v) for k, v in jax.device_get(m).items()}
 
     # ---- PPO -------------------------------------------------------------------------------
     def _ppo_step_impl(self, params, opt_state, batch, n_micro, loss_cfg: LossConfig):
         denom = jnp.maximum(_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode), 1.0)
-        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+        micro = self._split_micro_sharded(batch, n_micro)
 
         def loss_fn(p, mb):
             logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
@@ -202,7 +251,8 @@ class Learner:
         out: dict[str, list[float]] = {}
         for i in range(num_mini_batches):
             mb = {k: v[i * per_mb : (i + 1) * per_mb] for k, v in padded.items()}
-            self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, mb, per_mb // micro, loss_cfg)
+            self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, self._place_batch(mb),
+                                                            per_mb // micro, loss_cfg)
             self.num_updates += 1
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))

@@ -16,11 +16,13 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
-from mempo_jax.model.forward import positions_from_mask
+from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
+from mempo_jax.sharding import DEFAULT_RULES, cache_shardings, logical_to_sharding, param_shardings, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +109,29 @@ class Sampler:
       stop_ids: ids that end a row (EOS, end-of-turn, single-token closing tags); the stop id
         itself is emitted and masked in.
       pad_id: id written after a row stopped.
+      mesh: optional device mesh. ``None`` (default): one plain ``jax.jit`` program, shardings
+        propagated from the inputs. With a mesh, the program declares its shardings: params by
+        their logical-axis rules, prompts ``[B, P]`` and outputs ``[B, N]`` / ``[B]`` over the
+        ``batch`` rule, key and scalars replicated, and the KV cache is constrained to
+        ``cache_shardings`` (rows over data × fsdp, kv heads over tensor when they divide).
+        Inputs are put on those shardings before the call.
+      rules: logical → mesh axis rules.
 
     Compiles once per (B, P, N, greedy, top_p < 1); temperature and top_p values are traced.
     The jitted program is shared by every ``Sampler`` with equal (graphdef, model_cfg, stop_ids,
-    pad_id), so building samplers per rollout call costs no recompilation.
+    pad_id, mesh, rules), so building samplers per rollout call costs no recompilation.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int):
+    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int,
+                 *, mesh=None, rules=DEFAULT_RULES):
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
+        self.mesh, self.rules = mesh, tuple(rules)
         self._generate = _compiled_generate(graphdef, model_cfg, self.stop_ids, self.pad_id)
+        if mesh is not None:
+            self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], mesh, self.rules)
 
     def __call__(
         self,
@@ -147,20 +160,50 @@ class Sampler:
         if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
             raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
         temperature = 1.0 if cfg.greedy else cfg.temperature
+        if self.mesh is not None:
+            return self._call_sharded(params, prompt_ids, prompt_mask, key, temperature, cfg)
         return self._generate(
             params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool), key,
             jnp.float32(temperature), jnp.float32(cfg.top_p),
             max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, use_top_p=cfg.top_p < 1.0,
         )
 
+    def _call_sharded(self, params, prompt_ids, prompt_mask, key, temperature, cfg: SamplerConfig) -> SampleOutput:
+        b, p = prompt_ids.shape
+        generate = _compiled_generate(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.mesh,
+                                      self.rules, (b, p, cfg.max_new_tokens, cfg.greedy, cfg.top_p < 1.0))
+        rows = logical_to_sharding(("batch", None), self.mesh, self.rules, (b, p))
+        rep = replicated(self.mesh)
+        params = jax.device_put(params, self.param_shardings)
+        ids, mask = jax.device_put((_as(prompt_ids, np.int32), _as(prompt_mask, np.bool_)), rows)
+        key, temp, top_p = jax.device_put((key, np.float32(temperature), np.float32(cfg.top_p)), rep)
+        return generate(params, ids, mask, key, temp, top_p)
+
 
 # ----------------------------------------------------------------------------------- internals
 
 
+def _as(x, dtype):
+    """``x`` in ``dtype``: a ``jax.Array`` stays one (it may span processes), anything else numpy."""
+    return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+
+
 @functools.lru_cache(maxsize=32)
-def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id):
+def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh=None, rules=None, static=None):
+    """The jitted generate program. With ``mesh`` it is built for one ``static = (B, P, N, greedy,
+    use_top_p)`` (bound here: jit takes no keyword arguments with in_shardings), declares in/out
+    shardings and constrains the KV cache."""
     impl = functools.partial(_generate_impl, graphdef, model_cfg, stop_ids, pad_id)
-    return jax.jit(impl, static_argnames=("max_new_tokens", "greedy", "use_top_p"))
+    if mesh is None:
+        return jax.jit(impl, static_argnames=("max_new_tokens", "greedy", "use_top_p"))
+    b, p, n, greedy, use_top_p = static
+    impl = functools.partial(impl, max_new_tokens=n, greedy=greedy, use_top_p=use_top_p,
+                             cache_sharding=cache_shardings(model_cfg, b, p + n, mesh, rules))
+    params = param_shardings(split_model(abstract_model(model_cfg))[1], mesh, rules)
+    ids = logical_to_sharding(("batch", None), mesh, rules, (b, p))
+    rows = logical_to_sharding(("batch",), mesh, rules, (b,))
+    rep = replicated(mesh)
+    return jax.jit(impl, in_shardings=(params, ids, ids, rep, rep, rep), out_shardings=SampleOutput(ids, ids, ids, rows, rows))
 
 
 def _pick(logits, step, key, temperature, top_p, greedy, use_top_p):
@@ -186,7 +229,7 @@ def _is_stop(tok, stop_ids):
 
 
 def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, prompt_mask, key, temperature,
-                   top_p, *, max_new_tokens, greedy, use_top_p):
+                   top_p, *, max_new_tokens, greedy, use_top_p, cache_sharding=None):
     model = nnx.merge(graphdef, params)
     b, p = prompt_ids.shape
     n = max_new_tokens
@@ -199,6 +242,8 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
     causal = slots[None, :] <= jnp.arange(p)[:, None]  # [P, S]
     mask = causal[None] & prompt_slots[:, None, :]
     cache = init_cache(model_cfg, b, size)
+    if cache_sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), mask, cache, jnp.int32(0))
     last = jnp.max(jnp.where(prompt_mask, jnp.arange(p)[None], 0), axis=-1)
     last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]

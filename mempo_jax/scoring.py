@@ -116,6 +116,12 @@ class MemoryRewardScorer:
       temperature: the sampler's softmax temperature (> 0), as for the trainer's log-probs.
       min_rows: smallest row bucket; use a multiple of the data-parallel device count.
       batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.
+      param_shardings: optional shardings of ``params`` (e.g. ``mempo_jax.sharding.param_shardings``);
+        with ``batch_sharding`` (a ``NamedSharding``), the jitted call declares
+        ``in_shardings=(param_shardings, batch, batch, batch)`` and a replicated ``[R]`` output.
+      chunk_rows: optional rows per device call (a power of two): the stacked ``[R, L]`` batch
+        is scored in ``R / chunk_rows`` calls of one jitted program (same values, bounded
+        ``[chunk_rows, L, V]`` logits). ``None`` (default): one call over all rows.
 
     Raises:
       ValueError: if ``temperature <= 0``.
@@ -130,16 +136,28 @@ class MemoryRewardScorer:
         *,
         min_rows: int = 8,
         batch_sharding: jax.sharding.Sharding | None = None,
+        param_shardings: Any = None,
+        chunk_rows: int | None = None,
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_rows is not None and (chunk_rows < 1 or chunk_rows & (chunk_rows - 1)):
+            raise ValueError(f"chunk_rows must be a power of two, got {chunk_rows}")
         self.logits_fn = logits_fn
         self.pad_id = int(pad_id)
         self.answer_prefix = [int(t) for t in answer_prefix]
         self.temperature = float(temperature)
         self.min_rows = int(min_rows)
         self.batch_sharding = batch_sharding
-        self.likelihoods = jax.jit(self._likelihoods)
+        self.param_shardings = param_shardings
+        self.chunk_rows = chunk_rows
+        if param_shardings is not None and isinstance(batch_sharding, jax.sharding.NamedSharding):
+            rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+            bs = batch_sharding
+            self.likelihoods = jax.jit(self._likelihoods, in_shardings=(param_shardings, bs, bs, bs),
+                                       out_shardings=rep)
+        else:
+            self.likelihoods = jax.jit(self._likelihoods)
 
     def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
         """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
@@ -175,9 +193,15 @@ class MemoryRewardScorer:
             full_contexts, mem_contexts, answers, self.answer_prefix, self.pad_id,
             pad_rows_to_bucket=True, min_rows=self.min_rows,
         )
-        batch = (ids, valid, answer_mask)
-        if self.batch_sharding is not None:
-            batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
-        p = np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32)
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        step = ids.shape[0] if self.chunk_rows is None else min(self.chunk_rows, ids.shape[0])
+        parts = []
+        for s in range(0, ids.shape[0], step):
+            batch = (ids[s : s + step], valid[s : s + step], answer_mask[s : s + step])
+            if self.batch_sharding is not None:
+                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+            parts.append(np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32))
+        p = np.concatenate(parts)
         p_full, p_mem = p[:m], p[m : 2 * m]
         return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)

@@ -179,3 +179,64 @@ def init_sharded_params(cfg, seed: int, mesh: Mesh, rules: Rules = DEFAULT_RULES
     shardings = param_shardings(abstract, mesh, rules)
     params = jax.jit(lambda: split_model(create_model(cfg, seed))[1], out_shardings=shardings)()
     return graphdef, params
+
+
+# ------------------------------------------------------------ optimizer state, KV cache, helpers
+
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v dimensions
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """``NamedSharding(mesh, PartitionSpec())``: a full copy on every device of ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """How many ways the ``batch`` rule splits rows on ``mesh`` (``data * fsdp`` by default).
+
+    A batch whose row count divides by this number is sharded evenly; ``Learner`` and the
+    samplers pad or check row counts against it.
+    """
+    spec = logical_to_spec(("batch",), rules)
+    axes = spec[0] if spec else None
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    return int(math.prod(mesh.shape[a] for a in axes))
+
+
+def opt_state_shardings(optimizer, params, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Shardings of ``optimizer.init(params)``: every per-parameter leaf (Adam ``mu``/``nu``, …)
+    gets its parameter's sharding, every other leaf (step counts, schedule state) is replicated.
+
+    Source: ``optax.tree_map_params`` (optimizer states mirror the parameter tree).
+
+    Args:
+      optimizer: an ``optax.GradientTransformation``.
+      params: ``nnx.State`` of the parameters (arrays or ``ShapeDtypeStruct``).
+      mesh: a ``Mesh`` or ``AbstractMesh``.
+      rules: logical → mesh axis rules.
+
+    Returns:
+      A pytree with the structure of ``optimizer.init(params)`` whose leaves are ``NamedSharding``.
+    """
+    import optax
+
+    shardings = param_shardings(params, mesh, rules)
+    abstract = jax.eval_shape(optimizer.init, params)
+    rep = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(optimizer, lambda _, s: s, abstract, shardings,
+                                 transform_non_params=lambda _: rep,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def cache_shardings(cfg, batch: int, size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Shardings of ``init_cache(cfg, batch, size)``: ``KVCache`` of two ``NamedSharding``.
+
+    Cache arrays are ``[layers, batch, size, kv_heads, head_dim]`` with logical axes
+    ``CACHE_AXES``: rows over the ``batch`` rule (data × fsdp), kv heads over ``tensor`` when
+    they divide (else replicated, as the ``k``/``v`` projections).
+    """
+    from mempo_jax.model.decoder import KVCache
+
+    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    sharding = logical_to_sharding(CACHE_AXES, mesh, rules, shape)
+    return KVCache(sharding, sharding)
