@@ -37,6 +37,8 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence
 
+from mempo_jax.agent.rollout import RolloutConfig
+
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 
 
@@ -245,8 +247,6 @@ def run_rollout_options(run_dir: pathlib.Path):
       ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
       is absent or unreadable by this version; ``note`` says which was used.
     """
-    from mempo_jax.agent.rollout import RolloutConfig
-
     path = run_dir / "config.gin"
     if not path.is_file():
         return RolloutConfig(), DEFAULT_TOPK, "defaults (no config.gin)"

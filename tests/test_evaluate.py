@@ -222,6 +222,17 @@ def test_multi_objective_and_limit(shared_data):
     assert len(ev.load_questions(shared_data / BAMBOOGLE, multi_objective=2)) == 62  # 125 // 2
 
 
+def test_rollout_options_come_from_the_runs_config_gin(tmp_path):
+    assert ev.run_rollout_options(tmp_path)[:2] == (ev.RolloutConfig(), ev.DEFAULT_TOPK)  # no config.gin
+    (tmp_path / "config.gin").write_text("ExperimentConfig.topk = 4\nExperimentConfig.rl = @RLConfig()\n"
+                                         "RLConfig.rollout = @RolloutConfig()\nRolloutConfig.max_turns = 2\n"
+                                         "RolloutConfig.max_new_tokens = 40\n")
+    rollout, topk, source = ev.run_rollout_options(tmp_path)
+    assert (rollout.max_turns, rollout.max_new_tokens, topk, source) == (2, 40, 4, str(tmp_path / "config.gin"))
+    (tmp_path / "config.gin").write_text("NoSuchConfig.field = 1\n")  # another version's config: defaults
+    assert ev.run_rollout_options(tmp_path)[:2] == (ev.RolloutConfig(), ev.DEFAULT_TOPK)
+
+
 # -- run folder resolution and bad input --------------------------------------------------------
 def test_checkpoint_accepts_step_or_run_folder(run_dir):
     assert ev.resolve_run(str(run_dir), None) == (run_dir, STEP)
