@@ -50,6 +50,7 @@ class SFTConfig:
       batch_rows: training rows per step.
       full_fraction: share of trajectories also trained as one whole-history (``full``) row, so
         the policy works in both context modes.
+      copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``).
       agent: the scripted agent's imperfections.
       optim: optimizer options.
     """
@@ -57,6 +58,7 @@ class SFTConfig:
     steps: int = 300
     batch_rows: int = 64
     full_fraction: float = 0.25
+    copy_fraction: float = 1.0
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
 

@@ -87,13 +87,66 @@ def _tokenizer_texts(documents, questions) -> list[str]:
     return texts
 
 
+def answer_prefix_ids(tokenizer) -> list[int]:
+    """The ids placed between a scoring context and Z: the answer turn's own opening,
+    ``<think> answer</think><answer>``, as the scripted agent renders it. It keeps
+    ``P(Z | mem_traj[t])`` in distribution (a ``<mem>`` block is followed by ``<think>``) and is the
+    same for both contexts, so ``R_M = P_mem − P_full`` compares the contexts alone."""
+    return tokenizer.encode("<think> answer</think><answer>")
+
+
+def entity_token_ids(tokenizer, documents) -> list[int]:
+    """Ids of the passage titles that are single pieces (the entity names), the pool of the
+    SFT copy rows; falls back to every title's first piece when none is a single piece."""
+    ids = [tokenizer.encode(" " + d.title) for d in documents]
+    single = [t[0] for t in ids if len(t) == 1]
+    return single or [t[0] for t in ids if t]
+
+
+def load_checkpoint_policy(options, mesh=None, rules=None):
+    """Model and tokenizer of a Hugging Face checkpoint folder (``ModelOptions.checkpoint``).
+
+    The weights come from ``load_hf_checkpoint`` (float32 unless ``options.overrides`` binds
+    ``dtype`` / ``param_dtype``); the tokenizer is the folder's ``tokenizer.json`` with the 12
+    protocol tags made single tokens in spare embedding rows or reserved tokens
+    (``HFTokenizer.with_protocol_tags``), untrained until the SFT cold start. ``options.preset``
+    is not used: the architecture is the checkpoint's ``config.json``.
+
+    Args:
+      options: a ``ModelOptions`` with ``checkpoint`` set.
+      mesh, rules: as ``load_hf_checkpoint`` (params placed straight into their sharding).
+
+    Returns:
+      ``(model_cfg, graphdef, params, tokenizer)``.
+
+    Raises:
+      ValueError: for an override other than ``dtype`` / ``param_dtype``, or no room for a tag;
+        ``CheckpointError`` (a ``ValueError``) / ``FileNotFoundError`` for a bad or missing folder.
+    """
+    from mempo_jax.hf_tokenizer import HFTokenizer
+    from mempo_jax.model.hf_io import load_hf_checkpoint
+    from mempo_jax.sharding import DEFAULT_RULES
+
+    dtypes = dict(options.overrides)
+    if set(dtypes) - {"dtype", "param_dtype"}:
+        raise ValueError(f"ModelOptions.overrides {sorted(set(dtypes) - {'dtype', 'param_dtype'})} cannot change "
+                         f"the architecture of checkpoint {options.checkpoint}; only dtype / param_dtype")
+    if not pathlib.Path(options.checkpoint, "config.json").is_file():
+        raise FileNotFoundError(f"ModelOptions.checkpoint: no config.json in {options.checkpoint}")
+    model_cfg, graphdef, params = load_hf_checkpoint(options.checkpoint, mesh, rules or DEFAULT_RULES, **dtypes)
+    tokenizer = HFTokenizer(options.checkpoint).with_protocol_tags(model_cfg.vocab_size)
+    return model_cfg, graphdef, params, tokenizer
+
+
 def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
 
     Args:
       cfg: the run's config.
-      cache_dir: folder for cached artefacts (the SentencePiece model).
+      cache_dir: folder for cached artefacts (the SentencePiece model). With
+        ``cfg.model.checkpoint`` set, the model and tokenizer come from that Hugging Face folder
+        instead (``load_checkpoint_policy``) and no SentencePiece model is trained.
       mesh: optional device mesh: params are placed by their logical-axis rules, the sampler and
         the memory-reward scorer declare shardings on it (``None``: one device, as before).
       rules: logical → mesh axis rules (default ``mempo_jax.sharding.DEFAULT_RULES``).
@@ -116,15 +169,21 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         held_q = [questions[int(i)] for i in order[:n_held]]
         train_q = [questions[int(i)] for i in order[n_held:]]
         offices = {}
-    tokenizer = train_sentencepiece(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
+    if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
+        model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
+    else:
+        tokenizer = train_sentencepiece(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
     tool_env = ToolEnvironment(BM25Index(docs), topk=cfg.topk)
 
-    model_cfg = getattr(ModelConfig, cfg.model.preset)
-    model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
-    if cfg.model.overrides:
-        model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
-    graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
+    if not cfg.model.checkpoint:
+        model_cfg = getattr(ModelConfig, cfg.model.preset)
+        model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
+        if cfg.model.overrides:
+            model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
+        graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
     stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
+    if cfg.model.checkpoint:  # EOS ∪ generation-config EOS ∪ end-of-turn ids (<|im_end|>, …) ∪ tags
+        stop_ids = list(tokenizer.stop_ids(STOP_TAGS))
     scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
     if mesh is None:
         sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
@@ -142,7 +201,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
 
     logits_fn = make_logits_fn(graphdef)
-    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, [tokenizer.piece_id("<answer>")],
+    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix_ids(tokenizer),
                                 temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
                       sample_fn, logits_fn, scorer, mesh)

@@ -4,6 +4,15 @@ SFT on trajectories that contain ``<mem>`` before RL).
 Each scripted trajectory gives one row per turn in k-step form (the turn's own context + its
 output) and, for a ``full_fraction`` share, one whole-history row, so the policy works in both
 context modes. Loss: token-mean cross-entropy on generated tokens only (tool results masked).
+
+Copy warm-up rows. A policy trained from scratch must copy entity names from the question and
+the tool results into its queries, memory and answers. A tiny transformer forms such copy
+circuits (a value path that maps a token to its own logit, plus attention that finds it) very
+slowly from the agent data alone, where copy targets are sparse. Mixing in synthetic rows
+``BOS s s`` (a random sequence of entity tokens, repeated; loss on the repeat: the classic
+induction-head task of Olsson et al., 2022) gives a dense copy signal: on the embedded world the
+query-copy log-prob goes from chance (-6) to -2.9 within 500 steps, where agent data alone stays
+at chance. ``copy_fraction`` sets how many such rows are added per scripted row.
 """
 
 from __future__ import annotations
@@ -76,3 +85,28 @@ def run_sft(learner, rows, steps: int, batch_rows: int, pad_id: int, rng: np.ran
         if on_step is not None:
             on_step(step, m)
     return history
+
+
+def copy_rows(token_ids: Sequence[int], count: int, bos_id: int, rng: np.random.Generator,
+              min_len: int = 4, max_len: int = 16) -> list[tuple[list[int], list[float]]]:
+    """Synthetic induction rows ``(BOS s s, loss on the second s)``.
+
+    Args:
+      token_ids: the pool the sequences are drawn from (the world's single-piece entity names).
+      count: number of rows.
+      bos_id: the BOS id.
+      rng: numpy generator.
+      min_len, max_len: length range of ``s`` (inclusive, exclusive).
+
+    Raises:
+      ValueError: for an empty pool.
+    """
+    if len(token_ids) == 0:
+        raise ValueError("copy_rows needs a non-empty token pool")
+    pool = np.asarray(sorted(set(int(t) for t in token_ids)), np.int64)
+    out = []
+    for _ in range(count):
+        n = int(rng.integers(min_len, max_len))
+        seq = [int(t) for t in rng.choice(pool, n)]
+        out.append(([bos_id] + seq + seq, [0.0] * (n + 1) + [1.0] * n))
+    return out

@@ -56,7 +56,8 @@ def run(args) -> dict:
     from mempo_jax.learner import Learner, make_optimizer
     from mempo_jax.metrics import MetricsWriter, bootstrap_ci, format_eval_table, write_json_atomic
     from mempo_jax.rl_step import rl_step
-    from mempo_jax.sft import run_sft, sft_rows
+    from mempo_jax.experiment import entity_token_ids
+    from mempo_jax.sft import copy_rows, run_sft, sft_rows
 
     t_start = time.time()
     jax.config.update("jax_compilation_cache_dir", os.environ.get(
@@ -85,6 +86,8 @@ def run(args) -> dict:
         scripted = [scripted_trajectory(q, exp.offices, tok, exp.tool_env, cfg.sft.agent, cfg.rl.rollout, rng)
                     for q in tqdm(exp.train_questions, desc="scripted agent", leave=False)]
         rows = sft_rows(scripted, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+        rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)),
+                          tok.bos_id, rng)
         bar = tqdm(total=cfg.sft.steps, desc="SFT")
 
         def on_sft(step, m):

@@ -243,4 +243,5 @@ def _split(rng, questions: Sequence[Question], heldout_fraction: float):
         n_held = int(round(len(qs) * heldout_fraction))
         heldout += [qs[int(i)] for i in order[:n_held]]
         train += [qs[int(i)] for i in order[n_held:]]
-    return train, heldout
+    # Mix the kinds, so that any prefix of either split (EvalConfig.num_questions) has all three.
+    return [train[int(i)] for i in rng.permutation(len(train))], [heldout[int(i)] for i in rng.permutation(len(heldout))]
