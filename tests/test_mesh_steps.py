@@ -21,6 +21,17 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def _names(tree):
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def relative_error(tree, ref) -> float:
+    """``||tree - ref|| / ||ref||`` over all leaves (float64)."""
+    d = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(_leaves(tree), _leaves(ref)))
+    n = sum(float(np.sum(b.astype(np.float64) ** 2)) for b in _leaves(ref))
+    return (d / n) ** 0.5
+
+
 @pytest.fixture(scope="module")
 def model():
     tok, env, questions = toy_world()
@@ -49,10 +60,11 @@ def ppo_batch(model):
 def _ppo(model, batch, mesh):
     _, _, _, _, graphdef, params = model
     params = jax.tree.map(lambda x: x.copy(), params)
-    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1)),
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       micro_batch_rows=4, mesh=mesh)
     lp = learner.logprobs(learner.params, batch["input_ids"], batch["valid"])
-    metrics = learner.ppo_update(batch, LossConfig(), num_mini_batches=1, rng=np.random.default_rng(1))
+    # two mini-batches = two optimizer steps (the warm-up schedule gives the first one lr = 0)
+    metrics = learner.ppo_update(batch, LossConfig(), num_mini_batches=2, rng=np.random.default_rng(1))
     return learner, lp, metrics
 
 
@@ -73,13 +85,15 @@ def test_one_ppo_step_agrees_across_meshes(model, ppo_batch, ppo_reference, ppo_
         assert m[k] == pytest.approx(ref_m[k], rel=1e-5, abs=1e-7), k
     np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-5)
     _, _, _, _, _, init = model
-    for new, ref, old in zip(_leaves(learner.params), _leaves(ref_learner.params), _leaves(init)):
-        scale = np.abs(ref).max() + 1e-12
-        assert np.abs(new - ref).max() <= 1e-5 * scale
-        step = np.abs(ref - old).max()
-        assert step > 1e-4 * scale or step == 0.0  # the update moved the weights (Adam: ~lr)
-    for new, ref in zip(_leaves(learner.opt_state), _leaves(ref_learner.opt_state)):
-        assert np.abs(new - ref).max() <= 1e-5 * (np.abs(ref).max() + 1e-30)
+    assert relative_error(learner.params, ref_learner.params) <= 1e-5
+    for name, new, ref, old in zip(_names(init), _leaves(learner.params), _leaves(ref_learner.params), _leaves(init)):
+        scale = np.abs(ref).max()
+        assert np.abs(ref - old).max() > 3e-4 * scale, name  # the update moved every weight (Adam: ~lr = 1e-3)
+        if "k_bias" not in name:  # softmax ignores a key bias: its gradient is 0 up to rounding, which Adam
+            # normalises to +-lr steps of arbitrary sign, on any mesh
+            assert np.linalg.norm(new - ref) <= 1e-5 * np.linalg.norm(ref), name
+    assert relative_error(learner.opt_state[1][0].mu, ref_learner.opt_state[1][0].mu) <= 1e-5
+    assert relative_error(learner.opt_state[1][0].nu, ref_learner.opt_state[1][0].nu) <= 1e-5
 
 
 def test_mesh_of_one_device_equals_no_mesh(model, ppo_batch, ppo_reference):
@@ -87,7 +101,7 @@ def test_mesh_of_one_device_equals_no_mesh(model, ppo_batch, ppo_reference):
     ref_learner, ref_lp, ref_m = ppo_reference
     _, _, _, _, graphdef, params = model
     plain = Learner(make_logits_fn(graphdef), jax.tree.map(lambda x: x.copy(), params),
-                    make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1)), micro_batch_rows=4)
+                    make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)), micro_batch_rows=4)
     np.testing.assert_allclose(plain.logprobs(plain.params, ppo_batch["input_ids"], ppo_batch["valid"]), ref_lp,
                                rtol=1e-6, atol=1e-6)
 

@@ -1,0 +1,228 @@
+"""Two CPU processes joined by ``jax.distributed.initialize`` on 127.0.0.1 run one full MemPO RL step
+(rollout with host tools, memory-reward scoring, reference log-probs, PPO update) on a mesh that
+spans both, each rolling out its half of the questions, and end with the parameters (and the
+sampled tokens) of the same step run by one process.
+
+The policy is the toy agent model after a short SFT on scripted two-turn episodes
+(``<mem>`` + ``<search>``, then ``<mem>`` + ``<answer>``), so sampled turns call the search tool
+and write ``<mem>`` spans. Run as a script, this file is the worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER_TIMEOUT_S = 240
+
+
+def rl_config():
+    from mempo_jax.agent.rollout import RolloutConfig
+    from mempo_jax.losses import LossConfig
+    from mempo_jax.rl_step import RLConfig
+
+    rollout = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=256, max_observation_tokens=12,
+                            temperature=1.0, context_steps=1, min_rows_bucket=16)
+    # two mini-batches = two optimizer steps: the warm-up schedule gives the first one lr = 0
+    return RLConfig(steps=1, questions_per_step=4, group_size=4, num_mini_batches=2, loss=LossConfig(),
+                    rollout=rollout)
+
+
+def run_rl_step(params, mesh, seed: int = 0):
+    """One ``rl_step`` on this process's share of the toy questions (all of them on one process).
+
+    Returns ``(new params, metrics, sampled turn ids per trajectory)``.
+    """
+    import jax
+
+    from mempo_jax import lockstep
+    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.distributed import process_slice
+    from mempo_jax.learner import OptimConfig, make_optimizer
+    from mempo_jax.model.forward import make_logits_fn
+    from mempo_jax.rl_step import rl_step
+    from mempo_jax.sampling import Sampler, SamplerConfig
+    from mempo_jax.scoring import MemoryRewardScorer
+    from mempo_jax.sharding import logical_to_sharding, param_shardings
+    from toy_agent import toy_model, toy_world
+
+    tok, env, questions = toy_world()
+    cfg, graphdef, _ = toy_model(tok.vocab_size)
+    stop_ids = [tok.eos_id] + [tok.piece_id(t) for t in STOP_TAGS]
+    sampler = Sampler(graphdef, cfg, stop_ids, tok.pad_id, mesh=mesh)
+
+    def sample_fn(p, ids, mask, key, n, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
+
+    logits_fn = make_logits_fn(graphdef)
+    kw = {}
+    if mesh is not None:
+        kw = dict(batch_sharding=logical_to_sharding(("batch", None), mesh),
+                  param_shardings=param_shardings(params, mesh))
+    scorer = MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], temperature=1.0, **kw)
+    sync, sample_fn, scorer = lockstep.distribute(sample_fn, scorer, tok.pad_id)
+    learner = lockstep.DistributedLearner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3,
+                                                                                        warmup_steps=1)),
+                                          temperature=1.0, micro_batch_rows=8, mesh=mesh, sync=sync,
+                                          pad_id=tok.pad_id)
+    ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
+    mine = questions[process_slice(len(questions))]
+    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, mine, tok, env, rl_config(),
+                             jax.random.PRNGKey(seed), np.random.default_rng(seed))
+    turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
+    return learner.params, metrics, turns
+
+
+def sft_params():
+    """The toy model after 80 SFT steps on scripted episodes (one device, deterministic)."""
+    import jax
+
+    from mempo_jax.agent.protocol import parse_turn, render_turn
+    from mempo_jax.agent.rollout import build_prompt, encode_observation
+    from mempo_jax.batching import pad_sequences
+    from mempo_jax.learner import Learner, OptimConfig, make_optimizer
+    from mempo_jax.model.forward import make_logits_fn
+    from toy_agent import toy_model, toy_world
+
+    tok, env, questions = toy_world()
+    _, graphdef, params = toy_model(tok.vocab_size)
+    keywords = {"q0": "alice", "q1": "acme", "q2": "globex", "q3": "carol"}
+    rows = []
+    for q in questions:
+        prompt = build_prompt(tok, q.question)
+        first = render_turn(" " + q.question, " search", "search", " " + keywords[q.id])
+        obs = encode_observation(tok, env.execute(parse_turn(first)).observation, 12)
+        second = render_turn(" " + keywords[q.id] + " " + q.golds[0][0], " answer", "answer", " " + q.golds[0][0])
+        t1, t2 = tok.encode(first), tok.encode(second)
+        rows.append((prompt + t1, [0.0] * len(prompt) + [1.0] * len(t1)))
+        ctx = prompt + t1 + obs
+        rows.append((ctx + t2, [0.0] * len(ctx) + [1.0] * len(t2)))
+    ids, valid = pad_sequences([r[0] for r in rows], tok.pad_id, 64)
+    mask = np.zeros(ids.shape, np.float32)
+    for i, (_, m) in enumerate(rows):
+        mask[i, : len(m)] = m
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=5)),
+                      micro_batch_rows=8)
+    for _ in range(80):
+        m = learner.sft_step({"input_ids": ids, "valid": valid, "loss_mask": mask})
+    assert m["sft/loss"] < 0.5, m
+    return jax.tree.map(np.asarray, learner.params)
+
+
+def _flat(params) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+# ------------------------------------------------------------------------------------- worker
+
+
+def worker(argv) -> int:
+    """``python tests/test_multiprocess.py --process_id I --num_processes N --port P --params F --out D``."""
+    ap = argparse.ArgumentParser()
+    for name in ("--process_id", "--num_processes", "--port"):
+        ap.add_argument(name, type=int, required=True)
+    ap.add_argument("--params", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sys.path[:0] = [str(HERE), str(REPO)]
+    import jax
+    from jax.experimental import multihost_utils
+
+    from mempo_jax.distributed import maybe_initialize
+    from mempo_jax.mesh_config import MeshConfig
+    from toy_agent import toy_model, toy_world
+
+    assert maybe_initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
+    assert jax.process_count() == args.num_processes and jax.device_count() == 2 * args.num_processes
+    mesh = MeshConfig(data=1, fsdp=-1, tensor=2).make()  # fsdp across the processes, tensor within
+    _, _, abstract = toy_model(toy_world()[0].vocab_size)
+    stored = np.load(args.params)
+    params = jax.tree.unflatten(jax.tree.structure(abstract), [stored[f"p{i}"] for i in range(len(stored.files))])
+    new_params, metrics, turns = run_rl_step(params, mesh)
+    full = multihost_utils.process_allgather(new_params, tiled=True)
+    out = pathlib.Path(args.out)
+    if args.process_id == 0:
+        np.savez(out / "params.npz", **{f"p{i}": x for i, x in enumerate(_flat(full))})
+    (out / f"result_{args.process_id}.json").write_text(json.dumps({
+        "metrics": metrics, "turns": turns, "process_count": jax.process_count(),
+        "mesh": dict(mesh.shape), "addressable": len(jax.tree.leaves(new_params)[0].addressable_shards)}))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- tests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
+    import jax
+
+    params = sft_params()
+    np.savez(tmp_path / "init.npz", **{f"p{i}": x for i, x in enumerate(_flat(params))})
+    # Two CPU devices per process; cheaper LLVM passes halve the workers' compile time on a busy CPU
+    # (the comparison below checks that the numbers still agree).
+    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 " \
+            "--xla_llvm_disable_expensive_passes=true"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
+               PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(pathlib.Path(__file__)), "--process_id", str(i), "--num_processes",
+                               "2", "--port", str(port), "--params", str(tmp_path / "init.npz"), "--out", str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        # the single-process reference runs meanwhile (plain single-device learner and sampler)
+        ref_params, ref_metrics, ref_turns = run_rl_step(jax.tree.map(jax.numpy.asarray, params), mesh=None)
+        deadline = time.time() + WORKER_TIMEOUT_S
+        logs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            logs.append(out)
+        for i, p in enumerate(procs):
+            assert p.returncode == 0, f"worker {i} failed:\n{logs[i][-4000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    assert [r["process_count"] for r in results] == [2, 2]
+    assert results[0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and results[0]["addressable"] == 2
+    # Each process rolled out its half of the questions; together: exactly the single-process tokens.
+    assert results[0]["turns"] + results[1]["turns"] == ref_turns
+    assert len(results[0]["turns"]) == len(results[1]["turns"]) == 8
+    # The step exercised tools, memory scoring and the update.
+    assert ref_metrics["tool_calls/mean"] > 0 and ref_metrics["mem/turns"] > 0
+    assert sum(r["metrics"]["mem/turns"] for r in results) == ref_metrics["mem/turns"]
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):  # PPO metrics are global
+        for r in results:
+            assert r["metrics"][k] == np.float32(r["metrics"][k])
+            assert abs(r["metrics"][k] - ref_metrics[k]) <= 1e-5 * max(abs(ref_metrics[k]), 1e-6), k
+    got = np.load(tmp_path / "params.npz")
+    got = [got[f"p{i}"].astype(np.float64) for i in range(len(got.files))]
+    ref, old = _flat(ref_params), _flat(params)
+    diff = sum(float(np.sum((g - r) ** 2)) for g, r in zip(got, ref)) ** 0.5
+    norm = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in ref) ** 0.5
+    moved = sum(float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(ref, old)) ** 0.5
+    assert diff <= 1e-5 * norm  # the same parameters as one process
+    assert moved > 100 * diff and moved > 1e-4 * norm  # ... after an update that changed them
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1:]))
