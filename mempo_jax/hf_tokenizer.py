@@ -4,8 +4,13 @@ Same surface as ``mempo_jax.tokenizer.SentencePieceTokenizer``: ``encode``, ``de
 ``piece_id``, ``vocab_size``, ``pad_id``, ``bos_id``, ``eos_id``. Differences a caller must know:
 
 * ``bos_id`` is ``None`` for tokenizers without a BOS token (Qwen2.5); prepend nothing then.
-* Protocol tags (``<mem>``, ``</search>``, …) are usually *several* byte-level BPE tokens here, so
-  ``piece_id`` raises ``KeyError`` for them. Closing tags are detected on the sampled ids by
+* Protocol tags (``<mem>``, ``</search>``, …) are usually *several* byte-level BPE tokens of a
+  checkpoint's tokenizer, so ``piece_id`` raises ``KeyError`` for them. The rollout finds
+  ``<mem>`` spans and stop tags on ids as single tokens, so a run from a checkpoint uses
+  ``with_protocol_tags(embedding_rows)``: every tag becomes one added token whose id is a spare
+  embedding row (Qwen2.5: 151,936 rows vs 151,665 tokens) or a renamed reserved special token
+  (Llama 3: ``<|reserved_special_token_N|>``). Those rows are untrained at first; the SFT cold
+  start trains them. Without the tags, closing tags can still be detected on the sampled ids by
   decoding (``tag_stop_matcher`` / ``first_tag_stop``), never by re-tokenising text
   (ARCHITECTURE.md, token-in/token-out).
 * The Qwen chat template (``<|im_start|>role\\n…<|im_end|>\\n``) is applied by ``chat_ids``,
@@ -16,19 +21,24 @@ Sources: the ``tokenizers`` library; Qwen2.5 ``tokenizer_config.json`` chat temp
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
+import re
+import shutil
 from typing import Callable, Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
-from mempo_jax.agent.protocol import STOP_TAGS
+from mempo_jax.agent.protocol import ALL_TAG_PIECES, STOP_TAGS
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # End-of-turn / end-of-text specials of the supported families (Qwen2.5, Llama 3.x).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+# Llama 3 reserves 248 such tokens (ids 128002…128255, minus the named ones); free for the tags.
+RESERVED_TOKEN = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
 
 
 def _token_name(value) -> str | None:
@@ -50,6 +60,8 @@ class HFTokenizer:
       vocab_size: ids of the tokenizer incl. added tokens (the model's embedding may be larger).
       pad_id, eos_id: int; bos_id: int or None.
       extra_eos_ids: further end-of-sequence ids from ``generation_config.json``.
+      tag_ids: protocol tag → id, for the tags that are single tokens (all 12 after
+        ``with_protocol_tags``).
 
     Raises:
       FileNotFoundError: if ``tokenizer.json`` is absent.
@@ -84,6 +96,7 @@ class HFTokenizer:
             gen = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
             extra = [gen] if isinstance(gen, int) else list(gen or [])
         self.extra_eos_ids = tuple(int(i) for i in extra if int(i) != self.eos_id)
+        self.tag_ids = {t: int(i) for t in ALL_TAG_PIECES if (i := self._tok.token_to_id(t)) is not None}
 
     def encode(self, text: str) -> list[int]:
         """Text → ids, no BOS/EOS added. Special-token strings in ``text`` map to their ids."""
@@ -104,6 +117,105 @@ class HFTokenizer:
         if i is None:
             raise KeyError(f"piece {piece!r} is not a single token of {self.path}")
         return int(i)
+
+    def check_protocol_tags(self, tags: Sequence[str] = ALL_TAG_PIECES) -> None:
+        """Raise ``ValueError`` naming the first of ``tags`` that is not a single token
+        (same contract as ``SentencePieceTokenizer.check_protocol_tags``)."""
+        for tag in tags:
+            if self._tok.token_to_id(tag) is None:
+                raise ValueError(f"tokenizer {self.path} lacks the protocol tag {tag!r} as a single token; "
+                                 "use HFTokenizer.with_protocol_tags(embedding_rows)")
+
+    def with_protocol_tags(self, embedding_rows: int, tags: Sequence[str] = ALL_TAG_PIECES) -> "HFTokenizer":
+        """A copy of this tokenizer in which every tag is one token with an id < ``embedding_rows``.
+
+        A tag that is already a single token keeps its id. Each other tag takes, in order, an
+        unused reserved special token (``<|reserved_special_token_N|>``, lowest N first, renamed
+        to the tag; Llama 3) or else the next id after the vocabulary (a spare embedding row;
+        Qwen2.5). Tags are added tokens with ``normalized=False, special=False``: they are
+        matched in text before pre-tokenisation (``encode("x<mem>y")`` gives the tag's id) and
+        ``decode`` writes their text back. EOS / PAD / BOS / end-of-turn ids are never reused.
+        ``self`` is not changed.
+
+        Args:
+          embedding_rows: rows of the model's token embedding (``ModelConfig.vocab_size``).
+          tags: the strings to make single tokens (default: the 12 ``ALL_TAG_PIECES``).
+
+        Returns:
+          A new ``HFTokenizer``; ``piece_id(tag)`` works, ``vocab_size`` counts the added tags
+          (still ≤ ``embedding_rows``), ``tag_ids`` maps tag → id.
+
+        Raises:
+          ValueError: naming the first tag that has no free reserved token and no spare row
+            (``vocab_size`` ids already fill ``embedding_rows``), a tag that is already a token
+            with an id ≥ ``embedding_rows``, or a tokenizer larger than the embedding.
+
+        Source: the added-token layout of HF ``tokenizer.json`` (``added_tokens`` entries
+        ``{id, content, single_word, lstrip, rstrip, normalized, special}``).
+        """
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        top = max(vocab.values()) + 1
+        if top > embedding_rows:
+            raise ValueError(f"tokenizer {self.path} has ids up to {top - 1} but the model has only "
+                             f"{embedding_rows} embedding rows")
+        data = json.loads(self._tok.to_str())
+        keep = {self.eos_id, self.pad_id, self.bos_id, *self.extra_eos_ids, *self.end_of_turn_ids}
+        reserved = sorted((int(m.group(1)), entry) for entry in data.get("added_tokens", [])
+                          if (m := RESERVED_TOKEN.match(entry["content"])) and entry["id"] not in keep
+                          and entry["id"] < embedding_rows)
+        reserved_entries = [entry for _, entry in reserved]
+        model_vocab = data.get("model", {}).get("vocab")
+        added = {entry["content"] for entry in data.get("added_tokens", [])}
+        want: dict[str, int] = {}
+        for tag in dict.fromkeys(tags):
+            i = vocab.get(tag)
+            if i is not None:
+                if i >= embedding_rows:
+                    raise ValueError(f"protocol tag {tag!r} is token {i}, beyond the model's {embedding_rows} "
+                                     "embedding rows")
+                if tag not in added:  # a merge of the BPE model: pre-tokenisation would split it
+                    data.setdefault("added_tokens", []).append(
+                        {"id": i, "content": tag, "single_word": False, "lstrip": False, "rstrip": False,
+                         "normalized": False, "special": False})
+                want[tag] = i
+                continue
+            if reserved_entries:
+                entry = reserved_entries.pop(0)
+                if isinstance(model_vocab, dict) and entry["content"] in model_vocab:
+                    model_vocab[tag] = model_vocab.pop(entry["content"])
+                entry.update(content=tag, normalized=False, special=False)
+            elif top < embedding_rows:
+                entry = {"id": top, "content": tag, "single_word": False, "lstrip": False, "rstrip": False,
+                         "normalized": False, "special": False}
+                data.setdefault("added_tokens", []).append(entry)
+                top += 1
+            else:
+                raise ValueError(
+                    f"no room for protocol tag {tag!r}: the tokenizer {self.path} (plus the tags placed before "
+                    f"it) fills all {embedding_rows} embedding rows of the model and has no free "
+                    "<|reserved_special_token_N|>; a model with spare embedding rows is needed")
+            want[tag] = int(entry["id"])
+        out = copy.copy(self)
+        out._tok = Tokenizer.from_str(json.dumps(data))
+        got = {tag: out._tok.token_to_id(tag) for tag in want}
+        if got != want:  # the tokenizers library assigned other ids than planned
+            raise ValueError(f"protocol tags got ids {got}, expected {want}")
+        out.vocab_size = int(out._tok.get_vocab_size(with_added_tokens=True))
+        out.tag_ids = want
+        return out
+
+    def save(self, folder: str | os.PathLike) -> pathlib.Path:
+        """Write ``tokenizer.json`` (incl. added protocol tags) into ``folder`` and copy the
+        source's ``tokenizer_config.json`` / ``generation_config.json`` beside it, so an exported
+        checkpoint folder (``save_hf_checkpoint``) loads with its tags. Returns the folder."""
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(folder / "tokenizer.json"))
+        for name in ("tokenizer_config.json", "generation_config.json"):
+            src = self.path.parent / name
+            if src.is_file() and src.resolve() != (folder / name).resolve():
+                shutil.copyfile(src, folder / name)
+        return folder
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
