@@ -87,14 +87,14 @@ def run_sft(learner, rows, steps: int, batch_rows: int, pad_id: int, rng: np.ran
     return history
 
 
-def copy_rows(token_ids: Sequence[int], count: int, bos_id: int, rng: np.random.Generator,
+def copy_rows(token_ids: Sequence[int], count: int, bos_id: Optional[int], rng: np.random.Generator,
               min_len: int = 4, max_len: int = 16) -> list[tuple[list[int], list[float]]]:
     """Synthetic induction rows ``(BOS s s, loss on the second s)``.
 
     Args:
       token_ids: the pool the sequences are drawn from (the world's single-piece entity names).
       count: number of rows.
-      bos_id: the BOS id.
+      bos_id: the BOS id (``None`` for tokenizers without one, e.g. Qwen: the row starts with ``s``).
       rng: numpy generator.
       min_len, max_len: length range of ``s`` (inclusive, exclusive).
 
@@ -108,5 +108,6 @@ def copy_rows(token_ids: Sequence[int], count: int, bos_id: int, rng: np.random.
     for _ in range(count):
         n = int(rng.integers(min_len, max_len))
         seq = [int(t) for t in rng.choice(pool, n)]
-        out.append(([bos_id] + seq + seq, [0.0] * (n + 1) + [1.0] * n))
+        bos = [] if bos_id is None else [int(bos_id)]
+        out.append((bos + seq + seq, [0.0] * (len(bos) + n) + [1.0] * n))
     return out
