@@ -1,0 +1,322 @@
+"""Memory plan of a recipe on its TPU slice: ``python -m mempo_jax.plan --gin_file=CONFIG``.
+
+Builds the policy (``nnx.eval_shape`` of the decoder), the AdamW state and the sampler's KV cache
+(``jax.eval_shape`` of the jitted initialisers with their ``out_shardings``) on the *target* mesh —
+a device-less ``AbstractMesh`` of the slice's device count (``TPUConfig.accelerator_type``) and the
+config's ``MeshConfig`` and rules — and reads bytes per device off the shard shapes. Activations are estimated for
+the present model code (no rematerialisation; attention materialises ``[rows, heads, L, S]``
+float32 scores and probabilities; logits are float32 ``[rows, L, vocab]``), sharded by the same
+logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), for each phase of a
+step:
+
+* sampling: KV cache + prefill (full ``[rows, P, vocab]`` logits, one layer's transients);
+* log-probs (old / reference, ``Learner.logprobs`` chunks): logits, log-softmax, entropy;
+* memory-reward scoring (``MemoryRewardScorer`` chunks over the stacked ``[2M, L]`` batch);
+* update (one PPO micro-batch): activations saved for the backward pass of every layer and two
+  layers' backward transients, float32 logits copies and their gradient, plus the gradient
+  accumulator and one micro-batch's gradient.
+
+Peak per device = parameters + optimizer state + reference + the largest phase. The command
+exits 1 with a message naming the largest term when the peak exceeds ``PlanConfig.hbm_fraction``
+of the chip's HBM (v5e 16 GiB, v5p 95 GiB, v6e 32 GiB), 2 on a config error, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+GIB = 2**30
+# Calibration of the activation estimate (bytes per attention-score element; float32 logits
+# copies per phase), set so that XLA's own temp allocation for each phase's program, compiled on
+# CPU for a small model (tests/test_plan.py), stays below the estimate: prefill logits and their
+# log-softmax and the sampling step's scaled copy; logits, log-softmax, softmax, entropy terms; logits and log-softmax; and in the
+# update the logits, log-softmax, softmax, the ratio terms and the logits' gradient.
+ATTENTION_BYTES = 16
+LOGIT_COPIES = {"sampling": 3, "logprobs": 4, "scoring": 2, "update": 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of one recipe on one slice (all sizes in bytes unless named otherwise).
+
+    Attributes:
+      model: preset name; ``num_params``: parameter count.
+      accelerator, chip, num_devices, hbm_bytes: the slice (HBM per device).
+      mesh: ``{"data", "fsdp", "tensor"}`` sizes.
+      params, opt_state, reference, kv_cache: resident / cache bytes per device.
+      phases: ``{"sampling", "logprobs", "scoring", "update"}`` transient bytes per device
+        (``sampling`` includes the KV cache, ``update`` the gradients).
+      shapes: the row / length sizes the estimate used.
+      peak: parameters + optimizer state + reference + max(phases).
+      budget: ``hbm_fraction * hbm_bytes``.
+    """
+
+    model: str
+    num_params: int
+    accelerator: str
+    chip: str
+    num_devices: int
+    hbm_bytes: int
+    mesh: dict
+    params: int
+    opt_state: int
+    reference: int
+    kv_cache: int
+    phases: dict
+    shapes: dict
+    peak: int
+    budget: int
+
+    @property
+    def fits(self) -> bool:
+        """True when the peak fits the HBM budget."""
+        return self.peak <= self.budget
+
+    @property
+    def activations(self) -> int:
+        """The largest phase's bytes without the KV cache and gradients (the 'activations' line)."""
+        return max(self.phases["sampling"] - self.kv_cache, self.phases["logprobs"], self.phases["scoring"],
+                   self.phases["update"] - self.shapes["gradient_bytes"])
+
+    @property
+    def peak_phase(self) -> str:
+        """Name of the largest phase."""
+        return max(self.phases, key=self.phases.get)
+
+
+def model_config(cfg):
+    """The ``ModelConfig`` of an ``ExperimentConfig`` (as ``build_experiment``; ``tiny`` uses the
+    configured ``vocab_size``)."""
+    from mempo_jax.model.config import ModelConfig
+
+    build = getattr(ModelConfig, cfg.model.preset, None)
+    if build is None or not callable(build):
+        raise ValueError(f"ModelOptions.preset {cfg.model.preset!r} is not a ModelConfig preset")
+    model_cfg = build(cfg.vocab_size) if cfg.model.preset == "tiny" else build()
+    return model_cfg.replace(**dict(cfg.model.overrides)) if cfg.model.overrides else model_cfg
+
+
+def _sharded_bytes(tree) -> int:
+    """Sum over ``ShapeDtypeStruct`` leaves (with shardings) of the bytes of one device's shard."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * leaf.dtype.itemsize
+    return total
+
+
+def step_shapes(cfg, plan_cfg) -> dict:
+    """Row and length sizes of one step, as the rollout, ``build_training_rows`` and the scorer
+    bucket them (powers of two), worst case over the step.
+
+    Returns a dict with ``rollout_rows``, ``prompt_len`` (P), ``cache_len`` (S = P + N),
+    ``train_len``, ``scoring_rows``, ``scoring_len``.
+    """
+    from mempo_jax.agent.trajectory import FULL
+    from mempo_jax.batching import bucket_length
+
+    ro = cfg.rl.rollout
+    traj = cfg.rl.questions_per_step * cfg.rl.group_size
+    rows = bucket_length(traj, ro.min_rows_bucket)
+    prompt = bucket_length(max(ro.max_context_tokens - ro.max_new_tokens, 1), 128)
+    turn = ro.max_new_tokens + ro.max_observation_tokens + 2  # output + <information> … </information>
+    full_len = plan_cfg.max_prompt_tokens + ro.max_turns * turn
+    train_len = bucket_length(full_len if ro.context_steps == FULL else ro.max_context_tokens)
+    scoring_len = bucket_length(plan_cfg.max_prompt_tokens + (ro.max_turns - 1) * turn + 1 + plan_cfg.max_answer_tokens)
+    mem_turns = traj * ro.max_turns
+    all_rows = bucket_length(2 * mem_turns, 8)
+    scoring_rows = min(all_rows, plan_cfg.scoring_chunk_rows) if plan_cfg.scoring_chunk_rows else all_rows
+    return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": prompt + ro.max_new_tokens,
+            "train_len": train_len, "micro_batch_rows": plan_cfg.micro_batch_rows,
+            "logprob_rows": plan_cfg.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
+
+
+class _Act:
+    """Per-device element counts of activations, sharded by the logical-axis rules."""
+
+    def __init__(self, model_cfg, mesh, rules):
+        self.c, self.mesh, self.rules = model_cfg, mesh, rules
+        self.act = model_cfg.activation_dtype.itemsize
+
+    def elems(self, axes, shape) -> int:
+        from jax.sharding import NamedSharding
+
+        from mempo_jax.sharding import logical_to_spec
+
+        spec = logical_to_spec(axes, self.rules, self.mesh, shape)
+        return math.prod(NamedSharding(self.mesh, spec).shard_shape(tuple(shape)))
+
+    def width(self, rows, length, name, size) -> int:
+        return self.elems(("batch", "seq", name), (rows, length, size))
+
+    def heads(self, rows, length, name, heads) -> int:
+        return self.elems(("batch", "seq", name, "head_dim"), (rows, length, heads, self.c.head_dim))
+
+    def scores(self, rows, length, slots) -> int:
+        return self.elems(("batch", "heads", "seq", None), (rows, self.c.num_heads, length, slots))
+
+    def logits(self, rows, length) -> int:
+        return self.elems(("batch", "seq", "vocab"), (rows, length, self.c.vocab_size))
+
+    def layer_forward(self, rows, length, slots) -> int:
+        """Live bytes of one layer's forward (nothing kept for a backward pass): four float32
+        ``[rows, heads, length, slots]`` attention buffers (scores, masked, exponentials,
+        probabilities) and the layer's projections."""
+        c, a = self.c, self.act
+        return (a * (4 * self.width(rows, length, "embed", c.embed_dim)
+                     + 3 * self.heads(rows, length, "heads", c.num_heads)
+                     + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads)
+                     + 3 * self.width(rows, length, "mlp", c.mlp_dim))
+                + ATTENTION_BYTES * self.scores(rows, length, slots))
+
+    def layer_saved(self, rows, length) -> int:
+        """Bytes one layer keeps for the backward pass: residual and normalised inputs (and their
+        float32 norm statistics), q / k / v before and after RoPE, attention output, the attention
+        buffers, the SwiGLU gate, up, activation and product."""
+        c, a = self.c, self.act
+        return (a * (6 * self.width(rows, length, "embed", c.embed_dim)
+                     + 3 * self.heads(rows, length, "heads", c.num_heads)
+                     + 3 * self.heads(rows, length, "kv_heads", c.num_kv_heads)
+                     + 4 * self.width(rows, length, "mlp", c.mlp_dim))
+                + 8 * self.width(rows, length, "embed", c.embed_dim)
+                + ATTENTION_BYTES * self.scores(rows, length, length))
+
+
+def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
+    """The ``MemoryPlan`` of an ``ExperimentConfig`` on ``tpu`` with ``mesh_cfg`` (no devices used).
+
+    Args:
+      cfg: ``ExperimentConfig`` (model, RL optimizer, rollout sizes).
+      mesh_cfg: ``MeshConfig`` (axis sizes, ``-1`` filled from the slice's device count; rules).
+      tpu: ``TPUConfig`` (device count and HBM).
+      plan_cfg: ``PlanConfig`` (micro-batch, chunk rows, prompt / answer bounds, HBM fraction).
+
+    Raises:
+      ValueError: a mesh that does not match the device count, or an unknown preset.
+    """
+    import jax
+
+    from mempo_jax.learner import make_optimizer
+    from mempo_jax.model.decoder import init_cache
+    from mempo_jax.model.forward import abstract_model, split_model
+    from mempo_jax.sharding import cache_shardings, opt_state_shardings, param_shardings
+
+    model_cfg = model_config(cfg)
+    mesh = mesh_cfg.abstract(tpu.num_devices)
+    rules = mesh_cfg.rules
+    _, abstract = split_model(abstract_model(model_cfg))  # nnx.eval_shape of the Decoder
+    ps = param_shardings(abstract, mesh, rules)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, ps)
+    optimizer = make_optimizer(cfg.optim)
+    os_ = opt_state_shardings(optimizer, abstract, mesh, rules)
+    opt_state = jax.eval_shape(jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=os_), params)
+    shapes = step_shapes(cfg, plan_cfg)
+    rows, size = shapes["rollout_rows"], shapes["cache_len"]
+    cache = jax.eval_shape(jax.jit(lambda: init_cache(model_cfg, rows, size),
+                                   out_shardings=cache_shardings(model_cfg, rows, size, mesh, rules)))
+
+    p_bytes, o_bytes, c_bytes = _sharded_bytes(params), _sharded_bytes(opt_state), _sharded_bytes(cache)
+    act = _Act(model_cfg, mesh, rules)
+    n_layers = model_cfg.num_layers
+    prompt, train_len = shapes["prompt_len"], shapes["train_len"]
+    micro, lp_rows = shapes["micro_batch_rows"], shapes["logprob_rows"]
+    s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
+    gradient_bytes = 2 * p_bytes  # accumulator + one micro-batch's gradient (parameter dtype)
+    phases = {  # float32 logits copies per phase: LOGIT_COPIES
+        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
+        + act.layer_forward(rows, prompt, size),
+        "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, train_len)
+        + act.layer_forward(lp_rows, train_len, train_len),
+        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len) + act.layer_forward(s_rows, s_len, s_len),
+        # every layer's saved activations + two layers' worth of backward transients
+        "update": gradient_bytes + (n_layers + 2) * act.layer_saved(micro, train_len)
+        + LOGIT_COPIES["update"] * 4 * act.logits(micro, train_len),
+    }
+    shapes["gradient_bytes"] = gradient_bytes
+    peak = 2 * p_bytes + o_bytes + max(phases.values())
+    mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
+    return MemoryPlan(cfg.model.preset, model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
+                      tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, p_bytes, c_bytes, phases,
+                      shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def format_plan(plan: MemoryPlan, source: str = "") -> str:
+    """The plan as a table of GiB per device (what the command prints)."""
+    s = plan.shapes
+    m = plan.mesh
+    lines = [
+        f"MemPO memory plan{' — ' + source if source else ''}",
+        f"  model    {plan.model}: {plan.num_params / 1e9:.2f} B parameters",
+        f"  slice    {plan.accelerator}: {plan.num_devices} devices ({plan.chip}, {plan.hbm_bytes / GIB:.0f} GiB HBM each)"
+        f", mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}",
+        f"  shapes   rollout {s['rollout_rows']} rows x {s['cache_len']} cache slots (prompt {s['prompt_len']}); "
+        f"update micro-batch {s['micro_batch_rows']} x {s['train_len']}; log-probs {s['logprob_rows']} x "
+        f"{s['train_len']}; scoring {s['scoring_rows']} x {s['scoring_len']}",
+        "  per device:",
+        f"    parameters (policy)        {_gib(plan.params)}",
+        f"    optimizer state            {_gib(plan.opt_state)}",
+        f"    reference parameters       {_gib(plan.reference)}",
+        f"    KV cache (sampler)         {_gib(plan.kv_cache)}",
+        f"    activations (peak phase)   {_gib(plan.activations)}",
+        f"    gradients (update)         {_gib(s['gradient_bytes'])}",
+        "  phases (transient, per device):",
+    ]
+    lines += [f"    {name:<26} {_gib(value)}{'   <- peak' if name == plan.peak_phase else ''}"
+              for name, value in plan.phases.items()]
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  peak {_gib(plan.peak)} of budget {plan.budget / GIB:.2f} GiB "
+                 f"({plan.budget / plan.hbm_bytes:.0%} of {plan.hbm_bytes / GIB:.0f} GiB): {verdict} "
+                 f"({plan.peak / plan.hbm_bytes:.0%} of HBM)")
+    return "\n".join(lines)
+
+
+def plan_dict(plan: MemoryPlan) -> dict:
+    """JSON-able dict of the plan (bytes), with ``fits``, ``activations`` and ``peak_phase``."""
+    d = dataclasses.asdict(plan)
+    d.update(fits=plan.fits, activations=plan.activations, peak_phase=plan.peak_phase)
+    return d
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI: print the plan; exit 0 when it fits, 1 when it does not, 2 on a config error."""
+    p = argparse.ArgumentParser(prog="python -m mempo_jax.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gin_file", action="append", default=[], help="gin config (repeatable)")
+    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
+    args = p.parse_args(argv)
+    from mempo_jax import config as config_lib
+    from mempo_jax import mesh_config
+
+    try:
+        mesh_config.register()
+        cfg = config_lib.load_config(args.gin_file, args.gin_param)
+        pod = mesh_config.from_gin()
+        plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    except (ValueError, TypeError, KeyError) as e:
+        msg = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()
+        print(f"error: {msg.splitlines()[0] if msg else repr(e)}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_dict(plan), indent=1) if args.json else format_plan(plan, ", ".join(args.gin_file)))
+    if not plan.fits:
+        print(f"error: the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
+              f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "
+              f"HBM of a {plan.chip} chip); the largest phase is '{plan.peak_phase}' "
+              f"({plan.phases[plan.peak_phase] / GIB:.2f} GiB). Use more chips, a larger fsdp/tensor split, fewer "
+              f"rollout rows, shorter contexts, or smaller micro-batch / chunk rows.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The memory plan: its parameter / optimizer / KV-cache bytes are the shard bytes of real arrays on
+an 8-device mesh, its activation estimates bound XLA's own allocation for each phase's program, the
+shipped pod configs fit, and a plan that does not fit exits non-zero with a clear message."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from mempo_jax import config as config_lib
+from mempo_jax import mesh_config, plan
+from mempo_jax.learner import Learner, make_optimizer
+from mempo_jax.losses import LossConfig
+from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
+from mempo_jax.model.decoder import init_cache
+from mempo_jax.model.forward import make_logits_fn
+from mempo_jax.sampling import _compiled_generate
+from mempo_jax.scoring import MemoryRewardScorer
+from mempo_jax.sharding import cache_shardings, init_sharded_params, logical_to_sharding, make_mesh
+
+SMALL = [
+    "ExperimentConfig.model = @ModelOptions()", "ExperimentConfig.rl = @RLConfig()", "RLConfig.rollout = @RolloutConfig()",
+    'ModelOptions.preset = "tiny"', "ExperimentConfig.vocab_size = 4096",
+    'ModelOptions.overrides = (("num_layers", 2), ("embed_dim", 256), ("mlp_dim", 1024), ("num_heads", 8), '
+    '("num_kv_heads", 4), ("head_dim", 32))',
+    "RLConfig.questions_per_step = 4", "RLConfig.group_size = 16", "RolloutConfig.max_turns = 4",
+    "RolloutConfig.max_context_tokens = 512", "RolloutConfig.max_new_tokens = 64",
+    "RolloutConfig.max_observation_tokens = 64", 'TPUConfig.accelerator_type = "v5e-8"',
+    "MeshConfig.fsdp = 4", "MeshConfig.tensor = 2", "PlanConfig.micro_batch_rows = 16",
+    "PlanConfig.logprob_chunk_rows = 16", "PlanConfig.scoring_chunk_rows = 16",
+]
+CONFIGS = {"qwen2_5_0_5b_v5e8": (8, "v5e", 16), "qwen2_5_7b_v5p64": (32, "v5p", 95)}
+
+
+def _device_bytes(tree) -> int:
+    """Bytes that device 0 holds of the arrays in ``tree``."""
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
+
+
+@pytest.fixture(scope="module")
+def small():
+    mesh_config.register()
+    cfg = config_lib.load_config([], SMALL)
+    pod = mesh_config.from_gin()
+    return cfg, pod, plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+
+
+@pytest.fixture(scope="module")
+def real(small):
+    cfg, pod, p = small
+    mesh = make_mesh(1, 4, 2)
+    model_cfg = plan.model_config(cfg)
+    graphdef, params = init_sharded_params(model_cfg, 0, mesh)
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
+    return mesh, model_cfg, graphdef, learner
+
+
+def test_resident_bytes_equal_real_shards_on_the_mesh(small, real):
+    cfg, pod, p = small
+    mesh, model_cfg, _, learner = real
+    assert p.mesh == {"data": 1, "fsdp": 4, "tensor": 2} and p.num_devices == 8
+    assert p.params == _device_bytes(learner.params) == p.reference
+    assert p.opt_state == _device_bytes(learner.opt_state)
+    rows, size = p.shapes["rollout_rows"], p.shapes["cache_len"]
+    cache = jax.jit(lambda: init_cache(model_cfg, rows, size), out_shardings=cache_shardings(model_cfg, rows, size, mesh))()
+    assert p.kv_cache == _device_bytes(cache)
+    # rows over data x fsdp = 4, kv heads over tensor = 2: an eighth of the cache per device
+    assert p.kv_cache == 2 * 4 * model_cfg.num_layers * rows * size * model_cfg.num_kv_heads * model_cfg.head_dim // 8
+    assert p.shapes == dict(p.shapes, rollout_rows=64, prompt_len=512, cache_len=576, train_len=512,
+                            scoring_rows=16, scoring_len=1024)
+
+
+def _temp(compiled) -> int:
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_activation_estimates_bound_xla_temp_allocation(small, real):
+    """Each phase's estimate is at least XLA's temp allocation for that program (compiled for the
+    8-device CPU mesh), and not more than 3x it."""
+    cfg, pod, p = small
+    mesh, model_cfg, graphdef, learner = real
+    s = p.shapes
+    rows_sh = lambda shape: logical_to_sharding(("batch", None), mesh, shape=shape)  # noqa: E731
+    b = {k: jax.device_put(np.zeros((16, s["train_len"]), dt), rows_sh((16, s["train_len"])))
+         for k, dt in [("input_ids", np.int32), ("valid", bool), ("loss_mask", np.float32),
+                       ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
+    xla = {"update": _temp(learner._ppo_step.lower(learner.params, learner.opt_state, b, 1, LossConfig()).compile()),
+           "logprobs": _temp(learner._logprobs.lower(learner.params, b["input_ids"], b["valid"]).compile())}
+    rows, prompt, n = s["rollout_rows"], s["prompt_len"], s["cache_len"] - s["prompt_len"]
+    gen = _compiled_generate(graphdef, model_cfg, (2,), 0, mesh, tuple(pod.mesh.rules), (rows, prompt, n, False, False))
+    ids = jax.device_put(np.zeros((rows, prompt), np.int32), rows_sh((rows, prompt)))
+    xla["sampling"] = _temp(gen.lower(learner.params, ids, ids > 0, jax.random.PRNGKey(0), jnp.float32(1),
+                                      jnp.float32(1)).compile())
+    scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, [1], batch_sharding=rows_sh(None),
+                                param_shardings=learner.param_shardings)
+    z = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"]), np.int32), rows_sh(None))
+    xla["scoring"] = _temp(scorer.likelihoods.lower(learner.params, z, z > 0, z > 0).compile())
+    for phase, got in xla.items():
+        estimate = p.phases[phase] - (p.kv_cache if phase == "sampling" else 0)
+        assert got <= estimate <= 3 * got, (phase, got, estimate)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_shipped_pod_configs_fit(name, capsys):
+    devices, chip, hbm = CONFIGS[name]
+    path = str(REPO / "configs" / f"{name}.gin")
+    assert plan.main([f"--gin_file={path}"]) == 0
+    table = capsys.readouterr().out
+    assert "fits" in table and "DOES NOT FIT" not in table
+    for line in ("parameters (policy)", "optimizer state", "reference parameters", "KV cache (sampler)",
+                 "activations (peak phase)"):
+        assert line in table
+    assert plan.main([f"--gin_file={path}", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["num_devices"], d["chip"], d["hbm_bytes"]) == (devices, chip, hbm * 2**30) and d["fits"]
+    assert d["peak"] == 2 * d["params"] + d["opt_state"] + max(d["phases"].values()) <= d["budget"]
+    # parameters are float32, split over all devices (norms and biases replicated: < 1 % more)
+    assert d["num_params"] * 4 / devices <= d["params"] <= 1.01 * d["num_params"] * 4 / devices
+    assert d["opt_state"] == pytest.approx(2 * d["params"], rel=1e-3)  # AdamW mu and nu
+
+
+def test_plan_that_does_not_fit_exits_1_with_a_message():
+    path = str(REPO / "configs" / "qwen2_5_7b_v5p64.gin")
+    proc = subprocess.run([sys.executable, "-m", "mempo_jax.plan", f"--gin_file={path}",
+                           '--gin_param=TPUConfig.accelerator_type="v5litepod-8"', "--gin_param=MeshConfig.tensor=1"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "DOES NOT FIT" in proc.stdout
+    assert "does not fit" in proc.stderr and "16 GiB HBM of a v5e chip" in proc.stderr
+
+
+@pytest.mark.parametrize("binding, message", [
+    ('TPUConfig.accelerator_type = "v4-8"', "is not one of v5litepod-N"),
+    ("MeshConfig.tensor = 3", "8 devices do not divide by 3"),
+    ("MeshConfig.data = 0", "MeshConfig sizes must be"),
+])
+def test_config_errors_exit_2(binding, message, capsys):
+    assert plan.main([f"--gin_file={REPO / 'configs' / 'qwen2_5_0_5b_v5e8.gin'}", f"--gin_param={binding}"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_slice_and_mesh_arithmetic():
+    assert TPUConfig("v5p-64").num_devices == 32 and TPUConfig("v5p-64").hbm_bytes == 95 * 2**30
+    assert TPUConfig("v5litepod-8").num_devices == 8 and TPUConfig("v5e-16").chip.hbm_gib == 16
+    assert TPUConfig("v6e-8").hbm_bytes == 32 * 2**30
+    assert MeshConfig(data=1, fsdp=-1, tensor=4).shape(32) == (1, 8, 4)
+    assert MeshConfig(data=2, fsdp=2, tensor=2).shape(8) == (2, 2, 2)
+    with pytest.raises(ValueError, match="do not divide"):
+        MeshConfig(fsdp=-1, tensor=3).shape(8)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        MeshConfig(rules=(("batch", "model"),))
+    with pytest.raises(ValueError, match="hbm_fraction"):
+        PlanConfig(hbm_fraction=1.5)
