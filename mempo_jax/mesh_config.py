@@ -213,7 +213,10 @@ def register() -> None:
     global _registered
     if not _registered:
         for cls in _CONFIGURABLES:
-            gin.external_configurable(cls)
+            try:
+                gin.external_configurable(cls)
+            except ValueError:  # already registered elsewhere (e.g. by config.py)
+                pass
         _registered = True
 
 

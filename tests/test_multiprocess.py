@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -222,6 +223,68 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     moved = sum(float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(ref, old)) ** 0.5
     assert diff <= 1e-5 * norm  # the same parameters as one process
     assert moved > 100 * diff and moved > 1e-4 * norm  # ... after an update that changed them
+
+
+# ------------------------------------------------------------------- single-process unit tests
+
+
+def test_process_slice_covers_the_items_in_order():
+    from mempo_jax.distributed import process_slice
+
+    parts = [process_slice(10, i, 4) for i in range(4)]
+    assert parts == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
+    assert process_slice(5) == slice(0, 5)  # one process: everything
+    with pytest.raises(ValueError, match="cannot be split over 4"):
+        process_slice(3, 0, 4)
+
+
+def test_maybe_initialize_decides_from_arguments_and_environment(monkeypatch):
+    import jax
+
+    from mempo_jax import distributed
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(jax.config, "update", lambda *a: calls.append(("config", a)))
+    assert distributed.maybe_initialize(env={}) is False and calls == []
+    assert distributed.maybe_initialize(env={"TPU_WORKER_HOSTNAMES": "10.0.0.2"}) is False  # one host
+    env = {"MEMPO_COORDINATOR": "10.0.0.2:1234", "MEMPO_NUM_PROCESSES": "4", "MEMPO_PROCESS_ID": "3",
+           "JAX_PLATFORMS": "cpu"}
+    assert distributed.maybe_initialize(env=env) is True
+    assert calls == [("config", ("jax_cpu_collectives_implementation", "gloo")),
+                     (("10.0.0.2:1234",), {"num_processes": 4, "process_id": 3})]
+    calls.clear()
+    assert distributed.maybe_initialize(env={"MEMPO_MULTIHOST": "1"}) is True
+    assert distributed.maybe_initialize(env={"TPU_WORKER_HOSTNAMES": "a,b,c,d"}) is True
+    assert calls == [((), {}), ((), {})]  # TPU slices: jax reads the coordinator from the metadata
+    with pytest.raises(ValueError, match="process id"):
+        distributed.maybe_initialize("h:1", 2, 5, env={})
+
+
+def test_one_process_wrappers_pass_through():
+    from mempo_jax import lockstep
+    from mempo_jax.distributed import allgather, gather_lists, gather_rows, mean_metrics
+
+    sync = lockstep.HostSync()
+    seen = []
+    sample_fn = lockstep.LockstepSampleFn(lambda *a: seen.append(a) or "out", sync, pad_id=0)
+    assert not sync.multiprocess and sample_fn(1, 2, 3, 4, 5, 6, 7) == "out" and seen == [(1, 2, 3, 4, 5, 6, 7)]
+    sync.barrier()  # no-op
+    assert allgather(np.arange(3)).tolist() == [[0, 1, 2]]
+    assert gather_lists([[1, 2], [], [3]]) == [[1, 2], [], [3]]
+    ids, = gather_rows([np.ones((2, 3), np.int32)], [2], 5, [9], side="left")
+    assert ids.tolist() == [[9, 9, 1, 1, 1]] * 2
+    assert mean_metrics({"b": 2.0, "a": 1.0}) == {"a": 1.0, "b": 2.0}
+
+
+def test_real_rows_drop_the_rollout_bucket_padding():
+    from mempo_jax.lockstep import real_rows
+
+    mask = np.zeros((6, 8), bool)
+    mask[:3, 2:] = True  # three real contexts
+    mask[3:, -1] = True  # the rollout's one-token padding rows
+    assert real_rows(mask) == 3
+    assert real_rows(mask[:3]) == 3 and real_rows(mask[3:]) == 0
 
 
 if __name__ == "__main__":
