@@ -7,7 +7,6 @@ training loop (``train.py``) and the evaluation command only consume them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
@@ -58,22 +57,19 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
       ValueError: naming the file, line and field of a malformed record.
     """
     from mempo_jax.tools.corpus import pool_hotpotqa_contexts
+    from mempo_jax.tools.records import field_error, iter_records
 
     docs = pool_hotpotqa_contexts(path)
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
-                qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: malformed HotpotQA record ({e!r})") from None
-            hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
-            hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
-            questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
+    for where, rec in iter_records(path):
+        try:
+            titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
+            qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
+        except (KeyError, TypeError) as e:
+            raise field_error(path, where, str(e).strip("'"), "missing or malformed HotpotQA field") from None
+        hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
+        hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
+        questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
     return questions, docs
 
 

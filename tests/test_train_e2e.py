@@ -1,0 +1,84 @@
+"""The main job end to end on small settings: both context modes train, and real HotpotQA input runs.
+
+Each test runs ``python -m mempo_jax.train`` as a user would (a subprocess) and checks what it
+wrote: summary.json's schema, verl-named metrics, <mem>-bearing rollouts, and, for HotpotQA, real
+retrieved passages inside <information>.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SMALL = [
+    "WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
+    "WorldConfig.num_countries=4", "WorldConfig.num_single=30", "WorldConfig.num_bridge=20", "WorldConfig.num_multi=30",
+    "ExperimentConfig.vocab_size=600",
+    'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), ("head_dim", 16), ("mlp_dim", 64))',
+    "SFTConfig.steps=4", "SFTConfig.batch_rows=8", "RLConfig.steps=2", "RLConfig.questions_per_step=2",
+    "RLConfig.group_size=4", "RolloutConfig.max_turns=2", "RolloutConfig.max_new_tokens=16",
+    "EvalConfig.num_questions=4", "EvalConfig.bootstrap_samples=50",
+]
+
+
+def _train(run_dir, params, gin_file="configs/tiny_world.gin"):
+    env = dict(os.environ, MEMPO_XLA_CACHE=str(run_dir.parent / "xla"), PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
+    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run_dir), "--gin_file", gin_file,
+           "--cache_dir", str(run_dir.parent / "spm")]
+    for p in params:
+        cmd += ["--gin_param", p]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("context_steps", ["1", '"full"'])
+def test_main_job_trains_in_both_context_modes(tmp_path, context_steps):
+    run = tmp_path / "run"
+    out = _train(run, SMALL + [f"RolloutConfig.context_steps={context_steps}"])
+    summary = json.loads((run / "summary.json").read_text())
+    for stage in ("sft", "rl"):
+        for mode in ("k1", "full"):
+            m = summary["eval"][stage][mode]
+            assert set(m) >= {"em", "f1", "tt", "pt", "turns", "format_fail"}
+            assert 0 <= m["em"] <= m["f1"] + 1e-9 <= 1 + 1e-9 and m["pt"] <= m["tt"]
+    lo, hi = summary["em_gain_ci95"]
+    assert lo <= summary["em_gain"] <= hi
+    rl = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"stage": "rl"' in l]
+    assert len(rl) == 2
+    for name in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy",
+                 "response_length/mean", "num_turns/mean", "mem/reward/mean", "mem/advantage/std", "tokens/tt", "tokens/pt"):
+        assert name in rl[0], name
+    assert any(p.name.startswith("events") for p in (run / "tb").iterdir())
+    assert (run / "checkpoints").is_dir() and (run / "tokenizer.model").is_file()
+    assert "| rl | k1 |" in out.stdout
+
+
+def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):
+    path = shared_data / "hotpotqa" / "hotpotqa_dev_distractor_300.rpt.jsonl"
+    run = tmp_path / "hotpot"
+    _train(run, [f'ExperimentConfig.data_path="{path}"', "SFTConfig.steps=3", "RLConfig.steps=1",
+                 "EvalConfig.num_questions=2", "EvalConfig.context_modes=(1,)",
+                 'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), ("head_dim", 16), ("mlp_dim", 64))',
+                 "RolloutConfig.max_turns=2", "RolloutConfig.max_new_tokens=24"], gin_file="configs/hotpotqa.gin")
+    records = [json.loads(l) for l in (run / "rollouts.jsonl").read_text().splitlines()]
+    infos = [t["information"] for r in records for t in r["turns"] if t["information"]]
+    assert infos and all(i.startswith("<information>") for i in infos)
+    # The SFT cold start (scripted searches of supporting titles) is too short to make the random
+    # model search well, so real passages are checked on the scripted path through the same tools.
+    from mempo_jax.experiment import hotpotqa_questions
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.agent.protocol import parse_turn, render_turn
+
+    questions, docs = hotpotqa_questions(str(path))
+    assert len(docs) == 2967
+    env = ToolEnvironment(BM25Index(docs), topk=2)
+    q = questions[0]
+    res = env.execute(parse_turn(render_turn(" none", " search", "search", " " + q.hops[0][0])))
+    assert res.ok and q.hops[0][0] in res.observation
