@@ -153,12 +153,29 @@ def gather_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def mean_metrics(metrics: Mapping[str, float], weight: float = 1.0) -> dict[str, float]:
+def concat_processes(values, sync=None) -> np.ndarray:
+    """Every process's 1-D ``values`` (e.g. per-question EM), concatenated in process order.
+
+    A collective. After a rollout outside the lockstep wrappers (evaluation), pass the run's
+    ``HostSync`` as ``sync``: it first waits for every process (serving pending sampling calls).
+    """
+    values = np.asarray(values, np.float32).ravel()
+    if jax.process_count() == 1:
+        return values
+    if sync is not None:
+        sync.barrier()
+    counts = allgather(np.asarray([values.size], np.int32))[:, 0]
+    (out,) = gather_rows([values[None]], [1] * len(counts), int(counts.max()) or 1, [0.0])
+    return np.concatenate([row[: int(c)] for row, c in zip(out, counts)])
+
+
+def mean_metrics(metrics: Mapping[str, float], weight: float = 1.0, sync=None) -> dict[str, float]:
     """Weighted mean of every process's metrics (a collective; keys must agree across processes).
 
     Args:
       metrics: this process's scalar metrics.
       weight: this process's weight (e.g. its number of trajectories).
+      sync: the run's ``HostSync``; when given, a barrier first (see ``concat_processes``).
 
     Raises:
       ValueError: if processes report different metric names.
@@ -166,6 +183,8 @@ def mean_metrics(metrics: Mapping[str, float], weight: float = 1.0) -> dict[str,
     keys = sorted(metrics)
     if jax.process_count() == 1:
         return {k: float(metrics[k]) for k in keys}
+    if sync is not None:
+        sync.barrier()
     code = np.frombuffer(("\0".join(keys)).encode()[:64].ljust(64, b"\0"), np.uint8).astype(np.int32)
     codes = allgather(np.concatenate([[len(keys)], code]))
     if not (codes == codes[0]).all():

@@ -61,10 +61,13 @@ class HostSync:
 
     Attributes:
       sampler: the ``LockstepSampleFn`` that serves sampling calls of other processes.
+      policy_params: the current policy parameters (kept up to date by ``DistributedLearner``);
+        what a process serves another's sampling call with when no parameters are given.
     """
 
     def __init__(self):
         self.sampler: Optional["LockstepSampleFn"] = None
+        self.policy_params: Any = None
 
     @property
     def multiprocess(self) -> bool:
@@ -75,8 +78,8 @@ class HostSync:
         """Exchange ``[op, *payload]`` with every process until all run the same operation.
 
         While another process is sampling, a process at a different operation joins that sampling
-        call with zero rows (using ``params``, else the parameters of its own last sampling call)
-        and asks again. A sampling process returns at once.
+        call with zero rows (using ``params``, else ``policy_params``, else the parameters of its
+        own last sampling call) and asks again. A sampling process returns at once.
 
         Args:
           op: one of ``SAMPLE, SCORE, LOGPROBS, UPDATE, SFT, BARRIER``.
@@ -101,7 +104,7 @@ class HostSync:
             if (ops == SAMPLE).any():
                 if self.sampler is None:
                     raise RuntimeError("another process is sampling but this one has no LockstepSampleFn")
-                self.sampler.serve(headers, params)
+                self.sampler.serve(headers, params if params is not None else self.policy_params)
                 continue
             names = [OP_NAMES.get(int(o), str(o)) for o in ops]
             raise RuntimeError(f"processes out of step: process {jax.process_index()} runs "
@@ -111,7 +114,8 @@ class HostSync:
         """Wait until every process reaches this point, serving pending sampling calls.
 
         Call it after a rollout that is not followed by a wrapped call (e.g. after evaluation,
-        before a checkpoint or any other global program). No-op on one process.
+        before a checkpoint or any other global program), with the parameters that rollout
+        sampled with if they are not the learner's current ones. No-op on one process.
         """
         if self.multiprocess:
             self.agree(BARRIER, params=params)
@@ -255,7 +259,7 @@ class DistributedLearner(Learner):
       pad_id: padding id for the column padding of gathered rows.
 
     Construction waits at a barrier (serving pending sampling calls), since it runs global
-    programs (placement, optimizer init).
+    programs (placement, optimizer init). The learner keeps ``sync.policy_params`` current.
     """
 
     def __init__(self, *args, sync: HostSync, pad_id: int = 0, **kwargs):
@@ -264,6 +268,17 @@ class DistributedLearner(Learner):
         params = args[1] if len(args) > 1 else kwargs.get("params")
         sync.barrier(params)
         super().__init__(*args, **kwargs)
+
+    @property
+    def params(self):
+        """The policy parameters; every assignment also updates ``sync.policy_params`` (the old
+        arrays are donated to the update step, so nothing may serve sampling with them)."""
+        return self._params
+
+    @params.setter
+    def params(self, value):
+        self._params = value
+        self.sync.policy_params = value
 
     def _gather(self, op: int, rows: dict, params=None) -> tuple[dict, np.ndarray, int]:
         first = next(iter(rows.values()))

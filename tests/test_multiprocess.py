@@ -81,7 +81,28 @@ def run_rl_step(params, mesh, seed: int = 0):
     metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, mine, tok, env, rl_config(),
                              jax.random.PRNGKey(seed), np.random.default_rng(seed))
     turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
+    if jax.process_count() > 1:
+        metrics["_lockstep"] = _after_the_step(learner, sample_fn, sync, tok, env, questions)
     return learner.params, metrics, turns
+
+
+def _after_the_step(learner, sample_fn, sync, tok, env, questions) -> dict:
+    """Process 1 alone rolls out one more question (an evaluation) with the updated policy while
+    process 0 goes straight to collectives: its barrier serves process 1's sampling calls."""
+    import jax
+
+    from mempo_jax.agent.rollout import new_trajectories, rollout
+    from mempo_jax.distributed import concat_processes, mean_metrics
+
+    pid = jax.process_index()
+    extra = []
+    if pid == 1:
+        extra = new_trajectories(tok, questions[:1], 2)
+        rollout(sample_fn, learner.params, extra, tok, env, rl_config().rollout, jax.random.PRNGKey(7))
+    mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
+                        sync=sync)
+    return {"mean": mean, "concat": concat_processes([pid] * (pid + 1), sync).tolist(),
+            "extra_turns": [len(t.turns) for t in extra]}
 
 
 def sft_params():
@@ -208,6 +229,12 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     # Each process rolled out its half of the questions; together: exactly the single-process tokens.
     assert results[0]["turns"] + results[1]["turns"] == ref_turns
     assert len(results[0]["turns"]) == len(results[1]["turns"]) == 8
+    # After the step: process 0 served process 1's extra rollout, then both averaged and gathered.
+    extra = sum(results[1]["metrics"]["_lockstep"]["extra_turns"])
+    for r in results:
+        lock = r["metrics"].pop("_lockstep")
+        assert lock["mean"]["x"] == pytest.approx(5 / 3) and lock["concat"] == [0.0, 1.0, 1.0]
+        assert lock["mean"]["turns"] == pytest.approx(2 / 3 * extra) and extra >= 2
     # The step exercised tools, memory scoring and the update.
     assert ref_metrics["tool_calls/mean"] > 0 and ref_metrics["mem/turns"] > 0
     assert sum(r["metrics"]["mem/turns"] for r in results) == ref_metrics["mem/turns"]
@@ -263,7 +290,7 @@ def test_maybe_initialize_decides_from_arguments_and_environment(monkeypatch):
 
 def test_one_process_wrappers_pass_through():
     from mempo_jax import lockstep
-    from mempo_jax.distributed import allgather, gather_lists, gather_rows, mean_metrics
+    from mempo_jax.distributed import allgather, concat_processes, gather_lists, gather_rows, mean_metrics
 
     sync = lockstep.HostSync()
     seen = []
@@ -274,7 +301,8 @@ def test_one_process_wrappers_pass_through():
     assert gather_lists([[1, 2], [], [3]]) == [[1, 2], [], [3]]
     ids, = gather_rows([np.ones((2, 3), np.int32)], [2], 5, [9], side="left")
     assert ids.tolist() == [[9, 9, 1, 1, 1]] * 2
-    assert mean_metrics({"b": 2.0, "a": 1.0}) == {"a": 1.0, "b": 2.0}
+    assert mean_metrics({"b": 2.0, "a": 1.0}, sync=sync) == {"a": 1.0, "b": 2.0}
+    assert concat_processes([1, 0, 1], sync).tolist() == [1.0, 0.0, 1.0]
 
 
 def test_real_rows_drop_the_rollout_bucket_padding():
