@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import gin
 
-from mempo_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules
+from mempo_jax.sharding import DEFAULT_RULES, MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,3 @@ def from_gin() -> PodSettings:
     with gin.config_scope(None):
         return PodSettings(*(gin.get_configurable(cls)() for cls in _CONFIGURABLES))
 
-
-def rules_table(rules: Rules) -> Sequence[str]:
-    """Human-readable ``name -> axes`` lines of a rules tuple (for the plan printout)."""
-    return [f"{name} -> {target}" for name, target in rules]
