@@ -1,14 +1,21 @@
 """Orbax checkpoints of the training state.
 
 A checkpoint holds the policy parameters, the optimizer state and a JSON metadata item (stage,
-step, seed, and what a resume needs). Orbax writes each step to
-a temporary folder and renames it when complete, so a killed save is never taken for a complete
-one; ``CheckpointManager`` keeps the last ``max_to_keep``. Nothing is pickled.
+step, seed, and what a resume needs: data-iterator state, metric-log offsets, fault counters,
+RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete, so
+a killed save is never taken for a complete one (leftover temporary folders are removed when a
+``Checkpointer`` opens the folder); ``CheckpointManager`` keeps the last ``max_to_keep``.
+Nothing is pickled: arrays are tensorstore/OCDBT, metadata is JSON.
+
+Layout of a run folder (``python -m mempo_jax.train``): ``sft_checkpoint/N`` (SFT; the final one
+is the frozen reference policy of RL), ``checkpoints/N`` (RL step N), ``tokenizer.model``,
+``model_config.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -34,12 +41,21 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, max_to_keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                               create=True)
+                                               create=True, cleanup_tmp_directories=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("params", "opt_state", "meta"))
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
-        """Save checkpoint ``step``: two pytrees of arrays and JSON-able ``meta``."""
+        """Save checkpoint ``step``: two pytrees of arrays and JSON-able ``meta``.
+
+        With ``async_save`` the call returns once the arrays are copied off the device (the
+        caller may donate or overwrite them); the write finishes in the background and the step
+        counts as complete only after its folder is renamed (``wait()`` / ``close()`` block).
+
+        Raises:
+          TypeError: ``meta`` is not JSON-serialisable.
+        """
+        json.dumps(meta)  # fail here, with the caller's frame, rather than in the writer thread
         self._mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                      opt_state=ocp.args.StandardSave(opt_state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
@@ -48,23 +64,48 @@ class Checkpointer:
         """The newest complete checkpoint's step, or ``None``."""
         return self._mgr.latest_step()
 
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        return sorted(self._mgr.all_steps())
+
+    def restore_meta(self, step: int) -> dict:
+        """The JSON metadata of checkpoint ``step`` alone (no arrays are read).
+
+        Raises:
+          ValueError: the checkpoint has no readable metadata item.
+        """
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise ValueError(f"checkpoint {self.directory}/{step} has no readable metadata: "
+                             f"{_first_line(e)}") from None
+        return dict(out["meta"])
+
     def restore(self, step: int, params: Any, opt_state: Any = None) -> tuple[Any, Any, dict]:
         """Restore checkpoint ``step`` into the structure (and shardings) of the given targets.
 
-        ``opt_state=None`` restores parameters and metadata only.
+        Args:
+          step: the checkpoint step.
+          params: target pytree: arrays or ``jax.ShapeDtypeStruct`` (e.g. from ``jax.eval_shape``).
+          opt_state: target optimizer state, or ``None`` to restore parameters and metadata only.
+
+        Returns:
+          ``(params, opt_state or None, meta)``.
 
         Raises:
-          ValueError: if the stored arrays do not match the targets' shapes (another model shape).
+          ValueError: one line naming the checkpoint, if the stored arrays do not match the
+            targets' shapes or structure (a checkpoint of another model shape or optimizer).
         """
-        items = {"params": ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, params)),
-                 "meta": ocp.args.JsonRestore()}
+        items = {"params": ocp.args.StandardRestore(jax.tree.map(_abstract, params)), "meta": ocp.args.JsonRestore()}
         if opt_state is not None:
-            items["opt_state"] = ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, opt_state))
+            items["opt_state"] = ocp.args.StandardRestore(jax.tree.map(_abstract, opt_state))
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {self.directory}/{step} does not match this model: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+            raise ValueError(f"checkpoint {self.directory}/{step} does not match this model: {_first_line(e)}") from None
+        _check_like(out["params"], params, f"{self.directory}/{step}")
+        if opt_state is not None:
+            _check_like(out["opt_state"], opt_state, f"{self.directory}/{step}")
         return out["params"], (out["opt_state"] if opt_state is not None else None), dict(out["meta"])
 
     def wait(self) -> None:
@@ -75,6 +116,95 @@ class Checkpointer:
         """Wait for saves and release the manager."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def _abstract(x):
+    """A restore target; without a sharding, one on the default device (orbax would otherwise
+    return numpy arrays of the *stored* shape without checking it)."""
+    x = x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)
+    if getattr(x, "sharding", None) is None:
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    return x
+
+
+def _check_like(restored, target, where: str) -> None:
+    """Every restored leaf has its target's shape and dtype (a ``ValueError`` names the first that does not)."""
+    got = jax.tree_util.tree_flatten_with_path(restored)[0]
+    want = jax.tree_util.tree_flatten_with_path(target)[0]
+    if len(got) != len(want):
+        raise ValueError(f"checkpoint {where} does not match this model: {len(got)} arrays stored, {len(want)} expected")
+    for (path, a), (_, b) in zip(got, want):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"checkpoint {where} does not match this model: {jax.tree_util.keystr(path)} is stored as "
+                             f"{a.dtype}{list(a.shape)}, expected {b.dtype}{list(b.shape)}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)
+
+
+def read_checkpoint(directory: str | os.PathLike, step: Optional[int] = None) -> tuple[int, dict]:
+    """Every item of a checkpoint as stored (numpy arrays, no target needed), for comparisons.
+
+    Args:
+      directory: a checkpoint folder (``RUN/checkpoints`` or ``RUN/sft_checkpoint``).
+      step: the step (default: the newest complete one).
+
+    Returns:
+      ``(step, {"params": pytree, "opt_state": pytree, "meta": dict})``.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint in ``directory``.
+    """
+    ckpt = Checkpointer(directory, async_save=False)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {directory}")
+        out = ckpt._mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(),
+                                                              opt_state=ocp.args.StandardRestore(),
+                                                              meta=ocp.args.JsonRestore()))
+        return step, {k: out[k] for k in ("params", "opt_state", "meta")}
+    finally:
+        ckpt.close()
+
+
+def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None:
+    """Before a run folder is resumed: its ``model_config.json`` and ``tokenizer.model`` must be
+    those this config builds (else the checkpoints belong to another model).
+
+    Args:
+      run_dir: the run folder; absent files are not checked.
+      tokenizer: the tokenizer built now (``.path``: its model file).
+      model_cfg: the ``ModelConfig`` built now.
+
+    Raises:
+      ValueError: one line naming the file and the first fields that differ.
+    """
+    run_dir = pathlib.Path(run_dir)
+    cfg_path = run_dir / "model_config.json"
+    if cfg_path.is_file():
+        try:
+            stored = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not JSON ({e})") from None
+        now = json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+        diff = [f"{k} {stored.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(stored) | set(now))
+                if stored.get(k) != now.get(k)]
+        if diff:
+            raise ValueError(f"{cfg_path}: the run folder's checkpoints are of another model shape "
+                             f"(stored vs this config: {', '.join(diff[:4])}); use another --run_dir or the same "
+                             "ModelOptions")
+    tok_path = run_dir / "tokenizer.model"
+    if tok_path.is_file() and pathlib.Path(tokenizer.path).resolve() != tok_path.resolve():
+        if _sha256(tok_path) != _sha256(tokenizer.path):
+            raise ValueError(f"{tok_path} differs from the tokenizer this config builds ({tokenizer.path}): the "
+                             "checkpoints belong to another vocabulary; use another --run_dir")
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def save_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None:

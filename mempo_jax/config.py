@@ -14,6 +14,7 @@ Every runnable recipe is a ``configs/*.gin`` file that binds fields of these dat
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import gin
@@ -81,6 +82,38 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints, resume, preemption and numerical-fault policy (docs/resume.md).
+
+    Attributes:
+      every_steps: save an orbax checkpoint every this many SFT and RL steps (and always at the
+        end of each stage), asynchronously.
+      max_to_keep: complete checkpoints kept per stage folder (the newest ones).
+      grace_s: seconds between SIGTERM and a forced exit; within it the run saves a checkpoint
+        and exits 0 (exit status 4 if the save could not finish in time).
+      max_consecutive_nonfinite: the run stops (exit status 3) after this many consecutive RL
+        steps whose loss or gradients were non-finite (their updates are skipped).
+      async_save: write checkpoints in a background thread.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
+    """
+
+    every_steps: int = 10
+    max_to_keep: int = 3
+    grace_s: float = 25.0
+    max_consecutive_nonfinite: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        for name in ("every_steps", "max_to_keep", "max_consecutive_nonfinite"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"CheckpointConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grace_s > 0:
+            raise ValueError(f"CheckpointConfig.grace_s must be > 0, got {self.grace_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """One complete run.
 
@@ -97,6 +130,7 @@ class ExperimentConfig:
       optim: RL optimizer.
       eval: held-out evaluation.
       log_rollouts: sample trajectories written per logging step to ``rollouts.jsonl``.
+      checkpoint: checkpoint cadence, preemption grace and numerical-fault limit.
     """
 
     seed: int = 0
@@ -111,6 +145,7 @@ class ExperimentConfig:
     optim: OptimConfig = OptimConfig(learning_rate=1e-4, warmup_steps=2)
     eval: EvalConfig = EvalConfig()
     log_rollouts: int = 4
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
         if self.dataset not in ("tiny_world", "hotpotqa"):
@@ -122,7 +157,7 @@ class ExperimentConfig:
 
 
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
-                  RLConfig, RolloutConfig, LossConfig, EvalConfig)
+                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig)
 _registered = False
 
 
@@ -146,10 +181,57 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
         with gin.config_scope(None):
             cfg = gin.get_configurable(ExperimentConfig)()
+            if not _is_bound("ExperimentConfig.checkpoint"):  # CheckpointConfig.* bindings apply anyway
+                cfg = dataclasses.replace(cfg, checkpoint=gin.get_configurable(CheckpointConfig)())
     except (ValueError, TypeError, KeyError, OSError, SyntaxError) as e:
-        msg = str(e).strip().splitlines()
-        raise ValueError(f"config error: {msg[0] if msg else e!r}") from None
+        raise ValueError(f"config error: {_one_line_gin_error(e, gin_params)}") from None
+    _check_types(cfg, "ExperimentConfig")
     return cfg
+
+
+def _one_line_gin_error(e: BaseException, gin_params: Sequence[str]) -> str:
+    """gin's first message line plus where the binding came from (file:line or the --gin_param)."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    if not lines:
+        return repr(e)
+    msg = lines[0]
+    for i, line in enumerate(lines[1:], 1):
+        m = re.match(r'In file "(.+)", line (\d+)', line)
+        if m:
+            return f"{msg} ({m.group(1)}:{m.group(2)}: {lines[i + 1] if i + 1 < len(lines) else ''})"
+        m = re.match(r"In bindings string line (\d+)", line)
+        if m and 0 < int(m.group(1)) <= len(gin_params):
+            return f"{msg} (--gin_param {gin_params[int(m.group(1)) - 1]})"
+    return msg
+
+
+_SIMPLE_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "tuple": (tuple, list),
+                 "int | str": (int, str)}
+
+
+def _check_types(obj, path: str) -> None:
+    """Raise a one-line ``ValueError`` naming the first field whose value has the wrong type
+    (e.g. ``RLConfig.steps="x"``); nested config dataclasses are checked recursively."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        where = f"{type(obj).__name__}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_types(value, where)
+            continue
+        ann = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        allowed = _SIMPLE_TYPES.get(ann)
+        if allowed is None:
+            continue
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            raise ValueError(f"config error: {where} must be {ann}, got {value!r} ({path})")
+
+
+def _is_bound(name: str) -> bool:
+    try:
+        gin.query_parameter(name)
+    except ValueError:
+        return False
+    return True
 
 
 def operative_config() -> str:

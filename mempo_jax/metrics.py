@@ -41,6 +41,16 @@ class MetricsWriter:
         self._f.write(json.dumps({"step": int(step), "stage": stage, **clean}, sort_keys=True) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        self._mirror(step, stage, clean)
+
+    def mirror(self, records: Sequence[Mapping]) -> None:
+        """Write records already in ``metrics.jsonl`` (``{"step", "stage", **metrics}``) to
+        TensorBoard only: a resumed run rebuilds ``tb/`` from the kept lines of ``metrics.jsonl``."""
+        for r in records:
+            self._mirror(int(r["step"]), str(r["stage"]),
+                         {k: v for k, v in r.items() if k not in ("step", "stage") and isinstance(v, (int, float))})
+
+    def _mirror(self, step: int, stage: str, clean: Mapping[str, Optional[float]]) -> None:
         if self._tb is not None:
             for k, v in clean.items():
                 if v is not None:

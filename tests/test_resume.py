@@ -1,0 +1,136 @@
+"""Checkpoints, resume and preemption of ``python -m mempo_jax.train`` (issue #6), on the small run
+of ``benchmarks/chaos_resume.py`` (1-layer model, tiny world, 6 SFT + 6 RL steps) in subprocesses.
+
+The runs share a persistent XLA cache (``$MEMPO_TEST_XLA_CACHE`` or a fixed folder under the
+system temp dir, content-addressed, so sharing is safe) to skip recompiles across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from chaos_resume import chaos, compare_runs, count_lines, small_env, train_command  # noqa: E402
+
+XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
+SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
+SFT_STEPS = RL_STEPS = 6
+# 6 SFT lines, the SFT evaluation (one mode), 6 RL lines, the RL evaluation
+LINES = SFT_STEPS + 1 + RL_STEPS + 1
+
+
+def _train(run_dir, params=(), env_extra=None, timeout=600, args=()):
+    cmd = train_command(run_dir, params, SPM_CACHE) + list(args)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=small_env(XLA_CACHE, **(env_extra or {})), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of the small config."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    proc, _ = _train(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def _meta(run, folder, step):
+    from mempo_jax.checkpoint import read_checkpoint
+
+    return read_checkpoint(run / folder, step)[1]["meta"]
+
+
+def test_uninterrupted_run_leaves_resume_points(reference):
+    """every_steps = 2, max_to_keep = 2: the newest two checkpoints per stage, each recording the
+    data-iterator position and the exact byte/line offsets of the logs at that step."""
+    assert sorted(int(p.name) for p in (reference / "checkpoints").iterdir()) == [4, 6]
+    assert sorted(int(p.name) for p in (reference / "sft_checkpoint").iterdir()) == [4, 6]
+    lines = (reference / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(lines) == LINES
+    recs = [json.loads(x) for x in lines]
+    assert [r["stage"] for r in recs] == ["sft"] * 6 + ["eval_sft_k1"] + ["rl"] * 6 + ["eval_rl_k1"]
+    assert [r["step"] for r in recs if r["stage"] == "rl"] == list(range(6))
+    for r in recs[7:13]:
+        assert r["faults/skipped_updates"] == 0.0 and r["faults/nonfinite_streak"] == 0.0
+        assert r["actor/grad_norm"] > 0.0  # the run really trains during RL (entropy bonus)
+
+    sft = _meta(reference, "sft_checkpoint", 6)
+    assert sft["final"] is True and sft["updates"] == 6
+    assert sft["metrics"] == {"bytes": sum(map(len, lines[:6])), "lines": 6}
+    rl4 = _meta(reference, "checkpoints", 4)
+    # after RL step index 3: 4 batches drawn, 7 + 4 lines logged, 4 x 2 rollout records
+    assert rl4["data_iterator"] == {"next_index": 4}
+    assert rl4["metrics"] == {"bytes": sum(map(len, lines[:11])), "lines": 11}
+    assert rl4["updates"] == 4 * 2  # num_mini_batches = 2
+    rollouts = (reference / "rollouts.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(rollouts) == 6 * 2 * 2  # min(log_rollouts, 2 questions x 2 samples) per step
+    assert rl4["rollouts"] == {"bytes": sum(map(len, rollouts[:16]))}
+    assert rl4["rng"]["next_step"] == 4 and len(rl4["rng"]["step_key"]) == 2
+    eval_sft = json.loads((reference / "eval_sft.json").read_text())
+    assert eval_sft["sft_step"] == 6 and eval_sft["metrics"]["lines"] == 7
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["eval"]["sft"]["k1"] == eval_sft["evals"]["k1"]
+
+
+def test_sigterm_during_rollout_saves_exits_0_and_resumes_exactly(reference, tmp_path):
+    run = tmp_path / "run"
+    proc, wall = _train(run, env_extra={"MEMPO_TEST_SIGTERM_ROLLOUT_STEP": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIGTERM: saving a checkpoint" in proc.stderr and "preempted: checkpoint saved" in proc.stderr
+    # the rollout of RL step 3 was abandoned; its state (after step 2) is checkpoint 3
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [2, 3]
+    meta = _meta(run, "checkpoints", 3)
+    assert meta["data_iterator"] == {"next_index": 3} and meta["metrics"]["lines"] == 7 + 3
+    assert count_lines(run / "metrics.jsonl") == 7 + 3
+    assert not (run / "summary.json").exists()
+
+    proc, _ = _train(run, args=["--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming RL after step 3" in proc.stdout
+    diff = compare_runs(reference, run)
+    assert diff == {"lost": 0, "duplicated": 0, "changed": 0, "order_ok": True, "params_equal": True,
+                    "opt_state_equal": True, "rollouts_equal": True, "summary_equal": True, "final_step": 6}
+
+
+def test_chaos_three_sigkills_end_bitwise_equal(reference, tmp_path):
+    """benchmarks/chaos_resume.py with 3 seeded kills (the script's default is 10)."""
+    run = tmp_path / "chaos"
+    stats = chaos(run, train_command(run, cache_dir=SPM_CACHE), small_env(XLA_CACHE), kills=3, seed=1,
+                  total_lines=LINES, max_delay_s=1.5, timeout_s=600, log=lambda s: None)
+    assert stats["kills_delivered"] == 3
+    diff = compare_runs(reference, run)
+    assert diff["lost"] == 0 and diff["duplicated"] == 0 and diff["changed"] == 0 and diff["order_ok"]
+    assert diff["params_equal"] and diff["opt_state_equal"] and diff["rollouts_equal"] and diff["summary_equal"]
+
+
+def test_rerun_of_a_finished_run_changes_nothing(reference, tmp_path):
+    run = tmp_path / "done"
+    shutil.copytree(reference, run)
+    before = (run / "metrics.jsonl").read_bytes(), (run / "rollouts.jsonl").read_bytes()
+    proc, _ = _train(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming a finished run" in proc.stdout and "| rl | k1 |" in proc.stdout
+    assert ((run / "metrics.jsonl").read_bytes(), (run / "rollouts.jsonl").read_bytes()) == before
+    assert compare_runs(reference, run)["summary_equal"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "6"]
+
+
+def test_resume_flag_needs_a_checkpoint(tmp_path, capsys):
+    from mempo_jax import train
+
+    rc = train.main(["--run_dir", str(tmp_path / "empty"), "--resume"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2
+    assert err[-1].startswith("error: --resume: no checkpoint under") and str(tmp_path / "empty") in err[-1]
