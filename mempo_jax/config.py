@@ -164,8 +164,12 @@ _registered = False
 def _register() -> None:
     global _registered
     if not _registered:
-        for cls in _CONFIGURABLES:
-            gin.external_configurable(cls)
+        with gin.unlock_config():  # an earlier parse (another module, a test) may have locked it
+            for cls in _CONFIGURABLES:
+                try:
+                    gin.external_configurable(cls)
+                except ValueError:  # registered already
+                    pass
         _registered = True
 
 

@@ -212,11 +212,12 @@ def register() -> None:
     """
     global _registered
     if not _registered:
-        for cls in _CONFIGURABLES:
-            try:
-                gin.external_configurable(cls)
-            except ValueError:  # already registered elsewhere (e.g. by config.py)
-                pass
+        with gin.unlock_config():  # an earlier parse may have locked it
+            for cls in _CONFIGURABLES:
+                try:
+                    gin.external_configurable(cls)
+                except ValueError:  # already registered elsewhere (e.g. by config.py)
+                    pass
         _registered = True
 
 
