@@ -445,7 +445,10 @@ def run(args) -> dict:
         "run_dir": str(run_dir), "checkpoint_step": step, "datasets": {s.name: str(s.path) for s in specs},
         "corpus": corpus_notes, "topk": topk, "temperature": args.temperature, "seed": args.seed,
         "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": options_from,
-        "rollout": dataclasses.asdict(base), "vocab_size": tokenizer.vocab_size,
+        "vocab_size": tokenizer.vocab_size,
+        # as evaluate_policy runs it: the temperature is --temperature's, context_steps each mode's
+        "rollout": {k: v for k, v in dataclasses.asdict(dataclasses.replace(base, temperature=args.temperature)).items()
+                    if k != "context_steps"},
     }
     write_json_atomic(out / "eval.json", results)
     write_json_atomic(out / "eval_meta.json", meta)

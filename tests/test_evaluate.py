@@ -106,6 +106,7 @@ def test_eval_md_png_and_meta(evaluated, run_dir):
     assert meta["corpus"]["hotpotqa"] == "own passages (2967)"  # SOURCES.md: 2,967 distinct paragraphs
     assert meta["corpus"]["bamboogle"] == "pooled from hotpotqa (2967 passages)"
     assert meta["rollout"]["max_turns"] == 3 and meta["topk"] == ev.DEFAULT_TOPK
+    assert meta["rollout"]["temperature"] == 0.0 and "context_steps" not in meta["rollout"]
 
 
 class ScriptedPolicy:
