@@ -4,7 +4,7 @@ A checkpoint holds the policy parameters, the optimizer state and a JSON metadat
 step, seed, and what a resume needs: data-iterator state, metric-log offsets, fault counters,
 RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete, so
 a killed save is never taken for a complete one (leftover temporary folders are removed when a
-``Checkpointer`` opens the folder); ``CheckpointManager`` keeps the last ``max_to_keep``.
+``Checkpointer`` opens the folder, see ``remove_partial_saves``); ``CheckpointManager`` keeps the last ``max_to_keep``.
 Nothing is pickled: arrays are tensorstore/OCDBT, metadata is JSON.
 
 Layout of a run folder (``python -m mempo_jax.train``): ``sft_checkpoint/N`` (SFT; the final one
@@ -40,8 +40,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        remove_partial_saves(self.directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                               create=True, cleanup_tmp_directories=True)
+                                               create=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("params", "opt_state", "meta"))
 
@@ -116,6 +117,27 @@ class Checkpointer:
         """Wait for saves and release the manager."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def remove_partial_saves(directory: str | os.PathLike) -> list[str]:
+    """Delete the temporary folders of saves that never completed (``N.orbax-checkpoint-tmp…``,
+    left by a killed process), synchronously, on process 0 only; returns their names.
+
+    Orbax never lists them as steps; removing them here, not in orbax's background cleanup
+    thread, keeps a run that exits at once (a one-line error) free of that thread's noise.
+    """
+    directory = pathlib.Path(directory)
+    if jax.process_index() != 0 or not directory.is_dir():
+        return []
+    removed = []
+    for p in directory.iterdir():
+        if ".orbax-checkpoint-tmp" in p.name:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
 
 
 def _abstract(x):

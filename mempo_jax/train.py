@@ -180,10 +180,10 @@ def run(args) -> dict:
             bar = stack.enter_context(tqdm(total=cfg.sft.steps, initial=start, desc="SFT"))
             for step in range(start, cfg.sft.steps):
                 m = learner.sft_step(next(batches))
-                check_sft_step(step, m, f"{sft_ckpt.directory}/{sft_saved}" if sft_saved is not None else "none")
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
                 logs.write(step, "sft", m)
+                check_sft_step(step, m, f"{sft_ckpt.directory}/{sft_saved}" if sft_saved is not None else "none")
                 done = step + 1 == cfg.sft.steps
                 if done or (step + 1) % ck.every_steps == 0 or pre.requested:
                     sft_ckpt.save(step + 1, learner.params, learner.opt_state, meta("sft", step + 1, learner, final=done))
@@ -253,10 +253,14 @@ def run(args) -> dict:
 
         def guarded_ppo_update(rows, *a, **kw):  # the step's state changes from here: finish it
             pre.commit()
-            nan = current["step"] in hooks.nan_grad_steps  # test hook: every mini-batch (padding too) NaN
-            learner._place_batch = (lambda b: place_batch(dict(b, advantages=np.full_like(b["advantages"], np.nan)))) \
-                if nan else place_batch
-            return ppo_update(rows, *a, **kw)
+            if current["step"] not in hooks.nan_grad_steps:
+                return ppo_update(rows, *a, **kw)
+            # test hook: NaN advantages in every mini-batch (padding rows too), so every update is skipped
+            learner._place_batch = lambda b: place_batch(dict(b, advantages=np.full_like(b["advantages"], np.nan)))
+            try:
+                return ppo_update(rows, *a, **kw)
+            finally:
+                learner._place_batch = place_batch
 
         learner.ppo_update = guarded_ppo_update
         if hooks.sigterm_rollout_step is not None:
@@ -342,8 +346,8 @@ def main(argv=None) -> int:
     try:
         run(args)
     except Preempted:
-        print(f"[mempo] preempted: checkpoint saved under {args.run_dir}; run the same command to resume",
-              file=sys.stderr, flush=True)
+        print(f"[mempo] preempted: checkpoint saved under {args.run_dir} (or nothing yet to save); run the same "
+              "command to resume", file=sys.stderr, flush=True)
         return 0
     except NumericalFault as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ import tempfile
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -355,7 +355,7 @@ def _random_backend(data):
     return Backend()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     """Random sampled ids (tags often), random stop flags and log-probs, random tool results and
@@ -374,11 +374,33 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     tags = [tok.piece_id(t) for t in ("<mem>", "</mem>", "<search>", "</search>", "<answer>", "</answer>",
                                       "<access>", "</access>", "<think>", "</think>")]
     token = st.sampled_from(tags) | st.integers(0, tok.vocab_size - 1)
+    word = st.integers(4 + len(tags) + 2, tok.vocab_size - 1)  # plain words (after specials and tags)
+    pid = tok.piece_id
+
+    @st.composite
+    def output(draw, max_new):
+        """A turn: random ids, or a well-formed turn (``<mem>``, optional ``<think>``, an action)
+        with random words, some ids replaced or dropped, cut to the budget."""
+        if draw(st.booleans()):
+            return draw(st.lists(token, min_size=1, max_size=max_new))
+        action = draw(st.sampled_from(["search", "access", "answer"]))
+        ids = [pid("<mem>")] + draw(st.lists(word, min_size=1, max_size=4)) + [pid("</mem>")]
+        if draw(st.booleans()):
+            ids += [pid("<think>")] + draw(st.lists(word, max_size=3)) + [pid("</think>")]
+        arg = [pid("paris")] if action == "answer" and draw(st.booleans()) else draw(st.lists(word, min_size=1, max_size=3))
+        ids += [pid(f"<{action}>")] + arg + [pid(f"</{action}>")]
+        for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # corruption
+            i = draw(st.integers(0, len(ids) - 1))
+            if draw(st.booleans()):
+                ids[i] = draw(token)
+            elif len(ids) > 1:
+                del ids[i]
+        return ids[:max_new]
     n_q, group = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     questions = [_Q(f"q{i}", "where was alice born", data.draw(st.sampled_from([(("paris",),), (("rome",), ("bob",))])))
                  for i in range(n_q)]
-    cfg = RolloutConfig(max_turns=data.draw(st.integers(1, 4)), max_new_tokens=data.draw(st.integers(1, 12)),
-                        max_context_tokens=data.draw(st.integers(40, 200)),
+    cfg = RolloutConfig(max_turns=data.draw(st.integers(1, 4)), max_new_tokens=data.draw(st.sampled_from([20, 12, 6, 1])),
+                        max_context_tokens=data.draw(st.sampled_from([200, 90, 40])),
                         max_observation_tokens=data.draw(st.integers(1, 12)),
                         context_steps=data.draw(st.sampled_from([FULL, 1, 2])), min_rows_bucket=1)
     sampled = []
@@ -389,10 +411,10 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
         logp = np.zeros((b, max_new), np.float32)
         lengths = np.zeros(b, np.int32)
         for i in range(b):
-            out = data.draw(st.lists(token, min_size=1, max_size=max_new))
+            out = data.draw(output(max_new))
             tokens[i, : len(out)], lengths[i] = out, len(out)
             logp[i, : len(out)] = data.draw(st.lists(st.floats(-30.0, 0.0), min_size=len(out), max_size=len(out)))
-        stopped = np.asarray(data.draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+        stopped = np.asarray(data.draw(st.lists(st.sampled_from([True, True, True, False]), min_size=b, max_size=b)))
         sampled.append((tokens, logp, lengths))
         return SampleOutput(tokens, logp, np.arange(max_new)[None] < lengths[:, None], lengths, stopped)
 
@@ -413,6 +435,8 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
                 s, e = turn.mem_span
                 assert turn.output_ids[s] == tok.piece_id(MEM[0]) and turn.output_ids[e - 1] == tok.piece_id(MEM[1])
             assert len(turn.output_logprobs) == len(turn.output_ids)
+    event(f"end reasons {sorted({tr.end_reason for tr in trajs})}")
+    event(f"tool calls: {any(tr.num_tool_calls for tr in trajs)}; answers: {any(tr.answer for tr in trajs)}")
     rewards = score_trajectories(trajs, "em")
     assert rewards.shape == (len(trajs),) and ((rewards >= 0) & (rewards <= 1)).all()
     assert ((score_trajectories(trajs, "f1") >= rewards - 1e-6)).all()
@@ -429,6 +453,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
         assert (rows.loss_mask[row, s:e] == 1).all() and rows.traj_index[row] == ti
         assert trajs[ti].turns[t].mem_span is not None
 
+    event(f"<mem> spans: {len(rows.mem_turn) > 0}")
     full, mem, answers = memory_contexts(trajs, rows.mem_turn, tok, "gold")
     assert len(full) == len(mem) == len(answers) == len(rows.mem_turn)
     for (ti, t), f, m in zip(rows.mem_turn, full, mem):

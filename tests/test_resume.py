@@ -134,3 +134,69 @@ def test_resume_flag_needs_a_checkpoint(tmp_path, capsys):
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert rc == 2
     assert err[-1].startswith("error: --resume: no checkpoint under") and str(tmp_path / "empty") in err[-1]
+
+
+# ---- the Preemption object ---------------------------------------------------------------------------
+def test_sigterm_in_an_interruptible_region_raises_at_once_elsewhere_waits_for_check():
+    import signal
+
+    from mempo_jax.preemption import Preempted, Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption(grace_s=60) as pre:
+        with pytest.raises(Preempted):
+            with pre.interruptible():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # interrupted long before this ends
+                pytest.fail("not interrupted")
+    with Preemption(grace_s=60) as pre:
+        with pre.interruptible():
+            pre.commit()  # the state is being changed: finish the region
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            finished = True
+        assert finished and pre.requested
+        with pytest.raises(Preempted):
+            pre.check()
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored, watchdog stopped
+    assert pre._watchdog is None
+
+
+def test_grace_period_watchdog_exits_4(tmp_path):
+    """A run that cannot save within grace_s is ended with status 4 (no partial checkpoint counts)."""
+    code = ("import os, signal, time, sys; sys.path.insert(0, %r)\n"
+            "from mempo_jax.preemption import Preemption\n"
+            "with Preemption(grace_s=0.5):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n" % str(REPO))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4 and time.monotonic() - t0 < 20
+    assert "not saved within the 0.5 s grace period" in proc.stderr
+
+
+def test_a_save_killed_midway_is_never_taken_for_a_complete_one(tmp_path):
+    """SIGKILL right after an asynchronous save of 64 MB began: the next open sees only the
+    complete step and removes the partial folder."""
+    from mempo_jax.checkpoint import Checkpointer, read_checkpoint
+
+    code = ("import os, signal, sys; sys.path.insert(0, %r)\n"
+            "import jax.numpy as jnp\n"
+            "from mempo_jax.checkpoint import Checkpointer\n"
+            "ck = Checkpointer(sys.argv[1], async_save=True)\n"
+            "ck.save(1, {'w': jnp.arange(4.0)}, {'c': jnp.zeros((), jnp.int32)}, {'seed': 0})\n"
+            "ck.wait()\n"
+            "ck.save(2, {'w': jnp.ones((16, 1024, 1024))}, {'c': jnp.zeros((), jnp.int32)}, {'seed': 0})\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n" % str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == -9
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names[0] == "1" and (names[1:] == ["2"] or names[1].startswith("2.orbax-checkpoint-tmp")), names
+    ck = Checkpointer(tmp_path / "ck")
+    steps = ck.steps()
+    ck.close()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [str(s) for s in steps]  # no partial folder left
+    if names[1:] != ["2"]:  # the usual case: the kill beat the write
+        assert steps == [1]
+        assert read_checkpoint(tmp_path / "ck")[1]["params"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
