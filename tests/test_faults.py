@@ -338,19 +338,21 @@ def _random_backend(data):
 
     text = st.text(st.characters(codec="utf-8"), max_size=60) | st.sampled_from(
         ["<mem>", "</mem>", "<answer> paris</answer>", "<information>", "alice born paris", ""])
+    # A Document title is one line (Document validates it); bodies may hold anything.
+    title = text.map(lambda t: " ".join(t.splitlines()))
 
     class Backend:
         def search(self, queries, topk):
             if data.draw(st.integers(0, 5)) == 0:
                 raise ToolError(data.draw(st.sampled_from(["timeout", "unreachable", "http 503"])))
-            return [[Hit(Document(str(i), data.draw(text), data.draw(text)), 1.0)
+            return [[Hit(Document(str(i), data.draw(title), data.draw(text)), 1.0)
                      for i in range(data.draw(st.integers(0, topk)))] for _ in queries]
 
         def get(self, doc_id):
             k = data.draw(st.integers(0, 3))
             if k == 0:
                 raise ToolError("timeout")
-            return None if k == 1 else Document(doc_id, data.draw(text), data.draw(text))
+            return None if k == 1 else Document(doc_id, data.draw(title), data.draw(text))
 
     return Backend()
 
