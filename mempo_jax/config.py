@@ -24,6 +24,7 @@ from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
 from mempo_jax.learner import OptimConfig
 from mempo_jax.losses import LossConfig
+from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.rl_step import RLConfig
 
 
@@ -54,6 +55,12 @@ class SFTConfig:
       copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``).
       agent: the scripted agent's imperfections.
       optim: optimizer options.
+      micro_batch_rows: rows per gradient-accumulation micro-batch of an SFT step (same gradient,
+        bounded activations; a pod recipe sets it to ``PlanConfig.micro_batch_rows``); 0 = the
+        whole batch in one micro-batch. Must divide ``batch_rows``.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
     """
 
     steps: int = 300
@@ -62,6 +69,13 @@ class SFTConfig:
     copy_fraction: float = 1.0
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
+    micro_batch_rows: int = 0
+
+    def __post_init__(self):
+        rows, micro = int(self.batch_rows), int(self.micro_batch_rows)
+        if micro < 0 or (micro and rows % micro):
+            raise ValueError(f"SFTConfig.micro_batch_rows must be 0 or divide SFTConfig.batch_rows = {rows}, "
+                             f"got {micro}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +170,11 @@ class ExperimentConfig:
             raise ValueError(f"ExperimentConfig.topk must be >= 1, got {self.topk}")
 
 
+# MeshConfig / TPUConfig / PlanConfig (mempo_jax.mesh_config) sit beside ExperimentConfig in a pod
+# recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
-                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig)
+                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig, MeshConfig, TPUConfig,
+                  PlanConfig)
 _registered = False
 
 
@@ -228,6 +245,12 @@ def _check_types(obj, path: str) -> None:
             continue
         if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             raise ValueError(f"config error: {where} must be {ann}, got {value!r} ({path})")
+
+
+def mesh_requested() -> bool:
+    """True when the parsed config binds a ``MeshConfig`` field (a sharded run; call after
+    ``load_config``). Without one, ``python -m mempo_jax.train`` runs on one device as before."""
+    return any(_is_bound(f"MeshConfig.{f.name}") for f in dataclasses.fields(MeshConfig))
 
 
 def _is_bound(name: str) -> bool:

@@ -134,6 +134,18 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     return model_cfg, graphdef, params, tokenizer
 
 
+def _train_tokenizer(texts, cache_dir, vocab_size: int):
+    """``train_sentencepiece``; with several processes, process 0 trains (or finds) the cached model
+    first and the others load it after a barrier, so no two processes write one cache file."""
+    if jax.process_count() == 1:
+        return train_sentencepiece(texts, cache_dir, vocab_size)
+    from jax.experimental import multihost_utils
+
+    tokenizer = train_sentencepiece(texts, cache_dir, vocab_size) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("mempo_jax tokenizer")
+    return train_sentencepiece(texts, cache_dir, vocab_size) if tokenizer is None else tokenizer
+
+
 def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
@@ -143,8 +155,11 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
       cache_dir: folder for cached artefacts (the SentencePiece model). With
         ``cfg.model.checkpoint`` set, the model and tokenizer come from that Hugging Face folder
         instead (``load_checkpoint_policy``) and no SentencePiece model is trained.
-      mesh: optional device mesh: params are placed by their logical-axis rules, the sampler and
-        the memory-reward scorer declare shardings on it (``None``: one device, as before).
+      mesh: optional device mesh: params are created in (or loaded into) the shardings of their
+        logical-axis rules (``sharding.init_sharded_params``: equal to the one-device init up to
+        float rounding), the sampler (and its KV cache) and the memory-reward scorer declare
+        shardings on it (``None``: one device, as before). It may span several processes (each
+        builds the same questions, corpus and tools; process 0 trains the cached tokenizer first).
       rules: logical → mesh axis rules (default ``mempo_jax.sharding.DEFAULT_RULES``).
       scoring_chunk_rows: rows per memory-reward scorer call (``None``: one call).
 
@@ -168,7 +183,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:
-        tokenizer = train_sentencepiece(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
+        tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
     tool_env = ToolEnvironment(BM25Index(docs), topk=cfg.topk)
 
     if not cfg.model.checkpoint:
@@ -176,7 +191,12 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
         if cfg.model.overrides:
             model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
-        graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
+        if mesh is None:
+            graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
+        else:  # every parameter created in its sharding (no full copy on one device)
+            from mempo_jax.sharding import DEFAULT_RULES, init_sharded_params
+
+            graphdef, params = init_sharded_params(model_cfg, cfg.seed, mesh, DEFAULT_RULES if rules is None else rules)
     stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
     if cfg.model.checkpoint:  # EOS ∪ generation-config EOS ∪ end-of-turn ids (<|im_end|>, …) ∪ tags
         stop_ids = list(tokenizer.stop_ids(STOP_TAGS))

@@ -21,6 +21,24 @@ it, and every random draw is a pure function of (seed, stage, step), so the resu
 uninterrupted one, bit for bit on CPU. SIGTERM saves a checkpoint and exits 0 within
 ``CheckpointConfig.grace_s``. Exit status: 0 done or preempted, 2 bad config or input,
 3 numerical faults, 4 grace period exceeded.
+
+Meshes and several processes (docs/tpu_pod.md). A config that binds ``MeshConfig`` (the pod
+recipes) runs sharded: ``mempo_jax.distributed.maybe_initialize`` first joins the processes of a
+multi-host job (``$MEMPO_MULTIHOST=1`` on a TPU slice, or ``$MEMPO_COORDINATOR`` /
+``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_PROCESS_ID``), the mesh ``(data, fsdp, tensor)`` is built over
+every device with ``MeshConfig.rules``, and ``build_experiment`` places the policy, the sampler's
+KV cache and the memory-reward scoring batches by those rules; the learners place the optimizer
+state and the SFT / log-prob / update batches (``Learner(mesh=...)``), the frozen reference is a
+copy of the sharded SFT policy. ``PlanConfig.micro_batch_rows`` and ``scoring_chunk_rows`` are the
+RL micro-batch and scoring chunk the run uses (their defaults are the single-device values).
+With several processes (always on a mesh), each process rolls out, calls the tools for, and
+evaluates its contiguous share of a step's questions (``distributed.process_slice``) and feeds its
+share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the global batch.
+Process 0 alone writes ``metrics.jsonl``, ``tb/``, ``rollouts.jsonl`` (its own trajectories),
+the evaluation files, ``summary.json`` and the run artefacts; every process calls the orbax
+checkpoint saves and restores (orbax writes each shard once and the metadata from process 0).
+A SIGTERM on any process is acted on by all at the next step boundary. Without ``MeshConfig``
+and on one process nothing changes: plain one-device programs, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -72,6 +91,184 @@ def _plain(x):
     return x.item() if isinstance(x, np.generic) else x
 
 
+class RunConfig(NamedTuple):
+    """What ``load_run_config`` returns.
+
+    Attributes:
+      experiment: the validated ``ExperimentConfig``.
+      mesh, tpu, plan: the bound ``MeshConfig``, ``TPUConfig`` and ``PlanConfig`` (defaults where
+        unbound; ``mempo_jax.mesh_config``).
+      sharded: True when the config binds a ``MeshConfig`` field: the run builds a mesh (it also
+        does on several processes, with the bound or default ``MeshConfig``).
+    """
+
+    experiment: Any
+    mesh: Any
+    tpu: Any
+    plan: Any
+    sharded: bool
+
+
+def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> RunConfig:
+    """Parse a recipe the way ``python -m mempo_jax.train`` does (every ``configs/*.gin`` loads).
+
+    Args:
+      gin_files: gin files, parsed in order.
+      gin_params: ``--gin_param`` bindings, applied after the files.
+
+    Returns:
+      A ``RunConfig``.
+
+    Raises:
+      ValueError: one line (``config error: ...``) naming the unknown binding, the bad value or
+        the ``MeshConfig`` / ``TPUConfig`` / ``PlanConfig`` field that is out of range.
+    """
+    from mempo_jax import config as config_lib
+    from mempo_jax import mesh_config
+
+    cfg = config_lib.load_config(gin_files, gin_params)
+    try:
+        pod = mesh_config.from_gin()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"config error: {config_lib._one_line_gin_error(e, gin_params)}") from None
+    return RunConfig(cfg, pod.mesh, pod.tpu, pod.plan, config_lib.mesh_requested())
+
+
+def make_run_mesh(mesh_cfg):
+    """The run's ``("data", "fsdp", "tensor")`` mesh from a ``MeshConfig``.
+
+    Uses every device of every process, except on one process when the three sizes are given
+    (no ``-1``) and multiply to fewer devices than there are: then the first ones (a sub-mesh,
+    e.g. ``(1, 1, 1)`` on 8 emulated CPU devices).
+
+    Returns:
+      A ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: one line naming ``MeshConfig`` when the sizes do not fit the devices.
+    """
+    import math
+
+    sizes = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    need = math.prod(sizes)
+    if -1 not in sizes and need < jax.device_count() and jax.process_count() == 1:
+        return mesh_cfg.make(jax.devices()[:need])
+    return mesh_cfg.make()
+
+
+class _NoLogs:
+    """The logs of a process other than 0: nothing is written; the offsets stay those of the
+    durable point resumed from (only process 0's checkpoint metadata is stored)."""
+
+    def __init__(self, offsets=None):
+        self._offsets = {"metrics": dict((offsets or {}).get("metrics") or {"bytes": 0, "lines": 0}),
+                         "rollouts": dict((offsets or {}).get("rollouts") or {"bytes": 0})}
+
+    def write(self, *_a, **_kw) -> None:
+        """Nothing (process 0 writes)."""
+
+    def write_rollouts(self, *_a, **_kw) -> None:
+        """Nothing (process 0 writes)."""
+
+    def offsets(self) -> dict:
+        """The offsets of the resumed point."""
+        return {k: dict(v) for k, v in self._offsets.items()}
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+# Metrics of an RL step that are not means over the process's trajectories: means over its
+# ``<mem>`` turns, means over its turns, totals, maxima (``_global_rl_metrics``).
+_PER_MEM_TURN = ("mem/reward/mean", "mem/p_full/mean", "mem/p_mem/mean", "mem/advantage/std")
+_PER_TURN = ("format_fail/rate",)
+_TOTALS = ("mem/turns", "train/rows")
+_MAXIMA = ("train/seq_len",)
+
+
+def _global_rl_metrics(m: dict, trajs, sync) -> dict:
+    """Every process's RL-step metrics combined into the step's (a collective; identity on one process).
+
+    PPO metrics (``actor/*``) are already global. Means over trajectories are weighted by each
+    process's trajectories, ``_PER_MEM_TURN`` by its ``<mem>`` turns (exact for the means;
+    ``mem/advantage/std`` becomes a weighted mean of the processes' stds), ``format_fail/rate`` by
+    its turns; ``mem/turns`` and ``train/rows`` are summed, ``train/seq_len`` is the maximum.
+    """
+    from mempo_jax.distributed import allgather, mean_metrics
+
+    if not sync.multiprocess:
+        return m
+    out = mean_metrics(m, weight=float(len(trajs)), sync=sync)  # checks that the names agree
+    mem = {k: m[k] for k in _PER_MEM_TURN if k in m}
+    out.update(mean_metrics(mem, weight=float(m.get("mem/turns", 0.0))) if m.get("mem/turns") is not None else {})
+    turns = float(sum(len(tr.turns) for tr in trajs))
+    out.update(mean_metrics({k: m[k] for k in _PER_TURN if k in m}, weight=turns))
+    keys = [k for k in _TOTALS + _MAXIMA if k in m]
+    table = allgather(np.asarray([m[k] for k in keys], np.float32))
+    for i, k in enumerate(keys):
+        out[k] = float(table[:, i].sum() if k in _TOTALS else table[:, i].max())
+    return {k: out[k] for k in m}  # the single-process key order
+
+
+def _check_mesh_sizes(cfg, mesh, rules) -> None:
+    """Batch sizes that a sharded or multi-process run needs, checked before anything runs.
+
+    Raises:
+      ValueError: naming the field: ``SFTConfig.batch_rows`` that does not divide over the mesh's
+        batch shards (``MeshConfig.rules`` "batch", data x fsdp by default), or a per-step count
+        (``SFTConfig.batch_rows``, ``RLConfig.questions_per_step``) smaller than the process count.
+    """
+    from mempo_jax.sharding import batch_shards
+
+    shards, procs = batch_shards(mesh, rules), jax.process_count()
+    if cfg.sft.steps > 0 and cfg.sft.batch_rows % shards:
+        raise ValueError(f"SFTConfig.batch_rows = {cfg.sft.batch_rows} does not divide over the {shards} batch shards "
+                         f"of the mesh {dict(mesh.shape)} (MeshConfig.rules 'batch')")
+    for name, value in (("SFTConfig.batch_rows", cfg.sft.batch_rows if cfg.sft.steps > 0 else procs),
+                        ("RLConfig.questions_per_step", cfg.rl.questions_per_step if cfg.rl.steps > 0 else procs)):
+        if value < procs:
+            raise ValueError(f"{name} = {value} cannot be split over {procs} processes (each needs at least one)")
+
+
+def _check_processes_agree(point, tokenizer, num_train: int, num_heldout: int) -> None:
+    """Every process sees the same run folder state, data and tokenizer (a collective; it is also
+    the barrier before process 0 changes the run folder).
+
+    Raises:
+      ValueError: one line naming what differs (put ``--run_dir`` and ``--cache_dir`` on a file
+        system that every process shares).
+    """
+    import hashlib
+
+    from mempo_jax.distributed import allgather
+
+    probe = tokenizer.encode("<mem> Paris, 1987; acme </mem><search> who founded globex </search>")
+    digest = hashlib.sha256(np.asarray([tokenizer.vocab_size, *probe], np.int64).tobytes()).digest()[:8]
+    words = np.frombuffer(digest, np.int32)
+    mine = np.asarray([-1 if point.sft_step is None else point.sft_step, -1 if point.rl_step is None else point.rl_step,
+                       int(bool(point.eval_sft)), int(bool(point.eval_rl)), num_train, num_heldout, *words], np.int32)
+    table = allgather(mine)
+    names = ("SFT checkpoint", "RL checkpoint", "SFT evaluation file", "RL evaluation file", "training questions",
+             "held-out questions", "tokenizer", "tokenizer")
+    for col, name in enumerate(names):
+        if not (table[:, col] == table[0, col]).all():
+            raise ValueError(f"processes disagree on the {name} ({table[:, col].tolist()} by process): put --run_dir "
+                             "and --cache_dir on a file system every process shares, with the same data")
+
+
+def _initialize_distributed() -> bool:
+    """``distributed.maybe_initialize()`` once per interpreter (before any JAX device use)."""
+    global _DISTRIBUTED
+    if _DISTRIBUTED is None:
+        from mempo_jax.distributed import maybe_initialize
+
+        _DISTRIBUTED = maybe_initialize()
+    return _DISTRIBUTED
+
+
+_DISTRIBUTED = None
+
+
 def run(args) -> dict:
     """Run every stage, resuming from the newest durable point of ``RUN_DIR``.
 
@@ -80,11 +277,14 @@ def run(args) -> dict:
 
     Raises:
       ValueError / FileNotFoundError: bad config, data, tokenizer or run folder (one line, raised
-        before anything in the run folder changes).
+        before anything in the run folder changes); also a mesh that does not fit the devices,
+        a batch that does not divide over it, or processes that see different run folders.
       Preempted: a SIGTERM arrived; the state is saved (``main`` exits 0).
       NumericalFault: too many non-finite steps; the last good checkpoint is kept (``main`` exits 3).
     """
+    _initialize_distributed()  # joins the other processes of a multi-host job, before any JAX use
     from mempo_jax import config as config_lib
+    from mempo_jax import distributed, lockstep
     from mempo_jax.agent.trajectory import mode_name, parse_context_steps
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
     from mempo_jax.data.scripted_agent import scripted_trajectory
@@ -104,12 +304,29 @@ def run(args) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       float(os.environ.get("MEMPO_XLA_CACHE_MIN_S", "1.0")))
     run_dir = pathlib.Path(args.run_dir)
-    cfg = config_lib.load_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
+    run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
+    cfg = run_cfg.experiment
     ck, hooks = cfg.checkpoint, FaultHooks.from_env()
+    multi, primary = jax.process_count() > 1, distributed.is_primary()
+    mesh = rules = None
+    if run_cfg.sharded or multi:
+        mesh, rules = make_run_mesh(run_cfg.mesh), run_cfg.mesh.rules
+        _check_mesh_sizes(cfg, mesh, rules)
+    sft_micro = cfg.sft.micro_batch_rows or cfg.sft.batch_rows
+    interruptible = contextlib.nullcontext if multi else None  # see preemption below
+    say = print if primary else (lambda *a, **k: None)
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = contextlib.ExitStack()
     with stack:
         pre = stack.enter_context(Preemption(ck.grace_s))  # exits last: after the saves are complete
+        # Several processes: a SIGTERM never abandons work half-way on one process only (the others
+        # would wait for it in a collective); every process learns of it at the next step boundary.
+        interruptible = interruptible or pre.interruptible
+
+        def agree_on_preemption() -> None:
+            if multi and not pre.requested and distributed.allgather(np.asarray([pre.requested], np.int32)).any():
+                pre.requested, pre.received_at = True, time.monotonic()
+
         sft_ckpt = Checkpointer(run_dir / "sft_checkpoint", ck.max_to_keep, ck.async_save)
         stack.callback(sft_ckpt.close)
         rl_ckpt = Checkpointer(run_dir / "checkpoints", ck.max_to_keep, ck.async_save)
@@ -120,32 +337,64 @@ def run(args) -> dict:
                                     f"{run_dir / 'checkpoints'}")
         cache = args.cache_dir or os.environ.get("MEMPO_CACHE") or str(run_dir / ".cache")
 
-        with pre.interruptible():
-            exp = build_experiment(cfg, cache)
+        with interruptible():
+            exp = build_experiment(cfg, cache, mesh=mesh, rules=rules,
+                                   scoring_chunk_rows=run_cfg.plan.scoring_chunk_rows or None)
         tok = exp.tokenizer
+        if multi:
+            _check_processes_agree(point, tok, len(exp.train_questions), len(exp.heldout_questions))
+        # Host-side work runs per process on its share; device programs on the global batch.
+        sync, sample_fn_all, scorer = lockstep.distribute(exp.sample_fn, exp.scorer, tok.pad_id)
+        if not multi:
+            sample_fn_all = exp.sample_fn  # one process: the plain objects, as before
+            scorer = exp.scorer
         sft_opt, rl_opt = make_optimizer(cfg.sft.optim), make_optimizer(cfg.optim)
+
+        def opt_target(opt):
+            """The optimizer state's restore target (with the mesh: its shardings)."""
+            abstract = jax.eval_shape(opt.init, exp.params)
+            if mesh is None:
+                return abstract
+            from mempo_jax.sharding import opt_state_shardings
+
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                opt_state_shardings(opt, exp.params, mesh, rules))
+
+        def new_learner(params, opt, **kw):
+            if multi:
+                return lockstep.DistributedLearner(exp.logits_fn, params, opt, mesh=mesh, rules=rules, sync=sync,
+                                                   pad_id=tok.pad_id, **kw)
+            if mesh is None:
+                return Learner(exp.logits_fn, params, opt, **kw)
+            return Learner(exp.logits_fn, params, opt, mesh=mesh, rules=rules, **kw)
+
         # Everything a resume needs is read and checked before the run folder changes.
         sft_state = rl_state = None
         if not point.fresh:
             check_run_artifacts(run_dir, tok, exp.model_cfg)
-            sft_state = sft_ckpt.restore(point.sft_step, exp.params,
-                                         None if point.sft_done else jax.eval_shape(sft_opt.init, exp.params))
+            sft_state = sft_ckpt.restore(point.sft_step, exp.params, None if point.sft_done else opt_target(sft_opt))
         if point.rl_step is not None:
-            rl_state = rl_ckpt.restore(point.rl_step, exp.params, jax.eval_shape(rl_opt.init, exp.params))
-        for name, keep in ((EVAL_SFT_FILE, point.eval_sft), (EVAL_RL_FILE, point.eval_rl)):
-            if not keep:
-                (run_dir / name).unlink(missing_ok=True)
-        (run_dir / "config.gin").write_text(config_lib.operative_config(), encoding="utf-8")
-        save_run_artifacts(run_dir, tok, exp.model_cfg)
+            rl_state = rl_ckpt.restore(point.rl_step, exp.params, opt_target(rl_opt))
         newest = point.newest()
-        logs = RunLogs(run_dir, newest, point.source)
+        if primary:
+            for name, keep in ((EVAL_SFT_FILE, point.eval_sft), (EVAL_RL_FILE, point.eval_rl)):
+                if not keep:
+                    (run_dir / name).unlink(missing_ok=True)
+            (run_dir / "config.gin").write_text(config_lib.operative_config(), encoding="utf-8")
+            save_run_artifacts(run_dir, tok, exp.model_cfg)
+            logs = RunLogs(run_dir, newest, point.source)
+        else:
+            logs = _NoLogs(newest)
         stack.callback(logs.close)
         t_start -= float(newest.get("elapsed_s", 0.0)) if newest else 0.0
-        print(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
-              f"questions, {len(exp.documents)} passages, vocab {tok.vocab_size}, "
-              f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
+        say(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
+            f"questions, {len(exp.documents)} passages, vocab {tok.vocab_size}, "
+            f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
+        if mesh is not None:
+            say(f"[mempo] mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} "
+                f"process(es)", flush=True)
         if not point.fresh:
-            print(f"[mempo] {point.describe()}", flush=True)
+            say(f"[mempo] {point.describe()}", flush=True)
         key = jax.random.PRNGKey(cfg.seed)
         rl_key, eval_key = jax.random.fold_in(key, _RL_STREAM), jax.random.fold_in(key, _EVAL_STREAM)
         train_steps = cfg.rl.rollout.context_steps
@@ -155,7 +404,7 @@ def run(args) -> dict:
                     "elapsed_s": time.time() - t_start, **logs.offsets(), **extra}
 
         # ---- 2. cold-start SFT ------------------------------------------------------------
-        learner = Learner(exp.logits_fn, exp.params, sft_opt, micro_batch_rows=cfg.sft.batch_rows)
+        learner = new_learner(exp.params, sft_opt, micro_batch_rows=sft_micro)
         sft_saved = point.sft_step
         if point.sft_done:
             learner.params, learner.num_updates = sft_state[0], int(sft_state[2]["updates"])
@@ -167,23 +416,26 @@ def run(args) -> dict:
             rng = np.random.default_rng(cfg.seed)
             batches = iter(())
             if cfg.sft.steps > 0:
-                with pre.interruptible():
+                with interruptible():  # the same rows on every process (one generator); each feeds its share
                     scripted = [scripted_trajectory(q, exp.offices, tok, exp.tool_env, cfg.sft.agent, cfg.rl.rollout,
                                                     rng) for q in tqdm(exp.train_questions, desc="scripted agent",
-                                                                       leave=False)]
+                                                                       leave=False, disable=not primary)]
                     rows = sft_rows(scripted, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
                     rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)),
                                       tok.bos_id, rng)
                     batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
                     for _ in range(start):  # replay the data order up to the checkpoint
                         next(batches)
-            bar = stack.enter_context(tqdm(total=cfg.sft.steps, initial=start, desc="SFT"))
+            bar = stack.enter_context(tqdm(total=cfg.sft.steps, initial=start, desc="SFT", disable=not primary))
+            mine = distributed.process_slice(cfg.sft.batch_rows) if multi else slice(None)
             for step in range(start, cfg.sft.steps):
-                m = learner.sft_step(next(batches))
+                batch = next(batches)
+                m = learner.sft_step({k: v[mine] for k, v in batch.items()} if multi else batch)
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
                 logs.write(step, "sft", m)
                 check_sft_step(step, m, f"{sft_ckpt.directory}/{sft_saved}" if sft_saved is not None else "none")
+                agree_on_preemption()
                 done = step + 1 == cfg.sft.steps
                 if done or (step + 1) % ck.every_steps == 0 or pre.requested:
                     sft_ckpt.save(step + 1, learner.params, learner.opt_state, meta("sft", step + 1, learner, final=done))
@@ -196,32 +448,44 @@ def run(args) -> dict:
 
         # ---- 3./5. evaluation -------------------------------------------------------------
         held = exp.heldout_questions[: cfg.eval.num_questions or None]
+        if multi and len(held) < jax.process_count():
+            raise ValueError(f"EvalConfig.num_questions: {len(held)} held-out questions cannot be split over "
+                             f"{jax.process_count()} processes")
+        held_mine = held[distributed.process_slice(len(held))] if multi else held
         modes = [parse_context_steps(m) for m in cfg.eval.context_modes]
 
         def evaluate(stage: str):
             out, per_q = {}, {}
             for mode in modes:
-                bar = tqdm(total=len(held), desc=f"eval {stage} {mode_name(mode)}", leave=False)
-                res = evaluate_policy(exp.sample_fn, learner.params, held, tok, exp.tool_env, cfg.rl.rollout, mode,
-                                      cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
+                bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False,
+                           disable=not primary)
+                res = evaluate_policy(sample_fn_all, learner.params, held_mine, tok, exp.tool_env, cfg.rl.rollout,
+                                      mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
                 bar.close()
-                out[mode_name(mode)], per_q[mode_name(mode)] = res.metrics, res.per_question_em
-                logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", res.metrics)
-                print(f"[mempo] eval {stage} {mode_name(mode)}: EM {res.metrics['em']:.3f} F1 {res.metrics['f1']:.3f} "
-                      f"TT {res.metrics['tt']:.0f} PT {res.metrics['pt']:.0f}", flush=True)
+                metrics, em = res.metrics, res.per_question_em
+                if multi:  # every process's questions, in the single-process order (collectives)
+                    em = distributed.concat_processes(em, sync).astype(np.float64)
+                    means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
+                                                     weight=float(len(held_mine)), sync=sync)
+                    metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+                out[mode_name(mode)], per_q[mode_name(mode)] = metrics, em
+                logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
+                say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
+                    f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
             return out, per_q
 
         def evaluate_once(stage: str, stored, ckpt, name: str, step_key: str, step: int):
             """The stage's evaluation, or its stored result; stored after the stage's checkpoint is complete."""
             if stored:
                 return stored["evals"], {k: np.asarray(v, np.float64) for k, v in stored["per_question_em"].items()}
-            with pre.interruptible():
+            with interruptible():
                 out, per_q = evaluate(stage)
             ckpt.wait()
             per_q = {k: np.asarray(v, np.float64) for k, v in per_q.items()}
-            write_json_atomic(run_dir / name, {step_key: step, "evals": out,
-                                               "per_question_em": {k: v.tolist() for k, v in per_q.items()},
-                                               **meta(f"eval_{stage}", step, learner)})
+            if primary:
+                write_json_atomic(run_dir / name, {step_key: step, "evals": out,
+                                                   "per_question_em": {k: v.tolist() for k, v in per_q.items()},
+                                                   **meta(f"eval_{stage}", step, learner)})
             return out, per_q
 
         evals, per_q = {}, {}
@@ -229,8 +493,8 @@ def run(args) -> dict:
                                                    cfg.sft.steps)
 
         # ---- 4. MemPO RL ------------------------------------------------------------------
-        learner = Learner(exp.logits_fn, learner.params, rl_opt, temperature=cfg.rl.rollout.temperature,
-                          micro_batch_rows=32)
+        learner = new_learner(learner.params, rl_opt, temperature=cfg.rl.rollout.temperature,
+                              micro_batch_rows=run_cfg.plan.micro_batch_rows)
         import grain
 
         order = iter(grain.MapDataset.range(len(exp.train_questions)).shuffle(seed=cfg.seed).repeat()
@@ -247,7 +511,7 @@ def run(args) -> dict:
                                  f"(seed {cfg.seed}); use another --run_dir")
         rl_saved = point.rl_step
         current = {"step": start}
-        ppo_update, sample_fn = learner.ppo_update, exp.sample_fn
+        ppo_update, sample_fn = learner.ppo_update, sample_fn_all
 
         place_batch = learner._place_batch
 
@@ -269,7 +533,7 @@ def run(args) -> dict:
                     import signal
 
                     os.kill(os.getpid(), signal.SIGTERM)
-                return exp.sample_fn(*a, **kw)
+                return sample_fn_all(*a, **kw)
 
         def save_rl(step, data_state, offsets, fault_state):
             nonlocal rl_saved
@@ -279,22 +543,25 @@ def run(args) -> dict:
                         "step_key": jax.random.key_data(jax.random.fold_in(rl_key, step)).tolist()}})
             rl_saved = step
 
-        bar = stack.enter_context(tqdm(total=cfg.rl.steps, initial=start, desc="MemPO RL"))
+        bar = stack.enter_context(tqdm(total=cfg.rl.steps, initial=start, desc="MemPO RL", disable=not primary))
         for step in range(start, cfg.rl.steps):
             current["step"] = step
             data_state, offsets, fault_state = _plain(order.get_state()), logs.offsets(), faults.state()
             try:
-                with pre.interruptible():  # a SIGTERM here abandons the step: its state is unchanged
+                with interruptible():  # a SIGTERM here abandons the step: its state is unchanged
                     qs = [exp.train_questions[int(i)] for i in next(order)]
-                    m, trajs = rl_step(learner, ref_params, sample_fn, exp.scorer, qs, tok, exp.tool_env, cfg.rl,
+                    if multi:  # this process's questions: its rollouts, tool calls and parsing
+                        qs = qs[distributed.process_slice(len(qs))]
+                    m, trajs = rl_step(learner, ref_params, sample_fn, scorer, qs, tok, exp.tool_env, cfg.rl,
                                        jax.random.fold_in(rl_key, step),
                                        np.random.default_rng([cfg.seed, _RL_STREAM, step]))
             except Preempted:
                 if rl_saved != step:
                     save_rl(step, data_state, offsets, fault_state)
                 raise
+            m = _global_rl_metrics(m, trajs, sync)
             m.update(faults.observe(step, m))
-            if faults.streak:
+            if faults.streak and primary:
                 print(f"[mempo] RL step {step}: non-finite loss or gradients, update skipped "
                       f"({faults.streak}/{faults.max_consecutive} in a row)", file=sys.stderr, flush=True)
             logs.write(step, "rl", m)
@@ -306,6 +573,7 @@ def run(args) -> dict:
                 last = f"{rl_ckpt.directory}/{rl_saved}" if rl_saved is not None else \
                     f"{sft_ckpt.directory}/{cfg.sft.steps} (SFT; no RL checkpoint yet)"
                 raise faults.error(last)
+            agree_on_preemption()
             done = step + 1 == cfg.rl.steps
             if done or pre.requested or ((step + 1) % ck.every_steps == 0 and not faults.streak):
                 save_rl(step + 1, _plain(order.get_state()), logs.offsets(), faults.state())
@@ -325,10 +593,11 @@ def run(args) -> dict:
             "wall_s": time.time() - t_start, "params": exp.model_cfg.num_params(), "dataset": cfg.dataset,
             "heldout_questions": len(held),
         }
-        write_json_atomic(run_dir / "summary.json", summary)
-    print("\n" + format_eval_table(evals))
-    print(f"\n[mempo] {k1} EM gain RL - SFT: {gain.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
-          f"wall {summary['wall_s'] / 60:.1f} min  -> {run_dir / 'summary.json'}", flush=True)
+        if primary:
+            write_json_atomic(run_dir / "summary.json", summary)
+    say("\n" + format_eval_table(evals))
+    say(f"\n[mempo] {k1} EM gain RL - SFT: {gain.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
+        f"wall {summary['wall_s'] / 60:.1f} min  -> {run_dir / 'summary.json'}", flush=True)
     return summary
 
 
