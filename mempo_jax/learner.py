@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,15 +132,29 @@ class Learner:
         return token_logprobs(logits, ids, self.temperature), token_entropy(logits, self.temperature)
 
     def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int = 64) -> np.ndarray:
-        """Per-token log-probs ``[rows, seq]`` float32 of ``params`` (no gradient), in row chunks."""
+        """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
+
+        Every device call is ``[chunk_rows, L]`` (``chunk_rows`` rounded up to a multiple of the
+        mesh's batch shards): the last (or only) chunk is padded with all-invalid rows, so the
+        program compiles once per length ``L`` whatever the row count.
+
+        Args:
+          params: policy or reference parameters.
+          input_ids: ``[R, L]`` int32.
+          valid: ``[R, L]`` bool, True on real tokens.
+          chunk_rows: rows per device call.
+
+        Returns:
+          ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).
+        """
         out = []
         shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        target = -(-int(chunk_rows) // shards) * shards
         if self.mesh is not None:
             params = jax.device_put(params, self.param_shardings)
-        for s in range(0, input_ids.shape[0], chunk_rows):
-            ids, v = input_ids[s : s + chunk_rows], valid[s : s + chunk_rows]
+        for s in range(0, input_ids.shape[0], target):
+            ids, v = input_ids[s : s + target], valid[s : s + target]
             n = ids.shape[0]
-            target = chunk_rows if (n < chunk_rows and input_ids.shape[0] > chunk_rows) else -(-n // shards) * shards
             if n < target:
                 ids = np.pad(ids, ((0, target - n), (0, 0)))
                 v = np.pad(v, ((0, target - n), (0, 0)))
@@ -149,6 +163,32 @@ class Learner:
             lp, _ = self._logprobs(params, ids, v)
             out.append(np.asarray(lp)[:n])
         return np.concatenate(out, axis=0)
+
+    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig, logprob_rows: int = 64) -> int:
+        """Compile the log-prob and PPO programs ahead of time (``jit.lower(...).compile()``;
+        nothing runs, no buffer is donated) at every length in ``lengths``.
+
+        Args:
+          lengths: sequence lengths ``L`` (the training-row length buckets).
+          ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
+            (``ppo_plan(...).rows`` and ``rows // micro``).
+          loss_cfg: the loss options (a static argument of the PPO program).
+          logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with.
+
+        Returns:
+          The number of programs built.
+        """
+        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        lp_rows = -(-int(logprob_rows) // shards) * shards
+        kw = {} if self.mesh is None else {"sharding": self.batch_sharding}
+        sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, **kw)  # noqa: E731
+        for length in lengths:
+            self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32), sds(lp_rows, length, jnp.bool_)).compile()
+            batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
+            batch.update({k: sds(ppo_rows, length, jnp.float32)
+                          for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
+            self._ppo_step.lower(self.params, self.opt_state, batch, int(n_micro), loss_cfg).compile()
+        return 2 * len(lengths)
 
     # ---- SFT -------------------------------------------------------------------------------
     def _sft_step_impl(self, params, opt_state, batch, n_micro):
@@ -199,10 +239,15 @@ class Learner:
             metrics = dict(metrics, _denominator=part_denom)
             return total / denom, metrics
 
-        def body(carry, mb):
+        def accumulate(carry, mb):
             grads, msum = carry
             (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, msum, metrics)), None
+            return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, msum, metrics)
+
+        def body(carry, mb):
+            # A micro-batch without loss tokens (row padding up to the fixed mini-batch shape)
+            # adds exactly zero: it is skipped at run time instead of computed.
+            return jax.lax.cond(jnp.any(mb["loss_mask"] > 0), accumulate, lambda c, _: c, carry, mb), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
@@ -212,9 +257,11 @@ class Learner:
         finite = jnp.isfinite(grad_norm)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # A non-finite gradient skips the update (params and optimizer state unchanged).
-        params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
-        opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state)
+        # A non-finite gradient skips the update (params and optimizer state unchanged); so does a
+        # mini-batch without loss tokens (all padding: Adam's momentum would still move params).
+        apply = finite & jnp.any(batch["loss_mask"] > 0)
+        params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
+        opt_state = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_opt_state, opt_state)
         msum = dict(msum)
         part_total = jnp.maximum(msum.pop("_denominator"), 1.0)
         metrics = {f"actor/{_VERL_NAMES.get(k, k)}": v / part_total for k, v in msum.items()}
@@ -223,40 +270,94 @@ class Learner:
         return params, opt_state, metrics
 
     def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
-                   rng: np.random.Generator) -> dict[str, float]:
+                   rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
         """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
 
+        Rows are shuffled, padded to ``bucket_length(R, max(num_mini_batches, micro_batch_rows))``
+        all-invalid rows and cut into ``num_mini_batches`` contiguous mini-batches (this fixes which
+        rows share an update). Each mini-batch is then padded with all-invalid rows to the plan's
+        fixed row count (``ppo_plan``) and split into micro-batches of ``micro_batch_rows``;
+        micro-batches without loss tokens are skipped inside the program, and a mini-batch
+        without loss tokens is not run at all (no optimizer step: Adam's momentum would otherwise
+        move the parameters on a zero gradient); ``num_updates`` still counts it, as it counts an
+        update skipped for a non-finite gradient.
+
         Args:
-          rows: ``input_ids, valid, loss_mask, old_logprobs, ref_logprobs, advantages``, each
-            ``[R, L]``; rows are shuffled, padded to a power-of-two count, split into mini-batches,
-            each mini-batch into micro-batches of ``micro_batch_rows``.
+          rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
+            ref_logprobs, advantages [R, L] float32``.
           loss_cfg: clip, dual clip, KL and aggregation options.
-          num_mini_batches: optimizer steps per epoch.
+          num_mini_batches: optimizer steps per epoch (fewer when a mini-batch is all padding).
           rng: numpy generator for the shuffle.
+          max_rows: an upper bound on ``R`` that depends on the config only (e.g.
+            ``rl_step.training_row_bound``): every mini-batch is then ``[ppo_plan(...).rows, L]``
+            whatever ``R`` is, so the update compiles once per length bucket. ``None``: the
+            mini-batch rows follow ``R`` (one program per row bucket).
 
         Returns:
-          Metrics averaged over mini-batches (``actor/pg_loss``, ``actor/ppo_kl``,
-          ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ...).
+          Metrics averaged over the mini-batches that ran (``actor/pg_loss``, ``actor/ppo_kl``,
+          ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ``actor/grad_norm``,
+          ``actor/update_skipped``, ...); ``{}`` when no row has a loss token.
         """
         n = rows["input_ids"].shape[0]
         order = rng.permutation(n)
-        total = bucket_length(n, max(num_mini_batches, self.micro_batch_rows))
-        per_mb = total // num_mini_batches
-        micro = min(self.micro_batch_rows, per_mb)
-        padded = {}
-        for k, v in rows.items():
-            v = v[order]
-            pad = [(0, total - n)] + [(0, 0)] * (v.ndim - 1)
-            padded[k] = np.pad(v, pad)
+        plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
         out: dict[str, list[float]] = {}
         for i in range(num_mini_batches):
-            mb = {k: v[i * per_mb : (i + 1) * per_mb] for k, v in padded.items()}
+            idx = order[i * plan.per_mb : (i + 1) * plan.per_mb]  # rows past n are padding
+            if not np.any(rows["loss_mask"][idx] > 0):
+                self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
+                continue
+            mb = {}
+            for k, v in rows.items():
+                v = v[idx]
+                mb[k] = np.pad(v, [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1))
             self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, self._place_batch(mb),
-                                                            per_mb // micro, loss_cfg)
+                                                            plan.rows // plan.micro, loss_cfg)
             self.num_updates += 1
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))
         return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+class PPOPlan(NamedTuple):
+    """Row layout of one PPO epoch (see ``ppo_plan``).
+
+    Attributes:
+      total: rows after the shuffle padding (``bucket_length(R, max(num_mini_batches, micro))``).
+      per_mb: real-or-padding rows of the epoch per mini-batch (``total // num_mini_batches``).
+      rows: rows of every ``_ppo_step`` call (``>= per_mb``).
+      micro: rows per micro-batch (divides ``rows``).
+    """
+
+    total: int
+    per_mb: int
+    rows: int
+    micro: int
+
+
+def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int | None = None) -> PPOPlan:
+    """Mini-batch shapes of a PPO epoch over ``n`` rows.
+
+    Which rows form a mini-batch depends on ``n`` (as always); the shape of the update program
+    depends on ``max_rows`` only when it is given and ``n <= max_rows``: ``rows =
+    bucket_length(max_rows, max(num_mini_batches, micro_batch_rows)) // num_mini_batches``.
+
+    Raises:
+      ValueError: if ``num_mini_batches`` or ``micro_batch_rows`` is < 1, or ``n`` < 0.
+    """
+    if num_mini_batches < 1 or micro_batch_rows < 1:
+        raise ValueError(f"num_mini_batches and micro_batch_rows must be >= 1, got {num_mini_batches}, "
+                         f"{micro_batch_rows}")
+    floor = max(num_mini_batches, micro_batch_rows)
+    total = bucket_length(n, floor)
+    per_mb = total // num_mini_batches
+    rows = per_mb
+    if max_rows is not None and n <= max_rows:
+        rows = max(per_mb, bucket_length(max_rows, floor) // num_mini_batches)
+    micro = min(micro_batch_rows, rows)
+    while rows % micro:  # powers of two in practice; stay correct otherwise
+        micro -= 1
+    return PPOPlan(total, per_mb, rows, micro)
 
 
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
@@ -269,4 +370,4 @@ def _denominator(loss_mask: jax.Array, mode: str) -> jax.Array:
     return (loss_mask.sum(-1) > 0).sum().astype(jnp.float32)
 
 
-__all__ = ["Learner", "OptimConfig", "make_optimizer"]
+__all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "ppo_plan"]

@@ -298,16 +298,18 @@ class DistributedLearner(Learner):
         start = int(counts[: jax.process_index()].sum())
         return lp[start : start + input_ids.shape[0], : input_ids.shape[1]]
 
-    def ppo_update(self, rows, loss_cfg, num_mini_batches, rng):
+    def ppo_update(self, rows, loss_cfg, num_mini_batches, rng, *, max_rows=None):
         """``Learner.ppo_update`` on the concatenation of every process's rows (process order).
 
         ``rng`` must be in the same state on every process (same seed, same use), as the shuffle
-        of the global rows is drawn from it on each of them.
+        of the global rows is drawn from it on each of them. ``max_rows`` bounds one process's
+        rows (the global bound is ``max_rows · process_count``).
         """
         if not self.sync.multiprocess:
-            return super().ppo_update(rows, loss_cfg, num_mini_batches, rng)
+            return super().ppo_update(rows, loss_cfg, num_mini_batches, rng, max_rows=max_rows)
         g, _, _ = self._gather(UPDATE, dict(rows))
-        return super().ppo_update(g, loss_cfg, num_mini_batches, rng)
+        bound = None if max_rows is None else max_rows * jax.process_count()
+        return super().ppo_update(g, loss_cfg, num_mini_batches, rng, max_rows=bound)
 
     def sft_step(self, batch):
         """``Learner.sft_step`` on the concatenation of every process's batch rows."""

@@ -15,6 +15,7 @@ ARCHITECTURE.md's data flow, in order:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Optional, Sequence
 
@@ -24,7 +25,8 @@ import numpy as np
 
 from mempo_jax.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
-from mempo_jax.agent.trajectory import Trajectory, build_training_rows
+from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, build_training_rows
+from mempo_jax.batching import bucket_length
 from mempo_jax.losses import LossConfig
 from mempo_jax.rewards import outcome_reward
 
@@ -44,6 +46,9 @@ class RLConfig:
       memory_coef: scale of A_M in A = A_T + memory_coef · A_M (1 in the spec; 0 disables).
       loss: PPO loss options.
       rollout: rollout options (``context_steps`` picks full or k-step training).
+      precompile: compile every program shape the config can produce (``precompile_rl_step``)
+        before the first step, so that no step compiles; off by default (it builds shapes a
+        short run may never use).
     """
 
     steps: int = 40
@@ -56,6 +61,97 @@ class RLConfig:
     memory_coef: float = 1.0
     loss: LossConfig = LossConfig()
     rollout: RolloutConfig = RolloutConfig()
+    precompile: bool = False
+
+
+TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)
+LOGPROB_CHUNK_ROWS = 64  # rows per reference log-prob call
+
+
+def training_row_bound(cfg: RLConfig) -> int:
+    """Most training rows one step can produce: one per trajectory in full mode, one per turn in
+    k-step mode (``questions_per_step · group_size · max_turns``)."""
+    per_traj = 1 if cfg.rollout.context_steps == FULL else cfg.rollout.max_turns
+    return cfg.questions_per_step * cfg.group_size * per_traj
+
+
+def mem_turn_bound(cfg: RLConfig) -> int:
+    """Most ``<mem>`` turns one step can record: ``questions_per_step · group_size · max_turns``."""
+    return cfg.questions_per_step * cfg.group_size * cfg.rollout.max_turns
+
+
+def training_length_buckets(cfg: RLConfig) -> list[int]:
+    """Length buckets of training rows: ``TRAIN_MIN_LENGTH, 2·…, bucket(bound)``.
+
+    The bound: a k-step row is a policy context plus its turn, at most ``max_context_tokens``
+    (the rollout's budget check); a full-mode row adds the last tool result
+    (``max_observation_tokens + 2``).
+    """
+    ro = cfg.rollout
+    bound = ro.max_context_tokens + (ro.max_observation_tokens + 2 if ro.context_steps == FULL else 0)
+    return _powers(TRAIN_MIN_LENGTH, bound)
+
+
+def scoring_length_bound(cfg: RLConfig, allowance: int = 128) -> int:
+    """A bound (tokens) on a memory-reward scoring row: ``full_traj[t]`` + answer prefix + Z.
+
+    In full mode ``full_traj[t]`` is a policy context (at most ``max_context_tokens -
+    max_new_tokens``); in k-step mode it is the whole history before the last turn,
+    ``prompt + (max_turns - 1)·(max_new_tokens + max_observation_tokens + 2)``. ``allowance``
+    covers the prompt, the prefix and Z (rows beyond the bound still work: one more compile).
+    """
+    ro = cfg.rollout
+    history = (ro.max_turns - 1) * (ro.max_new_tokens + ro.max_observation_tokens + 2)
+    return max(ro.max_context_tokens, history + allowance)
+
+
+def _powers(start: int, bound: int) -> list[int]:
+    out = [int(start)]
+    while out[-1] < bound:
+        out.append(out[-1] * 2)
+    return out
+
+
+def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: RLConfig, key: jax.Array) -> dict:
+    """Build every program an RL step of ``cfg`` can run, so that steps compile nothing.
+
+    The shapes are functions of the config only: sampling ``rollout.sampler_shapes`` (run once
+    with dummy prompts, one process only), scoring ``[scorer.rows_per_call, L]`` for ``L`` in
+    ``scorer.length_buckets(scoring_length_bound(cfg))``, and the reference log-probs and the PPO
+    update at every ``training_length_buckets(cfg)`` with the ``ppo_plan`` of
+    ``training_row_bound(cfg)`` rows (compiled ahead of time, nothing runs).
+
+    Args:
+      learner, ref_params, sample_fn, scorer, tokenizer, cfg: as for ``rl_step``.
+      key: PRNG key for the dummy sampling calls.
+
+    Returns:
+      ``{"sampler": n, "scorer": n, "learner": n, "seconds": s}`` (programs per part, wall time).
+    """
+    from mempo_jax.agent.rollout import warm_sampler
+    from mempo_jax.learner import ppo_plan
+
+    t0 = time.perf_counter()
+    n_traj = cfg.questions_per_step * cfg.group_size
+    out = {"sampler": 0}
+    if jax.process_count() == 1:
+        out["sampler"] = warm_sampler(sample_fn, learner.params, tokenizer.pad_id, cfg.rollout, n_traj, key)
+    scorer = getattr(scorer, "scorer", scorer)  # a lockstep DistributedScorer wraps the scorer
+    out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
+    plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
+                    training_row_bound(cfg) * jax.process_count())
+    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss,
+                                        LOGPROB_CHUNK_ROWS)
+    n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
+    sds = jax.ShapeDtypeStruct
+    for length in training_length_buckets(cfg):
+        _advantages.lower(sds((n,), jnp.float32), sds((n,), jnp.int32), sds((mb,), jnp.float32), sds((mb,), jnp.int32),
+                          sds((mb,), jnp.bool_), sds((mb,), jnp.int32), sds((mb,), jnp.int32), sds((mb,), jnp.int32),
+                          sds((b,), jnp.int32), sds((b, length), jnp.float32), sds((), jnp.float32),
+                          num_groups=cfg.questions_per_step).compile()
+    out["advantages"] = len(training_length_buckets(cfg))
+    out["seconds"] = time.perf_counter() - t0
+    return out
 
 
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str):
@@ -80,26 +176,72 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     return full, mem, answers
 
 
+def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRows:
+    """``rows`` right-padded (pad id, invalid, no loss) to at least ``min_length`` columns, so
+    short batches share the ``TRAIN_MIN_LENGTH`` bucket instead of compiling 16/32/64."""
+    extra = int(min_length) - rows.input_ids.shape[1]
+    if extra <= 0:
+        return rows
+    pad = lambda x, v: np.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
+    return dataclasses.replace(rows, input_ids=pad(rows.input_ids, pad_id), valid=pad(rows.valid, False),
+                               loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
+
+
 def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
     """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (MEMPO_SPEC §3)."""
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
-def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float):
-    """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4)."""
-    group_ids = np.asarray([tr.group_id for tr in trajs], np.int32)
-    a_t = outcome_advantage(jnp.asarray(rewards), jnp.asarray(group_ids), num_groups)
+def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
+                       *, max_rows: int | None = None, max_mem: int | None = None):
+    """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4).
+
+    One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
+    (``training_row_bound``) and ``max_mem`` on the ``<mem>`` turns (``mem_turn_bound``), rows
+    are padded to ``bucket_length(max_rows)`` and turns to ``bucket_length(max_mem)`` with
+    invalid entries, so its shapes depend on the config and the sequence length only; the
+    padding is masked out (exactly the unpadded values).
+
+    Args:
+      trajs: the step's trajectories (their ``group_id``).
+      rows: ``TrainingRows`` of the step.
+      rewards: ``[N]`` float32 outcome rewards.
+      r_mem: ``[M]`` float32 memory rewards of ``rows.mem_turn``.
+      num_groups: questions of the step (static).
+      memory_coef: scale of A_M.
+      max_rows, max_mem: optional config bounds on rows and on ``<mem>`` turns (a count above
+        its bound falls back to the unpadded shape).
+
+    Returns:
+      ``(advantages [R, L], a_t [N], a_m [M])`` float32 numpy arrays.
+    """
+    r, length = rows.input_ids.shape
     m = len(rows.mem_turn)
-    if m:
-        mem_groups = np.asarray([trajs[i].group_id for i, _ in rows.mem_turn], np.int32)
-        a_m = memory_advantage(jnp.asarray(r_mem, jnp.float32), jnp.asarray(mem_groups), num_groups, jnp.ones((m,), bool))
-        mem_tok = scatter_span_values(memory_coef * a_m, jnp.asarray(rows.mem_rows), jnp.asarray(rows.mem_starts),
-                                      jnp.asarray(rows.mem_ends), jnp.ones((m,), bool), rows.input_ids.shape)
-    else:
-        a_m = jnp.zeros((0,), jnp.float32)
-        mem_tok = jnp.zeros(rows.input_ids.shape, jnp.float32)
-    adv = token_advantages(a_t[jnp.asarray(rows.traj_index)], mem_tok, jnp.asarray(rows.loss_mask))
-    return np.asarray(adv), np.asarray(a_t), np.asarray(a_m)
+    rb = bucket_length(max_rows, 1) if max_rows is not None and r <= max_rows else r
+    mb = bucket_length(max_mem, 1) if max_mem is not None and m <= max_mem else max(m, 1)
+    pad = lambda x, n, v=0: np.pad(np.asarray(x), [(0, n - len(x))] + [(0, 0)] * (np.ndim(x) - 1),  # noqa: E731
+                                   constant_values=v)
+    group_ids = np.asarray([tr.group_id for tr in trajs], np.int32)
+    mem_groups = np.asarray([trajs[i].group_id for i, _ in rows.mem_turn], np.int32).reshape(-1)
+    adv, a_t, a_m = _advantages(
+        np.asarray(rewards, np.float32), group_ids, pad(np.asarray(r_mem, np.float32).reshape(-1), mb),
+        pad(mem_groups, mb), pad(np.ones((m,), bool), mb, False), pad(rows.mem_rows.astype(np.int32), mb),
+        pad(rows.mem_starts.astype(np.int32), mb), pad(rows.mem_ends.astype(np.int32), mb),
+        pad(rows.traj_index.astype(np.int32), rb), pad(rows.loss_mask, rb), np.float32(memory_coef),
+        num_groups=int(num_groups))
+    adv, a_t, a_m = jax.device_get((adv, a_t, a_m))
+    return np.asarray(adv)[:r], np.asarray(a_t), np.asarray(a_m)[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_starts, mem_ends, traj_index,
+                loss_mask, memory_coef, *, num_groups):
+    """``(A [R, L], A_T [N], A_M [M])``: outcome and memory advantages, A_M scattered onto the
+    ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (MEMPO_SPEC §4)."""
+    a_t = outcome_advantage(rewards, group_ids, num_groups)
+    a_m = memory_advantage(r_mem, mem_groups, num_groups, mem_valid)
+    mem_tok = scatter_span_values(memory_coef * a_m, mem_rows, mem_starts, mem_ends, mem_valid, loss_mask.shape)
+    return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
 
 def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_env, cfg: RLConfig,
@@ -121,6 +263,10 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
       ``(metrics, trajectories)``; metric names follow verl where one exists.
     """
     timings = {}
+    if cfg.precompile and getattr(learner, "_rl_precompiled", None) != cfg:
+        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg,
+                                                            key)["seconds"]
+        learner._rl_precompiled = cfg
     t0 = time.perf_counter()
     trajs = new_trajectories(tokenizer, questions, cfg.group_size)
     rollout(sample_fn, learner.params, trajs, tokenizer, tool_env, cfg.rollout, key)
@@ -128,11 +274,13 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
 
     t1 = time.perf_counter()
     rewards = score_trajectories(trajs, cfg.outcome_metric)
-    rows = build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id)
+    rows = pad_columns(build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id), TRAIN_MIN_LENGTH,
+                       tokenizer.pad_id)
     full, mem, answers = memory_contexts(trajs, rows.mem_turn, tokenizer, cfg.memory_answer)
     mem_out = scorer(learner.params, full, mem, answers)
-    ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
-    adv, a_t, a_m = compute_advantages(trajs, rows, rewards, mem_out.r_mem, len(questions), cfg.memory_coef)
+    ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid, LOGPROB_CHUNK_ROWS)
+    adv, a_t, a_m = compute_advantages(trajs, rows, rewards, mem_out.r_mem, len(questions), cfg.memory_coef,
+                                       max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg))
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -143,7 +291,8 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
     }
     upd: dict[str, list[float]] = {}
     for _ in range(cfg.ppo_epochs):
-        for k, v in learner.ppo_update(batch, cfg.loss, cfg.num_mini_batches, rng).items():
+        for k, v in learner.ppo_update(batch, cfg.loss, cfg.num_mini_batches, rng,
+                                       max_rows=training_row_bound(cfg)).items():
             upd.setdefault(k, []).append(v)
     timings["timing/update_s"] = time.perf_counter() - t2
 

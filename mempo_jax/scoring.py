@@ -74,6 +74,23 @@ def build_scoring_batch(
       ValueError: if the three lists differ in length, or a non-empty Z would sit at position 0
         (context and prefix both empty: nothing predicts the first token).
     """
+    rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix)
+    ids, valid = pad_sequences(rows, pad_id)
+    answer_mask = np.zeros_like(valid)
+    for r, (s, e) in enumerate(spans):
+        answer_mask[r, s:e] = True
+    m = len(full_contexts)
+    if pad_rows_to_bucket:
+        extra = bucket_length(2 * m, minimum=min_rows) - 2 * m
+        ids = np.concatenate([ids, np.full((extra, ids.shape[1]), pad_id, np.int32)])
+        valid = np.concatenate([valid, np.zeros((extra, ids.shape[1]), bool)])
+        answer_mask = np.concatenate([answer_mask, np.zeros((extra, ids.shape[1]), bool)])
+    return ids, valid, answer_mask
+
+
+def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The 2M rows ``[full_i + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` and Z's ``[start, end)``
+    in each (see ``build_scoring_batch``; same errors)."""
     m = len(full_contexts)
     if len(mem_contexts) != m or len(answers) != m:
         raise ValueError(f"need as many contexts as answers: {m} full, {len(mem_contexts)} mem, {len(answers)} answers")
@@ -85,16 +102,11 @@ def build_scoring_batch(
             raise ValueError("an empty context with an empty answer_prefix leaves Z's first token unscored")
         rows.append(list(ctx) + prefix + list(z))
         spans.append((start, start + len(z)))
-    ids, valid = pad_sequences(rows, pad_id)
-    answer_mask = np.zeros_like(valid)
-    for r, (s, e) in enumerate(spans):
-        answer_mask[r, s:e] = True
-    if pad_rows_to_bucket:
-        extra = bucket_length(2 * m, minimum=min_rows) - 2 * m
-        ids = np.concatenate([ids, np.full((extra, ids.shape[1]), pad_id, np.int32)])
-        valid = np.concatenate([valid, np.zeros((extra, ids.shape[1]), bool)])
-        answer_mask = np.concatenate([answer_mask, np.zeros((extra, ids.shape[1]), bool)])
-    return ids, valid, answer_mask
+    return rows, spans
+
+
+DEFAULT_CHUNK_ROWS = 64  # rows per scorer call when none is configured
+DEFAULT_MIN_LENGTH = 64  # smallest length bucket of a scorer call
 
 
 class MemoryRewardOutput(NamedTuple):
@@ -119,9 +131,15 @@ class MemoryRewardScorer:
       param_shardings: optional shardings of ``params`` (e.g. ``mempo_jax.sharding.param_shardings``);
         with ``batch_sharding`` (a ``NamedSharding``), the jitted call declares
         ``in_shardings=(param_shardings, batch, batch, batch)`` and a replicated ``[R]`` output.
-      chunk_rows: optional rows per device call (a power of two): the stacked ``[R, L]`` batch
-        is scored in ``R / chunk_rows`` calls of one jitted program (same values, bounded
-        ``[chunk_rows, L, V]`` logits). ``None`` (default): one call over all rows.
+      chunk_rows: rows per device call (a power of two; ``None``: ``DEFAULT_CHUNK_ROWS``, raised
+        to ``min_rows`` when smaller). The stacked 2M rows are scored ``chunk_rows`` at a time in
+        calls of fixed shape ``[chunk_rows, L_c]`` (the last chunk padded with all-invalid rows),
+        each chunk padded to its own length bucket ``L_c = bucket_length(longest row of the
+        chunk, min_length)``. The values equal one call over all rows (rows are independent);
+        the shapes depend on the config, not on M, so the program compiles once per length
+        bucket (``length_buckets`` lists them, ``precompile`` builds them ahead of time). With
+        2M ≤ ``chunk_rows`` the whole stacked batch is one call, as in the reference.
+      min_length: smallest length bucket (a power of two).
 
     Raises:
       ValueError: if ``temperature <= 0``.
@@ -138,6 +156,7 @@ class MemoryRewardScorer:
         batch_sharding: jax.sharding.Sharding | None = None,
         param_shardings: Any = None,
         chunk_rows: int | None = None,
+        min_length: int = DEFAULT_MIN_LENGTH,
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -151,6 +170,9 @@ class MemoryRewardScorer:
         self.batch_sharding = batch_sharding
         self.param_shardings = param_shardings
         self.chunk_rows = chunk_rows
+        self.min_length = int(min_length)
+        self.rows_per_call = bucket_length(DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows,
+                                           max(self.min_rows, 1))
         if param_shardings is not None and isinstance(batch_sharding, jax.sharding.NamedSharding):
             rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
             bs = batch_sharding
@@ -173,7 +195,7 @@ class MemoryRewardScorer:
         mem_contexts: Sequence[Sequence[int]],
         answers: Sequence[Sequence[int]],
     ) -> MemoryRewardOutput:
-        """R_M for M turns: one model call on the stacked ``[2M → bucket, L]`` batch.
+        """R_M for M turns from the stacked ``[full; mem]`` batch, ``rows_per_call`` rows per call.
 
         Args:
           params: policy parameters (current policy; treated as constants).
@@ -189,19 +211,51 @@ class MemoryRewardScorer:
         if m == 0 and len(mem_contexts) == 0 and len(answers) == 0:
             empty = np.zeros((0,), np.float32)
             return MemoryRewardOutput(empty, empty.copy(), empty.copy())
-        ids, valid, answer_mask = build_scoring_batch(
-            full_contexts, mem_contexts, answers, self.answer_prefix, self.pad_id,
-            pad_rows_to_bucket=True, min_rows=self.min_rows,
-        )
+        rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix)
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
-        step = ids.shape[0] if self.chunk_rows is None else min(self.chunk_rows, ids.shape[0])
+        c = self.rows_per_call
         parts = []
-        for s in range(0, ids.shape[0], step):
-            batch = (ids[s : s + step], valid[s : s + step], answer_mask[s : s + step])
+        for s in range(0, len(rows), c):
+            chunk = rows[s : s + c]
+            length = bucket_length(max(len(r) for r in chunk), self.min_length)
+            ids, valid = pad_sequences(chunk + [[]] * (c - len(chunk)), self.pad_id, length)
+            answer_mask = np.zeros_like(valid)
+            for r, (a, b) in enumerate(spans[s : s + c]):
+                answer_mask[r, a:b] = True
+            batch = (ids, valid, answer_mask)
             if self.batch_sharding is not None:
                 batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
-            parts.append(np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32))
+            parts.append(np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32)[: len(chunk)])
         p = np.concatenate(parts)
         p_full, p_mem = p[:m], p[m : 2 * m]
         return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
+
+    def length_buckets(self, max_tokens: int) -> list[int]:
+        """The length buckets a scoring row of at most ``max_tokens`` tokens can land in:
+        ``[min_length, 2·min_length, …, bucket_length(max_tokens, min_length)]``."""
+        out = [self.min_length]
+        while out[-1] < max_tokens:
+            out.append(out[-1] * 2)
+        return out
+
+    def precompile(self, params: Any, lengths: Sequence[int]) -> int:
+        """Compile the scoring program for ``[rows_per_call, L]`` at each ``L`` in ``lengths``
+        ahead of time (``jit.lower(...).compile()``; nothing runs). Later calls at these shapes
+        compile nothing.
+
+        Args:
+          params: the parameters the scorer will be called with (their shardings count).
+          lengths: length buckets (e.g. ``length_buckets(bound)``).
+
+        Returns:
+          The number of programs built.
+        """
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        for length in lengths:
+            shape = (self.rows_per_call, int(length))
+            kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
+            args = [jax.ShapeDtypeStruct(shape, dt, **kw) for dt in (jnp.int32, jnp.bool_, jnp.bool_)]
+            self.likelihoods.lower(params, *args).compile()
+        return len(lengths)

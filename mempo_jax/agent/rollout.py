@@ -20,6 +20,7 @@ from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, find_span, parse_
 from mempo_jax.batching import bucket_length, pad_sequences
 
 SYSTEM_PROMPT = "Search, remember in mem, answer."
+MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ def rollout(
         # Few static shapes: rows and length buckets have large minimums, so a whole evaluation
         # or RL run compiles the sampler only a handful of times.
         rows = bucket_length(len(contexts), cfg.min_rows_bucket)
-        length = bucket_length(max(len(c) for c in contexts), 128)
+        length = bucket_length(max(len(c) for c in contexts), MIN_PROMPT_BUCKET)
         padded = contexts + [contexts[0][:1]] * (rows - len(contexts))
         ids, mask = pad_sequences(padded, tokenizer.pad_id, length, side="left")
         out = sample_fn(params, ids, mask, jax.random.fold_in(key, t), cfg.max_new_tokens, cfg.temperature, cfg.top_p)
@@ -170,6 +171,43 @@ def rollout(
         if not tr.done:
             tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
     return trajs
+
+
+def sampler_shapes(cfg: RolloutConfig, num_trajectories: int) -> list[tuple[int, int]]:
+    """Every ``(rows, prompt length)`` a ``rollout`` of ``num_trajectories`` can sample with.
+
+    Rows are ``bucket_length(active, min_rows_bucket)`` for ``1 <= active <= num_trajectories``;
+    prompt lengths are ``bucket_length(longest context, MIN_PROMPT_BUCKET)`` with the longest
+    context at most ``max_context_tokens - max_new_tokens`` (the budget check). Both sets depend on
+    the config only, so ``warm_sampler`` can compile all of them before the first step.
+    """
+    rows = sorted({bucket_length(n, cfg.min_rows_bucket) for n in range(1, max(num_trajectories, 1) + 1)})
+    top = bucket_length(max(cfg.max_context_tokens - cfg.max_new_tokens, 1), MIN_PROMPT_BUCKET)
+    lengths = [MIN_PROMPT_BUCKET]
+    while lengths[-1] < top:
+        lengths.append(lengths[-1] * 2)
+    return [(r, n) for r in rows for n in lengths]
+
+
+def warm_sampler(sample_fn: SampleFn, params, pad_id: int, cfg: RolloutConfig, num_trajectories: int,
+                 key: jax.Array) -> int:
+    """Run ``sample_fn`` once at every shape of ``sampler_shapes`` (dummy one-token prompts), so
+    that a later ``rollout`` compiles nothing.
+
+    One process only: a lockstep (multi-process) ``sample_fn`` gathers rows across processes,
+    and its shapes are not these.
+
+    Returns:
+      The number of shapes run (each ran ``max_new_tokens`` decode steps at most).
+    """
+    shapes = sampler_shapes(cfg, num_trajectories)
+    for rows, length in shapes:
+        ids = np.full((rows, length), pad_id, np.int32)
+        mask = np.zeros((rows, length), bool)
+        ids[:, -1], mask[:, -1] = max(pad_id, 0) + 1, True
+        out = sample_fn(params, ids, mask, key, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        jax.block_until_ready(out.tokens)
+    return len(shapes)
 
 
 def new_trajectories(tokenizer, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
@@ -204,6 +242,7 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 __all__ = [
-    "ALL_TAG_PIECES", "FULL", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
-    "encode_observation", "make_turn", "new_trajectories", "rollout", "rollout_metrics",
+    "ALL_TAG_PIECES", "FULL", "MIN_PROMPT_BUCKET", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
+    "encode_observation", "make_turn", "new_trajectories", "rollout", "rollout_metrics", "sampler_shapes",
+    "warm_sampler",
 ]
