@@ -1,0 +1,249 @@
+"""Shared pieces of the benchmark scripts: the benchmark model, the same weights in transformers,
+a compilation counter, timing, tables and JSON.
+
+Every script in ``benchmarks/`` prints a table and, with ``--json PATH``, writes its figures as
+JSON (``{"section": ..., "machine": {...}, "config": {...}, "results": ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/x.py` from a fresh clone, no install needed
+    sys.path.insert(0, str(REPO))
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch (JAX 0.10)
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the options every script shares: ``--json PATH``, ``--small``
+    (the smallest configuration: the smoke test's), ``--device cpu|gpu``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    p.add_argument("--small", action="store_true", help="smallest configuration (seconds; the smoke test)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                   help="JAX platform (gpu: untested on this project's machines; bf16 is not switched on)")
+    return p
+
+
+def setup_platform(device: str) -> None:
+    """Pin JAX to ``device`` before it is imported (``JAX_PLATFORMS``); one CPU device unless
+    ``XLA_FLAGS`` already says otherwise."""
+    os.environ["JAX_PLATFORMS"] = "cuda" if device == "gpu" else "cpu"
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def bench_model_config(small: bool = False):
+    """The benchmark model: a Qwen2-shaped decoder (q/k/v biases, GQA, tied embeddings, RoPE
+    θ = 1e6), random weights; ~20.1 M parameters (``small``: ~0.1 M, for the smoke test).
+
+    Returns:
+      A ``mempo_jax.model.config.ModelConfig``.
+    """
+    from mempo_jax.model.config import ModelConfig
+
+    if small:
+        return ModelConfig(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                           mlp_dim=128, rope_theta=1e6, qkv_bias=True, tie_embeddings=True)
+    return ModelConfig(vocab_size=16384, embed_dim=384, num_layers=8, num_heads=6, num_kv_heads=2, head_dim=64,
+                       mlp_dim=1152, rope_theta=1e6, qkv_bias=True, tie_embeddings=True)
+
+
+def bench_model(small: bool = False, seed: int = 0):
+    """``(cfg, graphdef, params)`` of the benchmark model with random weights.
+
+    Biases and norm weights are randomised too (normal 0.02 / uniform [0.8, 1.2]) so that
+    every exported tensor matters in the comparison with transformers.
+    """
+    import jax
+    import numpy as np
+
+    from mempo_jax.model.forward import create_model, split_model
+
+    cfg = bench_model_config(small)
+    graphdef, params = split_model(create_model(cfg, seed=seed))
+    rng = np.random.default_rng(seed)
+
+    def jitter(path, x):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name:
+            return (rng.normal(0.0, 0.02, x.shape)).astype(x.dtype)
+        if "norm" in name:
+            return rng.uniform(0.8, 1.2, x.shape).astype(x.dtype)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(jitter, params)
+    params = jax.tree.map(lambda x: jax.numpy.asarray(x), params)
+    return cfg, graphdef, params
+
+
+def hf_same_weights(cfg, params, folder: str | os.PathLike):
+    """The same weights in transformers: exported with ``mempo_jax.model.hf_io.save_hf_checkpoint``
+    and loaded with ``AutoModelForCausalLM.from_pretrained`` (float32, eval mode, CPU torch).
+
+    Raises:
+      ImportError: without torch / transformers (``pip install -r requirements-test.txt``).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mempo_jax.model.hf_io import save_hf_checkpoint
+
+    save_hf_checkpoint(folder, cfg, params)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def have_transformers() -> bool:
+    """True when torch and transformers import."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def param_count(params) -> int:
+    """Number of scalars in a parameter pytree."""
+    import jax
+
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+# --------------------------------------------------------------------------------- compilations
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (``/jax/core/compile/backend_compile_duration`` events from
+    ``jax.monitoring``; a program loaded from the persistent cache counts too, as it is a new
+    shape for the process). Listeners cannot be removed: make one per process and read deltas.
+
+    Attributes:
+      events: ``[(fun_name, seconds)]`` in order.
+    """
+
+    def __init__(self):
+        import jax
+
+        self.events: list[tuple[str, float]] = []
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kw) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.events.append((str(kw.get("fun_name", "?")), float(duration)))
+
+    @property
+    def count(self) -> int:
+        """Compilations so far."""
+        return len(self.events)
+
+    def since(self, mark: int) -> list[str]:
+        """Names of the functions compiled after ``count`` was ``mark``."""
+        return [name for name, _ in self.events[mark:]]
+
+
+# --------------------------------------------------------------------------------------- timing
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of ``fn()`` (it must block until its result is ready)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def alternate(named: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time several implementations of the same work, interleaved (A B A B …) after ``warmup``
+    untimed calls each, so that a change in machine load hits them alike.
+
+    Returns:
+      ``{name: [seconds of each timed run]}``.
+    """
+    for fn in named.values():
+        for _ in range(warmup):
+            fn()
+    out: dict[str, list[float]] = {k: [] for k in named}
+    for _ in range(repeats):
+        for k, fn in named.items():
+            out[k].append(timed(fn))
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(xs))
+
+
+# ------------------------------------------------------------------------------ machine, output
+
+
+def machine_info() -> dict:
+    """The machine the figures come from: CPU model, cores, load average, JAX backend, versions."""
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        info["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    try:
+        import jax
+
+        info["jax"] = jax.__version__
+        info["jax_backend"] = jax.default_backend()
+        info["jax_devices"] = len(jax.devices())
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import torch
+        import transformers
+
+        info["torch"], info["transformers"] = torch.__version__, transformers.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table with a title line; floats with 4 significant digits."""
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        return str(x)
+
+    lines = [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike | None, section: str, config: dict, results: Any) -> dict:
+    """``{"section", "machine", "config", "results"}``; written to ``path`` when given."""
+    doc = {"section": section, "machine": machine_info(), "config": config, "results": results}
+    if path:
+        p = pathlib.Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=2, default=float) + "\n", encoding="utf-8")
+    return doc

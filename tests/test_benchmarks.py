@@ -1,0 +1,181 @@
+"""Smoke tests of ``benchmarks/``: the compilation counter sees no compilation after the RL
+step's precompile (toy world, a few steps), fixed-shape scoring and PPO updates give the values of
+the unpadded computation, an all-padding mini-batch leaves the parameters alone, and the scripts'
+smallest configurations write JSON with the expected keys and positive figures."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import CompileCounter  # noqa: E402
+
+from mempo_jax.learner import Learner, OptimConfig, make_optimizer, ppo_plan  # noqa: E402
+from mempo_jax.losses import LossConfig  # noqa: E402
+from mempo_jax.model.forward import make_logits_fn  # noqa: E402
+from toy_agent import toy_model, toy_world  # noqa: E402
+
+COUNTER = CompileCounter()  # one listener per process (listeners cannot be removed)
+
+
+def _rl_setup(precompile=True):
+    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.agent.rollout import RolloutConfig
+    from mempo_jax.rl_step import RLConfig
+    from mempo_jax.sampling import Sampler, SamplerConfig
+    from mempo_jax.scoring import MemoryRewardScorer
+
+    tok, env, questions = toy_world()
+    cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
+    stop = [tok.eos_id] + [tok.piece_id(t) for t in STOP_TAGS]
+    sampler = Sampler(graphdef, cfg, stop, tok.pad_id)
+
+    mem_open, mem_close = tok.piece_id("<mem>"), tok.piece_id("</mem>")
+
+    def sample_fn(p, ids, mask, key, n, temperature, top_p):
+        out = sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
+        # most turns open with a <mem> span (a random toy model rarely closes one), so the number of
+        # memory turns M varies from step to step, as in training
+        tokens, lengths = np.array(out.tokens), np.array(out.lengths)
+        rows = np.asarray(jax.random.bernoulli(key, 0.8, (tokens.shape[0],)))
+        tokens[rows, :3] = [mem_open, 5, mem_close]
+        return out._replace(tokens=tokens, lengths=np.where(rows, np.maximum(lengths, 3), lengths))
+
+    rl = RLConfig(questions_per_step=2, group_size=2, num_mini_batches=2, precompile=precompile,
+                  rollout=RolloutConfig(max_turns=2, max_new_tokens=10, max_context_tokens=128,
+                                        max_observation_tokens=8, temperature=1.0, context_steps=1, min_rows_bucket=4))
+    logits_fn = make_logits_fn(graphdef)
+    scorer = MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], chunk_rows=8)
+    learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
+                      temperature=1.0, micro_batch_rows=4)
+    ref = jax.tree.map(lambda x: x.copy(), learner.params)
+    return tok, env, questions, rl, sample_fn, scorer, learner, ref
+
+
+def test_rl_steps_compile_nothing_after_precompile():
+    from mempo_jax.rl_step import rl_step
+
+    tok, env, questions, rl, sample_fn, scorer, learner, ref = _rl_setup()
+    per_step, mem_turns = [], []
+    for step in range(4):
+        mark = COUNTER.count
+        qs = [questions[(2 * step + i) % len(questions)] for i in range(2)]
+        m, _ = rl_step(learner, ref, sample_fn, scorer, qs, tok, env, rl, jax.random.PRNGKey(step),
+                       np.random.default_rng(step))
+        per_step.append(COUNTER.since(mark))
+        mem_turns.append(m["mem/turns"])
+        assert np.isfinite(m["actor/pg_loss"])
+    assert len(per_step[0]) > 0  # the counter has teeth: the precompile is seen
+    assert per_step[1:] == [[], [], []], per_step  # from the second step on: nothing compiles
+    assert sum(mem_turns) > 0  # the scorer ran on real <mem> turns
+
+
+def test_ppo_plan_shapes_depend_on_the_bound_only():
+    shapes = {ppo_plan(n, 2, 32, max_rows=96)[2:] for n in range(1, 97)}
+    assert shapes == {(64, 32)}
+    assert ppo_plan(20, 2, 32) == (32, 16, 16, 16)  # without a bound: as before
+
+
+def _rows(rng, n, length, vocab):
+    valid = np.arange(length)[None] < rng.integers(length // 2, length + 1, n)[:, None]
+    mask = (valid & (np.arange(length)[None] >= 3)).astype(np.float32)
+    return {"input_ids": rng.integers(4, vocab, (n, length)).astype(np.int32), "valid": valid, "loss_mask": mask,
+            "old_logprobs": np.where(mask > 0, -3.0, 0.0).astype(np.float32),
+            "ref_logprobs": np.where(mask > 0, -3.1, 0.0).astype(np.float32),
+            "advantages": (rng.normal(0, 1, (n, 1)) * mask).astype(np.float32)}
+
+
+def test_fixed_shape_ppo_update_equals_the_natural_one():
+    cfg, graphdef, params = toy_model(40)
+    rows = _rows(np.random.default_rng(0), 10, 16, 40)
+    out = []
+    for bound in (None, 40):
+        learner = Learner(make_logits_fn(graphdef), jax.tree.map(lambda x: x.copy(), params),
+                          make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1)), micro_batch_rows=4)
+        for _ in range(2):
+            m = learner.ppo_update(rows, LossConfig(), 2, np.random.default_rng(1), max_rows=bound)
+        out.append((m, [np.asarray(x) for x in jax.tree.leaves(learner.params)]))
+    (m0, p0), (m1, p1) = out
+    for a, b in zip(p0, p1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert m0.keys() == m1.keys()
+    np.testing.assert_allclose([m0[k] for k in sorted(m0)], [m1[k] for k in sorted(m1)], rtol=1e-4, atol=1e-6)
+
+
+def test_all_padding_mini_batch_does_not_move_the_params():
+    cfg, graphdef, params = toy_model(40)
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1)),
+                      micro_batch_rows=4)
+    rows = _rows(np.random.default_rng(0), 8, 16, 40)
+    learner.ppo_update(rows, LossConfig(), 1, np.random.default_rng(0))  # Adam has momentum now
+    snap = [np.array(x) for x in jax.tree.leaves(learner.params)]
+    updates = learner.num_updates
+    empty = dict(rows, loss_mask=np.zeros_like(rows["loss_mask"]))
+    assert learner.ppo_update(empty, LossConfig(), 2, np.random.default_rng(0)) == {}
+    assert learner.num_updates == updates + 2  # scheduled slots are counted, as for a non-finite skip
+    # the program itself also keeps params when its mini-batch has no loss token
+    placed = learner._place_batch(empty)
+    learner.params, learner.opt_state, _ = learner._ppo_step(learner.params, learner.opt_state, placed, 2,
+                                                             LossConfig())
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(snap, jax.tree.leaves(learner.params)))
+
+
+def test_chunked_scoring_equals_one_call():
+    from mempo_jax.scoring import MemoryRewardScorer
+
+    cfg, graphdef, params = toy_model(40)
+    rng = np.random.default_rng(0)
+    full = [rng.integers(4, 40, int(rng.integers(3, 60))).tolist() for _ in range(7)]
+    mem = [rng.integers(4, 40, int(rng.integers(2, 9))).tolist() for _ in range(7)]
+    answers = [rng.integers(4, 40, 3).tolist() for _ in range(7)]
+    one = MemoryRewardScorer(make_logits_fn(graphdef), 0, [1], chunk_rows=16, min_length=16)(params, full, mem, answers)
+    chunked = MemoryRewardScorer(make_logits_fn(graphdef), 0, [1], chunk_rows=4, min_length=16)(params, full, mem,
+                                                                                                answers)
+    for a, b in zip(one, chunked):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _script(name, tmp_path, *extra):
+    import importlib
+
+    mod = importlib.import_module(name)
+    path = tmp_path / f"{name}.json"
+    doc = mod.main(["--small", "--json", str(path), *extra])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(doc, default=float))
+    assert doc["machine"]["cores"] >= 1
+    return doc["results"]
+
+
+def test_scoring_script_json(tmp_path):
+    res = _script("bench_scoring", tmp_path)
+    assert res["stacked_tok_s"] > 0 and res["two_calls_tok_s"] > 0
+    assert res["max_abs_diff_two_calls"] < 1e-5
+    if "transformers_tok_s" in res:  # same weights: transformers gives the same probabilities
+        assert res["transformers_tok_s"] > 0 and res["max_abs_diff_transformers"] < 1e-4
+
+
+def test_roofline_script_json(tmp_path):
+    res = _script("bench_roofline", tmp_path, "--repeats", "1")
+    for part in ("peak", "update", "decode"):
+        assert res[part]["flop_s"] > 0
+    assert res["update"]["flops_analytic"] > 0
+
+
+def test_tokens_script_skips_without_a_run(tmp_path):
+    res = _script("bench_tokens", tmp_path, "--run_dir", str(tmp_path / "absent"))
+    assert res["skipped"].startswith("SKIP") and "python -m mempo_jax.train --run_dir runs/tiny" in res["skipped"]
+
+
+@pytest.mark.skipif(not (REPO / "benchmarks" / "run_all.py").is_file(), reason="no run_all")
+def test_run_all_lists_every_section():
+    import run_all
+
+    assert [s[0] for s in run_all.SECTIONS] == ["decode", "scoring", "rl_step", "tokens", "roofline"]
+    for _, script, _ in run_all.SECTIONS:
+        assert (REPO / "benchmarks" / script).is_file()
