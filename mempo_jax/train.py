@@ -34,9 +34,10 @@ RL micro-batch and scoring chunk the run uses (their defaults are the single-dev
 With several processes (always on a mesh), each process rolls out, calls the tools for, and
 evaluates its contiguous share of a step's questions (``distributed.process_slice``) and feeds its
 share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the global batch.
-Process 0 alone writes ``metrics.jsonl``, ``tb/``, ``rollouts.jsonl`` (its own trajectories),
-the evaluation files, ``summary.json`` and the run artefacts; every process calls the orbax
-checkpoint saves and restores (orbax writes each shard once and the metadata from process 0).
+Process 0 alone writes ``metrics.jsonl``, ``tb/``, ``rollouts.jsonl`` (the step's first records,
+gathered from every process), the evaluation files, ``summary.json`` and the run artefacts;
+every process calls the orbax checkpoint saves and restores (orbax writes each shard once and
+the metadata from process 0).
 A SIGTERM on any process is acted on by all at the next step boundary. Without ``MeshConfig``
 and on one process nothing changes: plain one-device programs, as before.
 """
@@ -73,9 +74,9 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
-def _trajectory_record(tr, tokenizer) -> dict:
+def _trajectory_record(tr, tokenizer, group_offset: int = 0) -> dict:
     return {
-        "question_id": tr.question_id, "group": tr.group_id, "golds": tr.golds, "answer": tr.answer,
+        "question_id": tr.question_id, "group": tr.group_id + group_offset, "golds": tr.golds, "answer": tr.answer,
         "end": tr.end_reason,
         "turns": [{"text": tokenizer.decode(t.output_ids), "information": tokenizer.decode(t.observation_ids),
                    "mem_span": t.mem_span, "context_tokens": t.context_len} for t in tr.turns],
@@ -208,6 +209,20 @@ def _global_rl_metrics(m: dict, trajs, sync) -> dict:
     for i, k in enumerate(keys):
         out[k] = float(table[:, i].sum() if k in _TOTALS else table[:, i].max())
     return {k: out[k] for k in m}  # the single-process key order
+
+
+def _global_rollout_records(records: list, n: int, sync) -> list:
+    """The first ``n`` rollout records of the step over every process (a collective; identity on
+    one process): each process sends its first ``n``, concatenated in process order, so
+    ``rollouts.jsonl`` holds the records a single process would have written."""
+    import json
+
+    from mempo_jax.distributed import gather_lists
+
+    if not sync.multiprocess:
+        return records
+    blobs = gather_lists([list(json.dumps(r).encode("utf-8")) for r in records[:n]])
+    return [json.loads(bytes(b).decode("utf-8")) for b in blobs][:n]
 
 
 def _check_mesh_sizes(cfg, mesh, rules) -> None:
@@ -550,8 +565,10 @@ def run(args) -> dict:
             try:
                 with interruptible():  # a SIGTERM here abandons the step: its state is unchanged
                     qs = [exp.train_questions[int(i)] for i in next(order)]
+                    first = 0
                     if multi:  # this process's questions: its rollouts, tool calls and parsing
-                        qs = qs[distributed.process_slice(len(qs))]
+                        mine = distributed.process_slice(len(qs))
+                        qs, first = qs[mine], mine.start
                     m, trajs = rl_step(learner, ref_params, sample_fn, scorer, qs, tok, exp.tool_env, cfg.rl,
                                        jax.random.fold_in(rl_key, step),
                                        np.random.default_rng([cfg.seed, _RL_STREAM, step]))
@@ -565,7 +582,9 @@ def run(args) -> dict:
                 print(f"[mempo] RL step {step}: non-finite loss or gradients, update skipped "
                       f"({faults.streak}/{faults.max_consecutive} in a row)", file=sys.stderr, flush=True)
             logs.write(step, "rl", m)
-            logs.write_rollouts([{"step": step, **_trajectory_record(tr, tok)} for tr in trajs[: cfg.log_rollouts]])
+            logs.write_rollouts(_global_rollout_records(
+                [{"step": step, **_trajectory_record(tr, tok, first)} for tr in trajs[: cfg.log_rollouts]],
+                cfg.log_rollouts, sync))
             bar.update(1)
             bar.set_postfix(reward=f"{m['critic/score/mean']:.3f}", em=f"{m['critic/em/mean']:.3f}",
                             mem=f"{m['mem/reward/mean']:+.3f}", turns=f"{m['num_turns/mean']:.1f}")
