@@ -34,6 +34,9 @@ class OptimConfig:
       weight_decay: AdamW decoupled weight decay.
       grad_clip: global gradient-norm clip.
       b1, b2: Adam moments.
+      decay_steps: optimizer steps of a cosine decay after the warm-up, from ``learning_rate``
+        to ``final_lr_fraction * learning_rate`` (then held); 0 keeps the rate constant.
+      final_lr_fraction: the rate at the end of the decay, as a share of the peak.
     """
 
     learning_rate: float = 1e-3
@@ -42,14 +45,35 @@ class OptimConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.98
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.1
+
+
+def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Learning rate per optimizer step: linear warm-up ``lr·(step+1)/warmup`` (the first update
+    already moves the parameters), then constant or a cosine decay over ``decay_steps`` to
+    ``final_lr_fraction·lr`` (optax ``cosine_decay_schedule``, as tunix / verl ``lr_scheduler``).
+
+    Raises:
+      ValueError: for a negative ``warmup_steps`` / ``decay_steps`` or a fraction outside [0, 1].
+    """
+    if cfg.warmup_steps < 0 or cfg.decay_steps < 0:
+        raise ValueError(f"OptimConfig.warmup_steps / decay_steps must be >= 0, got {cfg.warmup_steps}, {cfg.decay_steps}")
+    if not 0.0 <= cfg.final_lr_fraction <= 1.0:
+        raise ValueError(f"OptimConfig.final_lr_fraction must be in [0, 1], got {cfg.final_lr_fraction}")
+    warm = max(cfg.warmup_steps, 1)
+    after = (optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, alpha=cfg.final_lr_fraction)
+             if cfg.decay_steps else optax.constant_schedule(cfg.learning_rate))
+    return optax.join_schedules(
+        [optax.linear_schedule(cfg.learning_rate / warm, cfg.learning_rate, warm - 1) if warm > 1
+         else optax.constant_schedule(cfg.learning_rate), after],
+        [warm],
+    )
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """optax chain: clip by global norm → AdamW with a warm-up then constant schedule."""
-    schedule = optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)), optax.constant_schedule(cfg.learning_rate)],
-        [max(cfg.warmup_steps, 1)],
-    )
+    """optax chain: clip by global norm → AdamW on ``lr_schedule(cfg)``."""
+    schedule = lr_schedule(cfg)
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),

@@ -244,3 +244,17 @@ def test_mempo_loss_composition_and_metrics():
     s0, _, met0 = mempo_loss(logp, old, None, adv, mask, LossConfig(kl_coef=0.0))
     np.testing.assert_allclose(float(s0), (pg * m).sum(), rtol=1e-5)
     assert float(met0["kl"]) == 0.0 and float(met0["entropy"]) == 0.0
+
+
+def test_lr_schedule_warmup_then_cosine_decay_golden():
+    from mempo_jax.learner import OptimConfig, lr_schedule
+
+    s = lr_schedule(OptimConfig(learning_rate=2.0, warmup_steps=4, decay_steps=8, final_lr_fraction=0.25))
+    got = np.array([float(s(i)) for i in range(14)])
+    # warm-up 2*(i+1)/4; then 2*(0.25 + 0.75*(1 + cos(pi*j/8))/2) for j = 0..8, then held at 0.5.
+    want = [0.5, 1.0, 1.5, 2.0] + [2 * (0.25 + 0.75 * (1 + np.cos(np.pi * j / 8)) / 2) for j in range(9)] + [0.5]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    const = lr_schedule(OptimConfig(learning_rate=1e-3, warmup_steps=1))
+    assert float(const(0)) == pytest.approx(1e-3)  # the first update is not a zero step
+    with pytest.raises(ValueError, match="final_lr_fraction"):
+        lr_schedule(OptimConfig(final_lr_fraction=1.5))

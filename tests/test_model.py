@@ -210,6 +210,16 @@ def test_tiny_param_count_equals_analytic(tiny):
     assert 0.5e6 < cfg.num_params() < 3e6
 
 
+@pytest.mark.parametrize("std", [0.02, 0.1])
+def test_initializer_range_sets_the_weight_std(std):
+    _, params = split_model(create_model(ModelConfig.tiny(VOCAB, initializer_range=std), seed=0))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    mats = [np.asarray(x) for path, x in flat if x.ndim >= 2]  # norms are ones, biases zeros
+    assert len(mats) >= 1 + 7 * ModelConfig.tiny(VOCAB).num_layers
+    for m in mats:  # each matrix has >= 4096 entries: the sample std is within ~3 %
+        assert abs(m.std() / std - 1.0) < 0.05
+
+
 PUBLISHED = {  # rounded sizes from the Hugging Face model cards
     "qwen2_5_0_5b": 0.494e9,
     "qwen2_5_1_5b": 1.54e9,
@@ -238,6 +248,7 @@ def test_preset_param_counts_match_published(preset):
         (dict(vocab_size=0), "vocab_size"),
         (dict(dtype="float33"), "dtype"),
         (dict(rope_scaling=(("factor", 8.0),)), "rope_scaling"),
+        (dict(initializer_range=0.0), "initializer_range"),
     ],
 )
 def test_config_validation_names_the_field(changes, field):

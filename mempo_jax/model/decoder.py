@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.layers import INIT_STD, MLP, Attention, RMSNorm, logical_param
+from mempo_jax.model.layers import MLP, Attention, RMSNorm, logical_param
 
 
 class KVCache(NamedTuple):
@@ -81,12 +81,12 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = cfg.weight_dtype
-        self.embed = logical_param(rngs, nnx.initializers.normal(INIT_STD), (cfg.vocab_size, cfg.embed_dim),
+        self.embed = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.embed_dim),
                                    ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, pd)
         if not cfg.tie_embeddings:
-            self.lm_head = logical_param(rngs, nnx.initializers.normal(INIT_STD), (cfg.embed_dim, cfg.vocab_size),
+            self.lm_head = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.embed_dim, cfg.vocab_size),
                                          ("embed", "vocab"), pd)
 
     def __call__(

@@ -67,6 +67,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", param_dtype: s
         qkv_bias=model_type == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
         dtype=dtype,
         param_dtype=param_dtype,
     )
@@ -104,6 +105,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None, extra: dict[st
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling is None else {"rope_type": "llama3", **dict(cfg.rope_scaling)},
         "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.initializer_range,
         "torch_dtype": cfg.param_dtype,
         "max_position_embeddings": 32768 if model_type == "qwen2" else 131072,
     }

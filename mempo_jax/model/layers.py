@@ -19,7 +19,6 @@ from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 
-INIT_STD = 0.02  # HF ``initializer_range``
 
 
 def logical_param(rngs: nnx.Rngs | None, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
@@ -116,7 +115,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, h, k, hd, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
-        init = nnx.initializers.normal(INIT_STD)
+        init = nnx.initializers.normal(cfg.initializer_range)
         self.q = logical_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pd)
         self.k = logical_param(rngs, init, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
         self.v = logical_param(rngs, init, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
@@ -176,7 +175,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pd = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
-        init = nnx.initializers.normal(INIT_STD)
+        init = nnx.initializers.normal(cfg.initializer_range)
         self.gate = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.up = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.down = logical_param(rngs, init, (f, d), ("mlp", "embed"), pd)
