@@ -163,13 +163,17 @@ class TPUConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """Sizes the memory plan needs beyond ``ExperimentConfig`` (mirror what the run uses).
+    """Sizes the memory plan needs beyond ``ExperimentConfig``; ``python -m mempo_jax.train`` runs
+    with the first three, so the plan is the run's (the defaults are the single-device values).
 
     Attributes:
-      micro_batch_rows: RL ``Learner`` micro-batch rows (``train.py`` builds it with 32).
-      logprob_chunk_rows: rows per ``Learner.logprobs`` call (its default, 64).
+      micro_batch_rows: RL ``Learner`` micro-batch rows (default 32). A pod recipe sets
+        ``SFTConfig.micro_batch_rows`` to the same value, so the update phase covers SFT.
+      logprob_chunk_rows: rows per reference ``Learner.logprobs`` call (default 64,
+        ``rl_step.LOGPROB_CHUNK_ROWS``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``);
-        0 = one call over the whole stacked ``[2M, L]`` batch.
+        0 = the scorer's default in the run (``scoring.DEFAULT_CHUNK_ROWS``); the plan then
+        assumes one call over the whole stacked ``[2M, L]`` batch.
       max_prompt_tokens: longest system prompt + question (tokens).
       max_answer_tokens: longest answer Z scored by the memory reward (tokens).
       hbm_fraction: share of HBM the plan may use (the rest is left to XLA and fragmentation).

@@ -29,8 +29,9 @@ multi-host job (``$MEMPO_MULTIHOST=1`` on a TPU slice, or ``$MEMPO_COORDINATOR``
 every device with ``MeshConfig.rules``, and ``build_experiment`` places the policy, the sampler's
 KV cache and the memory-reward scoring batches by those rules; the learners place the optimizer
 state and the SFT / log-prob / update batches (``Learner(mesh=...)``), the frozen reference is a
-copy of the sharded SFT policy. ``PlanConfig.micro_batch_rows`` and ``scoring_chunk_rows`` are the
-RL micro-batch and scoring chunk the run uses (their defaults are the single-device values).
+copy of the sharded SFT policy. ``PlanConfig.micro_batch_rows``, ``logprob_chunk_rows`` and
+``scoring_chunk_rows`` are the RL micro-batch, reference log-prob chunk and scoring chunk the run
+uses, so the memory plan is the run's (their defaults are the single-device values).
 With several processes (always on a mesh), each process rolls out, calls the tools for, and
 evaluates its contiguous share of a step's questions (``distributed.process_slice``) and feeds its
 share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the global batch.
@@ -310,7 +311,7 @@ def run(args) -> dict:
     from mempo_jax.preemption import Preempted, Preemption
     from mempo_jax.resume import (EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks, RunLogs, check_sft_step,
                                   find_resume_point)
-    from mempo_jax.rl_step import rl_step
+    from mempo_jax.rl_step import LOGPROB_CHUNK_ROWS, rl_step
     from mempo_jax.sft import copy_rows, iterate_sft_batches, sft_rows
 
     t_start = time.time()
@@ -542,6 +543,10 @@ def run(args) -> dict:
                 learner._place_batch = place_batch
 
         learner.ppo_update = guarded_ppo_update
+        lp_rows = run_cfg.plan.logprob_chunk_rows
+        if lp_rows != LOGPROB_CHUNK_ROWS:  # the plan's log-prob chunk (a pod recipe's PlanConfig), not rl_step's
+            learner_logprobs = learner.logprobs
+            learner.logprobs = lambda p, ids, valid, chunk_rows=None: learner_logprobs(p, ids, valid, lp_rows)
         if hooks.sigterm_rollout_step is not None:
             def sample_fn(*a, **kw):  # noqa: F811 - test hook: SIGTERM from inside a rollout
                 if current["step"] == hooks.sigterm_rollout_step and not pre.requested:
