@@ -2,7 +2,7 @@
 
 * Every shipped recipe (``configs/*.gin``, the pod ones included) loads through the entry point's
   config path, and a mesh that does not fit the devices is a one-line error (exit status 2).
-* The small run of ``benchmarks/chaos_resume.py`` (2 SFT steps, 2 RL steps, a 2-question
+* The small run of ``benchmarks/chaos_resume.py`` (2 SFT steps, 1 RL step of 2 PPO updates, a 2-question
   evaluation) on a (data=2, fsdp=2, tensor=2) mesh of 8 CPU devices split over two processes
   joined by ``jax.distributed`` on 127.0.0.1 gives the metrics, rollouts, summary and final
   parameters of the same run on a (1,1,1) mesh in one process; only process 0 writes the logs.
@@ -34,7 +34,7 @@ from chaos_resume import small_env, train_command  # noqa: E402
 XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
 SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=2", "EvalConfig.num_questions=2")
+PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2")
 TIMEOUT_S = 420
 # Absolute slack for values near zero (``actor/ppo_kl`` is ~1e-8 here and differs by rounding).
 ABS_TOL = 1e-6
@@ -172,7 +172,7 @@ def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(one_device_me
     assert "[mempo]" not in logs[1]  # process 1 prints nothing of its own
     got, want = _metrics(run), _metrics(ref)
     assert [(r["stage"], r["step"]) for r in got] == [(r["stage"], r["step"]) for r in want]
-    assert [r["stage"] for r in got] == ["sft"] * 2 + ["eval_sft_k1"] + ["rl"] * 2 + ["eval_rl_k1"]  # once each
+    assert [r["stage"] for r in got] == ["sft"] * 2 + ["eval_sft_k1"] + ["rl"] + ["eval_rl_k1"]  # once each
     for g, w in zip(got, want):
         _close({k: v for k, v in g.items() if not k.startswith("timing/")},
                {k: v for k, v in w.items() if not k.startswith("timing/")}, f"{w['stage']}@{w['step']}")
@@ -194,7 +194,7 @@ def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(one_device_me
             params, _, meta = ckpt.restore(step, theirs["params"])
         finally:
             ckpt.close()
-        assert step == ref_step == 2
+        assert step == ref_step == (2 if folder == "sft_checkpoint" else 1)
         # the log offsets are process 0's (bytes may differ by a digit of a float)
         assert meta["metrics"]["lines"] == theirs["meta"]["metrics"]["lines"]
         assert meta["metrics"]["bytes"] == len(b"".join((run / "metrics.jsonl").read_bytes().splitlines(True)[
