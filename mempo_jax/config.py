@@ -247,10 +247,16 @@ def _check_types(obj, path: str) -> None:
             raise ValueError(f"config error: {where} must be {ann}, got {value!r} ({path})")
 
 
+def binds_any(cls) -> bool:
+    """True when the parsed config (call after ``load_config``) binds a field of the dataclass
+    ``cls`` (e.g. ``MeshConfig``)."""
+    return any(_is_bound(f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls))
+
+
 def mesh_requested() -> bool:
     """True when the parsed config binds a ``MeshConfig`` field (a sharded run; call after
     ``load_config``). Without one, ``python -m mempo_jax.train`` runs on one device as before."""
-    return any(_is_bound(f"MeshConfig.{f.name}") for f in dataclasses.fields(MeshConfig))
+    return binds_any(MeshConfig)
 
 
 def _is_bound(name: str) -> bool:

@@ -125,15 +125,19 @@ def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) ->
       ValueError: one line (``config error: ...``) naming the unknown binding, the bad value or
         the ``MeshConfig`` / ``TPUConfig`` / ``PlanConfig`` field that is out of range.
     """
+    import gin
+
     from mempo_jax import config as config_lib
-    from mempo_jax import mesh_config
+    from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
 
     cfg = config_lib.load_config(gin_files, gin_params)
-    try:
-        pod = mesh_config.from_gin()
+    try:  # unbound ones are plain defaults, kept out of the operative config (RUN_DIR/config.gin)
+        with gin.config_scope(None):
+            pod = [gin.get_configurable(c)() if config_lib.binds_any(c) else c() for c in (MeshConfig, TPUConfig,
+                                                                                            PlanConfig)]
     except (ValueError, TypeError) as e:
         raise ValueError(f"config error: {config_lib._one_line_gin_error(e, gin_params)}") from None
-    return RunConfig(cfg, pod.mesh, pod.tpu, pod.plan, config_lib.mesh_requested())
+    return RunConfig(cfg, *pod, config_lib.mesh_requested())
 
 
 def make_run_mesh(mesh_cfg):

@@ -65,12 +65,14 @@ def _free_port() -> int:
 def test_every_shipped_config_loads_through_train(path):
     """``train.load_run_config`` parses each recipe; pod recipes (they bind ``MeshConfig``) ask for a
     mesh that fits their slice, the others run on one device as before."""
-    from mempo_jax import train
+    from mempo_jax import config, train
 
     rc = train.load_run_config([str(path)])
     assert rc.experiment.rl.steps >= 0 and rc.plan.micro_batch_rows >= 1
     pod = "MeshConfig." in path.read_text()
     assert rc.sharded == pod
+    # RUN_DIR/config.gin names a mesh only when the recipe does (re-used, it runs the same way)
+    assert ("MeshConfig." in config.operative_config()) == pod
     if pod:  # the mesh fits the slice; SFT micro-batches are the plan's update micro-batches
         assert math.prod(rc.mesh.shape(rc.tpu.num_devices)) == rc.tpu.num_devices
         assert rc.experiment.sft.micro_batch_rows == rc.plan.micro_batch_rows
