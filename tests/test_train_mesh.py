@@ -107,26 +107,23 @@ def test_sft_batch_must_divide_over_the_mesh(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def one_device_mesh(tmp_path_factory):
-    """The small run on a (1,1,1) mesh, one process (a sub-mesh of the 8 CPU devices)."""
-    run = tmp_path_factory.mktemp("mesh111") / "run"
-    proc = subprocess.run(train_command(run, PARAMS + _mesh(1, 1, 1), SPM_CACHE), env=_env(8), cwd=REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1} over 1 devices, 1 process(es)" in proc.stdout
-    return run
+def runs(tmp_path_factory):
+    """The small run on a (1,1,1) mesh in one process (a sub-mesh of 8 CPU devices), and on a
+    (2,2,2) mesh over two processes of 4 CPU devices each; the three processes run at once (the
+    reference fills the CPU time the two others spend waiting for each other).
 
-
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """The small run on a (2,2,2) mesh over two processes of 4 CPU devices each."""
-    run = tmp_path_factory.mktemp("mesh222") / "run"
+    Returns:
+      ``(reference run folder, two-process run folder, [process 0 output, process 1 output])``.
+    """
+    root = tmp_path_factory.mktemp("mesh")
+    ref, run = root / "mesh111", root / "mesh222"
     port = _free_port()
-    cmd = train_command(run, PARAMS + _mesh(2, 2, 2), SPM_CACHE)
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(4, MEMPO_COORDINATOR=f"127.0.0.1:{port}", MEMPO_NUM_PROCESSES="2",
-                                       MEMPO_PROCESS_ID=str(i)))
-             for i in range(2)]
+    launch = [(train_command(ref, PARAMS + _mesh(1, 1, 1), SPM_CACHE), _env(8))]
+    launch += [(train_command(run, PARAMS + _mesh(2, 2, 2), SPM_CACHE),
+                _env(4, MEMPO_COORDINATOR=f"127.0.0.1:{port}", MEMPO_NUM_PROCESSES="2", MEMPO_PROCESS_ID=str(i)))
+               for i in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for cmd, env in launch]
     logs = []
     try:
         for p in procs:
@@ -136,9 +133,10 @@ def two_processes(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
-    return run, logs
+    for name, p, log in zip(("(1,1,1) run", "process 0", "process 1"), procs, logs):
+        assert p.returncode == 0, f"{name} failed:\n{log[-4000:]}"
+    assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1} over 1 devices, 1 process(es)" in logs[0]
+    return ref, run, logs[1:]
 
 
 def _metrics(run):
@@ -161,15 +159,14 @@ def _close(a, b, where):
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(one_device_mesh, two_processes):
+def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
     """Same metric lines (1e-4 relative), rollouts, evaluations and summary (but wall time), and the
     same final SFT and RL parameters (1e-5 relative), written once, by process 0."""
     import jax
 
     from mempo_jax.checkpoint import Checkpointer, read_checkpoint
 
-    ref = one_device_mesh
-    run, logs = two_processes
+    ref, run, logs = runs
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2} over 8 devices, 2 process(es)" in logs[0]
     assert "[mempo]" not in logs[1]  # process 1 prints nothing of its own
     got, want = _metrics(run), _metrics(ref)
