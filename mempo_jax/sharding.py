@@ -183,7 +183,7 @@ def init_sharded_params(cfg, seed: int, mesh: Mesh, rules: Rules = DEFAULT_RULES
 
 # ------------------------------------------------------------ optimizer state, KV cache, helpers
 
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v dimensions
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v dimensions
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -231,12 +231,12 @@ def opt_state_shardings(optimizer, params, mesh: Mesh, rules: Rules = DEFAULT_RU
 def cache_shardings(cfg, batch: int, size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Shardings of ``init_cache(cfg, batch, size)``: ``KVCache`` of two ``NamedSharding``.
 
-    Cache arrays are ``[layers, batch, size, kv_heads, head_dim]`` with logical axes
+    Cache arrays are ``[layers, batch, kv_heads, size, head_dim]`` (heads-major) with logical axes
     ``CACHE_AXES``: rows over the ``batch`` rule (data × fsdp), kv heads over ``tensor`` when
     they divide (else replicated, as the ``k``/``v`` projections).
     """
     from mempo_jax.model.decoder import KVCache
 
-    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
     sharding = logical_to_sharding(CACHE_AXES, mesh, rules, shape)
     return KVCache(sharding, sharding)

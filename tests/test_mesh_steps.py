@@ -136,7 +136,7 @@ def test_params_and_opt_state_keep_their_rule_shardings(model, ppo_batch, ppo_22
 def test_kv_cache_sharding_follows_rules(model):
     cfg = model[3]
     c = cache_shardings(cfg, 16, 40, make_mesh(2, 2, 2))
-    assert c.k.spec == P(None, ("data", "fsdp"), None, "tensor", None)  # [layers, batch, slots, kv, hd]
+    assert c.k.spec == P(None, ("data", "fsdp"), "tensor", None, None)  # [layers, batch, kv, slots, hd]
     # 2 kv heads cannot split 8 ways: replicated on that axis, rows still split
     assert cache_shardings(cfg, 16, 40, make_mesh(1, 1, 8)).k.spec == P(None, ("data", "fsdp"), None, None, None)
-    assert cache_shardings(cfg, 16, 40, make_mesh(8, 1, 1)).k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert cache_shardings(cfg, 16, 40, make_mesh(8, 1, 1)).k.spec == P(None, ("data", "fsdp"), "tensor", None, None)

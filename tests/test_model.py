@@ -165,8 +165,8 @@ def test_kv_cache_incremental_equals_full_forward(tiny):
         step_mask = jnp.broadcast_to(slots <= t, (2, 1, size))
         logits, cache = model(ids[:, t:t + 1], pos[:, t:t + 1], step_mask, cache, t)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, t], atol=1e-5)
-    assert cache.k.shape == (cfg.num_layers, 2, size, cfg.num_kv_heads, cfg.head_dim)
-    assert np.all(np.asarray(cache.k)[:, :, 12:] == 0)  # unwritten slots untouched
+    assert cache.k.shape == (cfg.num_layers, 2, cfg.num_kv_heads, size, cfg.head_dim)
+    assert np.all(np.asarray(cache.k)[:, :, :, 12:] == 0)  # unwritten slots untouched
 
 
 def test_sequence_logprobs_matches_manual_gather(tiny):

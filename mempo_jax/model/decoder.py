@@ -3,7 +3,11 @@
 Source: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` in Hugging Face transformers (pre-norm blocks:
 RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU → residual; final RMSNorm; LM head
 tied to the embedding or separate). The cache layout follows the gemma sampler: one preallocated
-buffer per k / v, written with ``lax.dynamic_update_slice`` at ``cache_index``.
+buffer per k / v, written with ``lax.dynamic_update_slice`` at ``cache_index``. The cache is
+heads-major (``[layers, batch, kv_heads, size, head_dim]``): the decode step's attention dots
+then read each layer's ``[batch, kv_heads, size, head_dim]`` slice as it lies in memory (with a
+slot-major cache XLA CPU transposed every layer's k and v, 2 x 8.4 MB per layer at batch 64 and
+256 slots, on every decode step; see ``/work/notes/issue7.md``, "Decode profile").
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ class KVCache(NamedTuple):
     """Keys and values of every layer (after RoPE).
 
     Attributes:
-      k: ``[num_layers, batch, size, num_kv_heads, head_dim]``.
-      v: ``[num_layers, batch, size, num_kv_heads, head_dim]``.
+      k: ``[num_layers, batch, num_kv_heads, size, head_dim]``.
+      v: ``[num_layers, batch, num_kv_heads, size, head_dim]``.
     """
 
     k: jax.Array
@@ -40,10 +44,11 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
       dtype: cache dtype; default the activation dtype ``cfg.dtype``.
 
     Returns:
-      ``KVCache`` with k, v ``[num_layers, batch, size, num_kv_heads, head_dim]`` zeros.
+      ``KVCache`` with k, v ``[num_layers, batch, num_kv_heads, size, head_dim]`` zeros
+      (heads-major, see the module docstring).
     """
     dtype = cfg.activation_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -61,12 +66,15 @@ class Block(nnx.Module):
         tokens are written at slots ``[cache_index, cache_index + T)`` of ``cache.k[layer]``."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
         if cache is not None:
-            start = (jnp.int32(layer), jnp.int32(0), cache_index, jnp.int32(0), jnp.int32(0))
-            ck = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
+            start = (jnp.int32(layer), jnp.int32(0), jnp.int32(0), cache_index, jnp.int32(0))
+            kt = jnp.swapaxes(k, 1, 2)[None].astype(cache.k.dtype)  # [1, B, kv, T, hd]
+            vt = jnp.swapaxes(v, 1, 2)[None].astype(cache.v.dtype)
+            ck = jax.lax.dynamic_update_slice(cache.k, kt, start)
+            cv = jax.lax.dynamic_update_slice(cache.v, vt, start)
             cache = KVCache(ck, cv)
-            k, v = ck[layer], cv[layer]
-        x = x + self.attn.attend(q, k, v, attn_mask)
+            x = x + self.attn.attend(q, ck[layer], cv[layer], attn_mask, heads_major=True)
+        else:
+            x = x + self.attn.attend(q, k, v, attn_mask)
         x = x + self.mlp(self.mlp_norm(x))
         return x, cache
 
@@ -117,7 +125,7 @@ class Decoder(nnx.Module):
         b, t = tokens.shape
         if positions.shape != (b, t):
             raise ValueError(f"positions {positions.shape} must equal tokens {tokens.shape}")
-        s = t if cache is None else cache.k.shape[2]
+        s = t if cache is None else cache.k.shape[3]
         if attn_mask.shape != (b, t, s):
             raise ValueError(f"attn_mask {attn_mask.shape} must be [batch, T, S] = {(b, t, s)}")
         if cache is not None:

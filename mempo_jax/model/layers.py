@@ -147,26 +147,30 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask: jax.Array) -> jax.Array:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask: jax.Array, *,
+               heads_major: bool = False) -> jax.Array:
         """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query heads.
 
         Args:
           q: ``[batch, T, heads, head_dim]``.
-          k, v: ``[batch, S, kv_heads, head_dim]``.
+          k, v: ``[batch, S, kv_heads, head_dim]``, or ``[batch, kv_heads, S, head_dim]`` with
+            ``heads_major`` (the KV cache layout; same result, no transpose of k/v needed).
           attn_mask: ``[batch, T, S]`` bool, True where query t may attend to slot s. A query
             row with no True entry gets uniform weights (its output is garbage, never NaN).
+          heads_major: layout of ``k``/``v`` (keyword only).
 
         Returns:
           ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).
         """
         b, t, h, hd = q.shape
-        kvh = k.shape[2]
+        kvh = k.shape[1] if heads_major else k.shape[2]
+        kv_spec = "bksh" if heads_major else "bskh"
         qg = q.reshape(b, t, kvh, h // kvh, hd)  # query head j uses kv head j // groups (HF repeat_kv)
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum(f"btkgh,{kv_spec}->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores * jnp.float32(1.0 / math.sqrt(hd))
         scores = jnp.where(attn_mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
+        out = jnp.einsum(f"bkgts,{kv_spec}->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(q.dtype))
 
 
