@@ -102,12 +102,13 @@ class Learner:
     """
 
     def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
-                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES):
+                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES, logprob_chunk_rows: int = 64):
         self.logits_fn = logits_fn
         self.params = params
         self.optimizer = optimizer
         self.temperature = float(temperature) if temperature > 0 else 1.0
         self.micro_batch_rows = int(micro_batch_rows)
+        self.logprob_chunk_rows = int(logprob_chunk_rows)
         self.num_updates = 0
         self.mesh, self.rules = mesh, rules
 
@@ -155,7 +156,7 @@ class Learner:
         logits = self.logits_fn(params, ids, valid)
         return token_logprobs(logits, ids, self.temperature), token_entropy(logits, self.temperature)
 
-    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int = 64) -> np.ndarray:
+    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
         """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
 
         Every device call is ``[chunk_rows, L]`` (``chunk_rows`` rounded up to a multiple of the
@@ -166,13 +167,15 @@ class Learner:
           params: policy or reference parameters.
           input_ids: ``[R, L]`` int32.
           valid: ``[R, L]`` bool, True on real tokens.
-          chunk_rows: rows per device call.
+          chunk_rows: rows per device call (default ``self.logprob_chunk_rows``, the
+            ``logprob_chunk_rows`` constructor argument: a pod recipe's ``PlanConfig.logprob_chunk_rows``).
 
         Returns:
           ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).
         """
         out = []
         shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        chunk_rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
         target = -(-int(chunk_rows) // shards) * shards
         if self.mesh is not None:
             params = jax.device_put(params, self.param_shardings)

@@ -289,7 +289,7 @@ class DistributedLearner(Learner):
         arrays = gather_rows([np.asarray(rows[k]) for k in keys], counts, width, fills, side="right")
         return dict(zip(keys, arrays)), counts, width
 
-    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int = 64) -> np.ndarray:
+    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
         """``Learner.logprobs`` of this process's ``[R_p, L_p]`` rows, computed in the global batch."""
         if not self.sync.multiprocess:
             return super().logprobs(params, input_ids, valid, chunk_rows)

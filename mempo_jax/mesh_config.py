@@ -170,10 +170,9 @@ class PlanConfig:
       micro_batch_rows: RL ``Learner`` micro-batch rows (default 32). A pod recipe sets
         ``SFTConfig.micro_batch_rows`` to the same value, so the update phase covers SFT.
       logprob_chunk_rows: rows per reference ``Learner.logprobs`` call (default 64,
-        ``rl_step.LOGPROB_CHUNK_ROWS``).
+        the RL ``Learner``'s ``logprob_chunk_rows``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``);
-        0 = the scorer's default in the run (``scoring.DEFAULT_CHUNK_ROWS``); the plan then
-        assumes one call over the whole stacked ``[2M, L]`` batch.
+        0 = the scorer's default (``scoring.DEFAULT_CHUNK_ROWS``), in the run and in the plan.
       max_prompt_tokens: longest system prompt + question (tokens).
       max_answer_tokens: longest answer Z scored by the memory reward (tokens).
       hbm_fraction: share of HBM the plan may use (the rest is left to XLA and fragmentation).

@@ -121,6 +121,7 @@ def step_shapes(cfg, plan_cfg) -> dict:
     """
     from mempo_jax.agent.trajectory import FULL
     from mempo_jax.batching import bucket_length
+    from mempo_jax.scoring import DEFAULT_CHUNK_ROWS
 
     ro = cfg.rl.rollout
     traj = cfg.rl.questions_per_step * cfg.rl.group_size
@@ -132,7 +133,7 @@ def step_shapes(cfg, plan_cfg) -> dict:
     scoring_len = bucket_length(plan_cfg.max_prompt_tokens + (ro.max_turns - 1) * turn + 1 + plan_cfg.max_answer_tokens)
     mem_turns = traj * ro.max_turns
     all_rows = bucket_length(2 * mem_turns, 8)
-    scoring_rows = min(all_rows, plan_cfg.scoring_chunk_rows) if plan_cfg.scoring_chunk_rows else all_rows
+    scoring_rows = min(all_rows, plan_cfg.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
     return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": prompt + ro.max_new_tokens,
             "train_len": train_len, "micro_batch_rows": plan_cfg.micro_batch_rows,
             "logprob_rows": plan_cfg.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}

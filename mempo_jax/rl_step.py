@@ -65,7 +65,6 @@ class RLConfig:
 
 
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)
-LOGPROB_CHUNK_ROWS = 64  # rows per reference log-prob call
 
 
 def training_row_bound(cfg: RLConfig) -> int:
@@ -141,7 +140,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
     out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss,
-                                        LOGPROB_CHUNK_ROWS)
+                                        learner.logprob_chunk_rows)
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
     sds = jax.ShapeDtypeStruct
     for length in training_length_buckets(cfg):
@@ -278,7 +277,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
                        tokenizer.pad_id)
     full, mem, answers = memory_contexts(trajs, rows.mem_turn, tokenizer, cfg.memory_answer)
     mem_out = scorer(learner.params, full, mem, answers)
-    ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid, LOGPROB_CHUNK_ROWS)
+    ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, mem_out.r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg))
     timings["timing/scoring_s"] = time.perf_counter() - t1

@@ -315,7 +315,7 @@ def run(args) -> dict:
     from mempo_jax.preemption import Preempted, Preemption
     from mempo_jax.resume import (EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks, RunLogs, check_sft_step,
                                   find_resume_point)
-    from mempo_jax.rl_step import LOGPROB_CHUNK_ROWS, rl_step
+    from mempo_jax.rl_step import rl_step
     from mempo_jax.sft import copy_rows, iterate_sft_batches, sft_rows
 
     t_start = time.time()
@@ -514,7 +514,8 @@ def run(args) -> dict:
 
         # ---- 4. MemPO RL ------------------------------------------------------------------
         learner = new_learner(learner.params, rl_opt, temperature=cfg.rl.rollout.temperature,
-                              micro_batch_rows=run_cfg.plan.micro_batch_rows)
+                              micro_batch_rows=run_cfg.plan.micro_batch_rows,
+                              logprob_chunk_rows=run_cfg.plan.logprob_chunk_rows)
         import grain
 
         order = iter(grain.MapDataset.range(len(exp.train_questions)).shuffle(seed=cfg.seed).repeat()
@@ -547,10 +548,6 @@ def run(args) -> dict:
                 learner._place_batch = place_batch
 
         learner.ppo_update = guarded_ppo_update
-        lp_rows = run_cfg.plan.logprob_chunk_rows
-        if lp_rows != LOGPROB_CHUNK_ROWS:  # the plan's log-prob chunk (a pod recipe's PlanConfig), not rl_step's
-            learner_logprobs = learner.logprobs
-            learner.logprobs = lambda p, ids, valid, chunk_rows=None: learner_logprobs(p, ids, valid, lp_rows)
         if hooks.sigterm_rollout_step is not None:
             def sample_fn(*a, **kw):  # noqa: F811 - test hook: SIGTERM from inside a rollout
                 if current["step"] == hooks.sigterm_rollout_step and not pre.requested:
