@@ -244,9 +244,10 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
     cache = init_cache(model_cfg, b, size)
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), mask, cache, jnp.int32(0))
     last = jnp.max(jnp.where(prompt_mask, jnp.arange(p)[None], 0), axis=-1)
-    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    # LM head on each row's last prompt token only (not a [B, P, vocab] tensor).
+    logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), mask, cache, jnp.int32(0), logits_at=last)
+    last_logits = logits[:, 0]
 
     pick = functools.partial(_pick, key=key, temperature=temperature, top_p=top_p, greedy=greedy,
                              use_top_p=use_top_p)

@@ -104,6 +104,7 @@ class Decoder(nnx.Module):
         attn_mask: jax.Array,
         cache: KVCache | None = None,
         cache_index: jax.Array | int | None = None,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Logits of the next token at every input position.
 
@@ -115,9 +116,14 @@ class Decoder(nnx.Module):
           cache: optional ``KVCache`` of size S; the new keys/values are written at slots
             ``[cache_index, cache_index + T)`` before attention.
           cache_index: int32 scalar, required with ``cache``.
+          logits_at: optional ``[B]`` int32 input positions in ``[0, T)``: the final norm and LM
+            head are applied to that one position per row only and the logits are ``[B, 1,
+            vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
+            prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP).
 
         Returns:
-          ``(logits [B, T, vocab] float32, updated cache or None)``.
+          ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` with
+          ``logits_at``.
 
         Raises:
           ValueError: on inconsistent shapes or a cache without ``cache_index``.
@@ -136,6 +142,10 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         for i, block in enumerate(self.layers):
             x, cache = block(x, positions, attn_mask, cache, i, cache_index)
+        if logits_at is not None:
+            if jnp.shape(logits_at) != (b,):
+                raise ValueError(f"logits_at {jnp.shape(logits_at)} must be [batch] = {(b,)}")
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
