@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     n1, n2 = (4, 12) if small else (16, 80)
     ids = rng.integers(1, cfg.vocab_size, (b, prompt)).astype(np.int32)
     mask = np.ones((b, prompt), bool)
-    gen = {k: (lambda k=k: jax.block_until_ready(sampler(params, ids, mask, jax.random.PRNGKey(0),
+    gen = {k: (lambda k=k: jax.block_until_ready(sampler(learner.params, ids, mask, jax.random.PRNGKey(0),
                                                          SamplerConfig(k, 0.0)).tokens)) for k in (n1, n2)}
     for f in gen.values():
         f()
