@@ -119,8 +119,8 @@ def main(argv=None) -> dict:
            "target_no_recompile_from_step_3": bool(sum(after) == 0),
            "mean_from_step_3": {k: float(np.mean([r[k] for r in rows[2:]])) if rows[2:] else None
                                 for k in ("wall_s", "rollout_s", "scoring_s", "update_s")}}
-    print(table(f"RL step, tiny world ({policy}; {q} x {cfg.rl.group_size} trajectories; "
-                f"precompile {'off' if pre is None else f'{pre['seconds']:.1f} s, {pre['compilations']} programs'})",
+    pre_text = "off" if pre is None else f"{pre['seconds']:.1f} s, {pre['compilations']} programs"
+    print(table(f"RL step, tiny world ({policy}; {q} x {cfg.rl.group_size} trajectories; precompile {pre_text})",
                 ["step", "wall s", "rollout s", "scoring s", "update s", "compilations", "rows x len", "mem turns"],
                 [[r["step"], r["wall_s"], r["rollout_s"], r["scoring_s"], r["update_s"],
                   r["compilations"], f"{int(r['train_rows'])} x {int(r['train_seq_len'])}", int(r["mem_turns"])]
