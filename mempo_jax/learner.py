@@ -174,9 +174,7 @@ class Learner:
           ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).
         """
         out = []
-        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
-        chunk_rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
-        target = -(-int(chunk_rows) // shards) * shards
+        target = self._logprob_call_rows(chunk_rows)
         if self.mesh is not None:
             params = jax.device_put(params, self.param_shardings)
         for s in range(0, input_ids.shape[0], target):
@@ -191,7 +189,15 @@ class Learner:
             out.append(np.asarray(lp)[:n])
         return np.concatenate(out, axis=0)
 
-    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig, logprob_rows: int = 64) -> int:
+    def _logprob_call_rows(self, chunk_rows: int | None) -> int:
+        """Rows of one ``logprobs`` device call: ``chunk_rows`` (default ``logprob_chunk_rows``)
+        rounded up to a multiple of the mesh's batch shards."""
+        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
+        return -(-int(rows) // shards) * shards
+
+    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
+                   logprob_rows: int | None = None) -> int:
         """Compile the log-prob and PPO programs ahead of time (``jit.lower(...).compile()``;
         nothing runs, no buffer is donated) at every length in ``lengths``.
 
@@ -200,13 +206,13 @@ class Learner:
           ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
             (``ppo_plan(...).rows`` and ``rows // micro``).
           loss_cfg: the loss options (a static argument of the PPO program).
-          logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with.
+          logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with (default
+            ``logprob_chunk_rows``).
 
         Returns:
           The number of programs built.
         """
-        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
-        lp_rows = -(-int(logprob_rows) // shards) * shards
+        lp_rows = self._logprob_call_rows(logprob_rows)
         kw = {} if self.mesh is None else {"sharding": self.batch_sharding}
         sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, **kw)  # noqa: E731
         for length in lengths:

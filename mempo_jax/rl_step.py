@@ -139,8 +139,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
-    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss,
-                                        learner.logprob_chunk_rows)
+    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
     sds = jax.ShapeDtypeStruct
     for length in training_length_buckets(cfg):
