@@ -29,6 +29,15 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return size
 
 
+def length_buckets(minimum: int, bound: int) -> list[int]:
+    """Every bucket ``bucket_length`` can return for lengths up to ``bound``:
+    ``[minimum, 2·minimum, …, bucket_length(bound, minimum)]`` (the shapes to precompile)."""
+    out = [max(int(minimum), 1)]
+    while out[-1] < bound:
+        out.append(out[-1] * 2)
+    return out
+
+
 def pad_sequences(
     seqs: Sequence[Sequence[int]],
     pad_id: int,

@@ -26,7 +26,7 @@ import numpy as np
 from mempo_jax.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, build_training_rows
-from mempo_jax.batching import bucket_length
+from mempo_jax.batching import bucket_length, length_buckets
 from mempo_jax.losses import LossConfig
 from mempo_jax.rewards import outcome_reward
 
@@ -88,7 +88,7 @@ def training_length_buckets(cfg: RLConfig) -> list[int]:
     """
     ro = cfg.rollout
     bound = ro.max_context_tokens + (ro.max_observation_tokens + 2 if ro.context_steps == FULL else 0)
-    return _powers(TRAIN_MIN_LENGTH, bound)
+    return length_buckets(TRAIN_MIN_LENGTH, bound)
 
 
 def scoring_length_bound(cfg: RLConfig, allowance: int = 128) -> int:
@@ -102,13 +102,6 @@ def scoring_length_bound(cfg: RLConfig, allowance: int = 128) -> int:
     ro = cfg.rollout
     history = (ro.max_turns - 1) * (ro.max_new_tokens + ro.max_observation_tokens + 2)
     return max(ro.max_context_tokens, history + allowance)
-
-
-def _powers(start: int, bound: int) -> list[int]:
-    out = [int(start)]
-    while out[-1] < bound:
-        out.append(out[-1] * 2)
-    return out
 
 
 def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: RLConfig, key: jax.Array) -> dict:

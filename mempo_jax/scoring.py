@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mempo_jax.batching import bucket_length, pad_sequences
+from mempo_jax.batching import length_buckets as _length_buckets
 from mempo_jax.logprobs import token_logprobs
 
 LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
@@ -76,9 +77,7 @@ def build_scoring_batch(
     """
     rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix)
     ids, valid = pad_sequences(rows, pad_id)
-    answer_mask = np.zeros_like(valid)
-    for r, (s, e) in enumerate(spans):
-        answer_mask[r, s:e] = True
+    answer_mask = _answer_mask(valid.shape, spans)
     m = len(full_contexts)
     if pad_rows_to_bucket:
         extra = bucket_length(2 * m, minimum=min_rows) - 2 * m
@@ -86,6 +85,14 @@ def build_scoring_batch(
         valid = np.concatenate([valid, np.zeros((extra, ids.shape[1]), bool)])
         answer_mask = np.concatenate([answer_mask, np.zeros((extra, ids.shape[1]), bool)])
     return ids, valid, answer_mask
+
+
+def _answer_mask(shape: tuple[int, int], spans) -> np.ndarray:
+    """``[R, L]`` bool, True on Z's ``[start, end)`` span of each of the first ``len(spans)`` rows."""
+    mask = np.zeros(shape, bool)
+    for r, (s, e) in enumerate(spans):
+        mask[r, s:e] = True
+    return mask
 
 
 def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -220,9 +227,7 @@ class MemoryRewardScorer:
             chunk = rows[s : s + c]
             length = bucket_length(max(len(r) for r in chunk), self.min_length)
             ids, valid = pad_sequences(chunk + [[]] * (c - len(chunk)), self.pad_id, length)
-            answer_mask = np.zeros_like(valid)
-            for r, (a, b) in enumerate(spans[s : s + c]):
-                answer_mask[r, a:b] = True
+            answer_mask = _answer_mask(valid.shape, spans[s : s + c])
             batch = (ids, valid, answer_mask)
             if self.batch_sharding is not None:
                 batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
@@ -234,10 +239,7 @@ class MemoryRewardScorer:
     def length_buckets(self, max_tokens: int) -> list[int]:
         """The length buckets a scoring row of at most ``max_tokens`` tokens can land in:
         ``[min_length, 2·min_length, …, bucket_length(max_tokens, min_length)]``."""
-        out = [self.min_length]
-        while out[-1] < max_tokens:
-            out.append(out[-1] * 2)
-        return out
+        return _length_buckets(self.min_length, max_tokens)
 
     def precompile(self, params: Any, lengths: Sequence[int]) -> int:
         """Compile the scoring program for ``[rows_per_call, L]`` at each ``L`` in ``lengths``

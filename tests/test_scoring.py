@@ -177,3 +177,12 @@ def test_batch_sharding_over_8_devices_matches():
     scorer = MemoryRewardScorer(bigram_logits, PAD, [PREFIX], min_rows=len(devices), batch_sharding=sharding)
     out = scorer(table, [[MARKER, 9]] * 3, [[9]] * 3, [Z] * 3)
     np.testing.assert_allclose(out.r_mem, [-0.04] * 3, atol=1e-6)
+
+
+def test_length_buckets_cover_every_bucket_length_up_to_the_bound():
+    from mempo_jax.batching import bucket_length, length_buckets
+
+    assert length_buckets(64, 200) == [64, 128, 256]
+    assert length_buckets(128, 128) == [128]
+    for n in range(0, 700, 7):  # every length below the bound lands in a listed bucket
+        assert bucket_length(n, 64) in length_buckets(64, 700)
