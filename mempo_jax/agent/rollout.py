@@ -18,6 +18,7 @@ import numpy as np
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, MEM, ParsedTurn, format_error_observation, parse_turn
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, find_span, parse_context_steps
 from mempo_jax.batching import bucket_length, pad_sequences
+from mempo_jax.tools.clip import OBS_CHARS_PER_TOKEN, clip_text
 
 SYSTEM_PROMPT = "Search, remember in mem, answer."
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
@@ -62,7 +63,7 @@ def build_prompt(tokenizer, question: str) -> list[int]:
 
 def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
     """``<information>`` + text (cut to ``max_tokens`` ids) + ``</information>`` as ids."""
-    body = tokenizer.encode(text)[:max_tokens]
+    body = tokenizer.encode(clip_text(text, OBS_CHARS_PER_TOKEN * max_tokens))[:max_tokens]  # tools/clip.py
     return [tokenizer.piece_id(INFORMATION[0])] + body + [tokenizer.piece_id(INFORMATION[1])]
 
 
