@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from common import REPO, CompileCounter, parser, setup_platform, table, write_json
+from mempo_jax.agent.format import AgentFormat
 
 SMALL_WORLD = ("WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
                "WorldConfig.num_countries=4", "WorldConfig.num_single=30", "WorldConfig.num_bridge=20",
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
         mark = counter.count
         qs = [exp.train_questions[int(i)] for i in order[step * q : (step + 1) * q]]
         t = time.perf_counter()
-        m, _ = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, qs, exp.tokenizer, exp.tool_env, cfg.rl,
+        m, _ = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
                        jax.random.fold_in(rl_key, step), np.random.default_rng([cfg.seed, step]))
         wall = time.perf_counter() - t
         row = {"step": step, "wall_s": wall, "rollout_s": m["timing/rollout_s"], "scoring_s": m["timing/scoring_s"], "update_s": m["timing/update_s"],

@@ -22,6 +22,7 @@ import sys
 import time
 
 from common import REPO, parser, setup_platform, table, write_json
+from mempo_jax.agent.format import AgentFormat
 
 TRAIN_COMMAND = "python -m mempo_jax.train --run_dir runs/tiny"
 
@@ -67,12 +68,12 @@ def main(argv=None) -> dict:
     questions = world.heldout[:limit]
     env = ToolEnvironment(BM25Index(world.documents), topk=topk)
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir)
-    sample_fn = make_sample_fn(graphdef, model_cfg, tokenizer)
+    sample_fn = make_sample_fn(graphdef, model_cfg, AgentFormat.plain(tokenizer))
     key = jax.random.PRNGKey(cfg.seed)
     results = {}
     for mode in (1, FULL):
         t = time.perf_counter()
-        res = evaluate_policy(sample_fn, params, questions, tokenizer, env, base, mode, cfg.eval.temperature, key)
+        res = evaluate_policy(sample_fn, params, questions, AgentFormat.plain(tokenizer), env, base, mode, cfg.eval.temperature, key)
         m = dict(res.metrics, wall_s=time.perf_counter() - t)
         results[mode_name(mode)] = m
         print(f"[bench_tokens] {mode_name(mode)}: EM {m['em']:.3f} TT {m['tt']:.1f} PT {m['pt']:.1f} "

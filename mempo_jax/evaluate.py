@@ -37,6 +37,7 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence
 
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
@@ -260,14 +261,12 @@ def run_rollout_options(run_dir: pathlib.Path):
     return cfg.rl.rollout, cfg.topk, str(path)
 
 
-def make_sample_fn(graphdef, model_cfg, tokenizer):
+def make_sample_fn(graphdef, model_cfg, fmt):
     """The rollout's ``sample_fn`` over the jitted KV-cache sampler (as ``experiment.build_experiment``):
-    stops at EOS and the closing action tags."""
-    from mempo_jax.agent.protocol import STOP_TAGS
+    stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids, single-id closing action tags)."""
     from mempo_jax.sampling import Sampler, SamplerConfig
 
-    stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
-    sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+    sampler = Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id)
 
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
@@ -399,7 +398,8 @@ def run(args) -> dict:
         "MEMPO_XLA_CACHE", str(pathlib.Path.home() / ".cache" / "mempo_jax" / "xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
-    sample_fn = make_sample_fn(graphdef, model_cfg, tokenizer)
+    fmt = AgentFormat.plain(tokenizer)
+    sample_fn = make_sample_fn(graphdef, model_cfg, fmt)
     largest = min(args.batch_size, max(len(q) for q in questions.values()))
     # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
     overrides["min_rows_bucket"] = min(base.min_rows_bucket, bucket_length(largest, 1))
@@ -424,7 +424,7 @@ def run(args) -> dict:
                 bar.update(done + n - bar.n)
 
             # the same key in every mode: at temperature 0 the modes differ only by their context
-            res = evaluate_policy(sample_fn, params, qs, tokenizer, env, base, mode, args.temperature,
+            res = evaluate_policy(sample_fn, params, qs, fmt, env, base, mode, args.temperature,
                                   jax.random.fold_in(key, d), chunk=args.batch_size, progress=progress)
             m = dict(res.metrics)
             m["tool_calls"] = float(sum(t.num_tool_calls for t in res.trajectories) / len(res.trajectories))

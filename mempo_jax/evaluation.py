@@ -44,13 +44,13 @@ def summarize(trajs: Sequence[Trajectory]) -> dict:
     }
 
 
-def evaluate_policy(sample_fn, params, questions: Sequence, tokenizer, tool_env, base: RolloutConfig,
+def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
                     context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
                     progress: Optional[Callable[[int], None]] = None) -> EvalResult:
     """Run the policy once on each question in one context mode.
 
     Args:
-      sample_fn, params, tokenizer, tool_env: as for ``rollout.rollout``.
+      sample_fn, params, fmt, tool_env: as for ``rollout.rollout`` (``fmt``: an ``AgentFormat``).
       questions: items with ``id``, ``question``, ``golds``.
       base: rollout options; ``context_steps`` and ``temperature`` are replaced.
       context_steps: ``FULL`` or k.
@@ -65,8 +65,8 @@ def evaluate_policy(sample_fn, params, questions: Sequence, tokenizer, tool_env,
     cfg = dataclasses.replace(base, context_steps=context_steps, temperature=temperature)
     trajs: list[Trajectory] = []
     for s in range(0, len(questions), chunk):
-        batch = new_trajectories(tokenizer, questions[s : s + chunk], 1, group_offset=s)
-        rollout(sample_fn, params, batch, tokenizer, tool_env, cfg, jax.random.fold_in(key, s))
+        batch = new_trajectories(fmt, questions[s : s + chunk], 1, group_offset=s)
+        rollout(sample_fn, params, batch, fmt, tool_env, cfg, jax.random.fold_in(key, s))
         trajs += batch
         if progress is not None:
             progress(len(trajs))

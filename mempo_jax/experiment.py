@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mempo_jax.agent.protocol import STOP_TAGS, render_turn
-from mempo_jax.agent.rollout import build_prompt
+from mempo_jax.agent.protocol import render_turn
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
@@ -45,6 +45,7 @@ class Experiment:
     logits_fn: Any
     scorer: MemoryRewardScorer
     mesh: Any = None
+    fmt: Any = None  # the AgentFormat (tokenizer, tag codec, prompt template)
 
 
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
@@ -79,7 +80,9 @@ def _tokenizer_texts(documents, questions) -> list[str]:
         for query, facts in q.hops:
             texts.append(render_turn(" " + "; ".join(facts), " search", "search", " " + query))
         texts.append(render_turn(" " + q.answer, " answer", "answer", " " + q.answer))
-    texts.append("unknown none " + build_prompt.__doc__)
+    # (kept verbatim: this text is part of the tokenizer training data, so the default run's
+    # SentencePiece model, and with it every figure of the default run, stays the same)
+    texts.append("unknown none " + "BOS (when the tokenizer has one; Qwen has none) + system prompt + question, as ids.")
     return texts
 
 
@@ -197,9 +200,9 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
             from mempo_jax.sharding import DEFAULT_RULES, init_sharded_params
 
             graphdef, params = init_sharded_params(model_cfg, cfg.seed, mesh, DEFAULT_RULES if rules is None else rules)
-    stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
-    if cfg.model.checkpoint:  # EOS ∪ generation-config EOS ∪ end-of-turn ids (<|im_end|>, …) ∪ tags
-        stop_ids = list(tokenizer.stop_ids(STOP_TAGS))
+    fmt = AgentFormat.plain(tokenizer)
+    # EOS ∪ (HF) generation-config EOS and end-of-turn ids (<|im_end|>, …) ∪ single-id closing tags
+    stop_ids = list(fmt.codec.stop_ids)
     scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
     if mesh is None:
         sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
@@ -220,4 +223,4 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix_ids(tokenizer),
                                 temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
-                      sample_fn, logits_fn, scorer, mesh)
+                      sample_fn, logits_fn, scorer, mesh, fmt)

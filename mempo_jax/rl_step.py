@@ -235,7 +235,7 @@ def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
 
-def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_env, cfg: RLConfig,
+def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cfg: RLConfig,
             key: jax.Array, rng: np.random.Generator) -> tuple[dict[str, float], list[Trajectory]]:
     """Run one MemPO step on ``questions`` and update ``learner`` in place.
 
@@ -245,7 +245,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
       sample_fn: the sampler adapter (see ``rollout.rollout``).
       scorer: a ``MemoryRewardScorer``.
       questions: items with ``id``, ``question``, ``golds``.
-      tokenizer, tool_env: the project tokenizer and host tools.
+      fmt, tool_env: the agent format (``AgentFormat``: tokenizer, tags, prompt) and host tools.
       cfg: RL options.
       key: PRNG key of this step.
       rng: numpy generator (mini-batch shuffles).
@@ -255,12 +255,13 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, tokenizer, tool_e
     """
     timings = {}
     if cfg.precompile and getattr(learner, "_rl_precompiled", None) != cfg:
-        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg,
+        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, sample_fn, scorer, fmt.tokenizer, cfg,
                                                             key)["seconds"]
         learner._rl_precompiled = cfg
     t0 = time.perf_counter()
-    trajs = new_trajectories(tokenizer, questions, cfg.group_size)
-    rollout(sample_fn, learner.params, trajs, tokenizer, tool_env, cfg.rollout, key)
+    tokenizer = fmt.tokenizer
+    trajs = new_trajectories(fmt, questions, cfg.group_size)
+    rollout(sample_fn, learner.params, trajs, fmt, tool_env, cfg.rollout, key)
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

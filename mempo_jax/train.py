@@ -437,7 +437,7 @@ def run(args) -> dict:
             batches = iter(())
             if cfg.sft.steps > 0:
                 with interruptible():  # the same rows on every process (one generator); each feeds its share
-                    scripted = [scripted_trajectory(q, exp.offices, tok, exp.tool_env, cfg.sft.agent, cfg.rl.rollout,
+                    scripted = [scripted_trajectory(q, exp.offices, exp.fmt, exp.tool_env, cfg.sft.agent, cfg.rl.rollout,
                                                     rng) for q in tqdm(exp.train_questions, desc="scripted agent",
                                                                        leave=False, disable=not primary)]
                     rows = sft_rows(scripted, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
@@ -479,7 +479,7 @@ def run(args) -> dict:
             for mode in modes:
                 bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False,
                            disable=not primary)
-                res = evaluate_policy(sample_fn_all, learner.params, held_mine, tok, exp.tool_env, cfg.rl.rollout,
+                res = evaluate_policy(sample_fn_all, learner.params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
                                       mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
                 bar.close()
                 metrics, em = res.metrics, res.per_question_em
@@ -575,7 +575,7 @@ def run(args) -> dict:
                     if multi:  # this process's questions: its rollouts, tool calls and parsing
                         mine = distributed.process_slice(len(qs))
                         qs, first = qs[mine], mine.start
-                    m, trajs = rl_step(learner, ref_params, sample_fn, scorer, qs, tok, exp.tool_env, cfg.rl,
+                    m, trajs = rl_step(learner, ref_params, sample_fn, scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
                                        jax.random.fold_in(rl_key, step),
                                        np.random.default_rng([cfg.seed, _RL_STREAM, step]))
             except Preempted:

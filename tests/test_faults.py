@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS, small_env, train_command  # noqa: E402
+from mempo_jax.agent.format import AgentFormat
 
 XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
 SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
@@ -421,8 +422,8 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
         return SampleOutput(tokens, logp, np.arange(max_new)[None] < lengths[:, None], lengths, stopped)
 
     env = ToolEnvironment(_random_backend(data), topk=2)
-    trajs = new_trajectories(tok, questions, group)
-    rollout(sample_fn, None, trajs, tok, env, cfg, jax.random.PRNGKey(0))
+    trajs = new_trajectories(AgentFormat.plain(tok), questions, group)
+    rollout(sample_fn, None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
 
     for tr in trajs:
         assert tr.done and tr.end_reason in ("answer", "max_turns", "budget") and len(tr.turns) <= cfg.max_turns

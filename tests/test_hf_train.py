@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS, render_turn  # noqa: E402
 from mempo_jax.agent.rollout import RolloutConfig, build_prompt, make_turn, new_trajectories, rollout  # noqa: E402
 from mempo_jax.config import ExperimentConfig, ModelOptions  # noqa: E402
@@ -81,7 +82,7 @@ def checkpoint(tmp_path_factory):
     tagged = base.with_protocol_tags(BASE_VOCAB + SPARE_ROWS)  # the ids build_experiment will assign
     chain, words = _chain_ids(tagged)
     nl, info_close = tagged.encode("\n")[-1], tagged.piece_id("</information>")
-    prompt_end = build_prompt(tagged, world.train[0].question)[-1]
+    prompt_end = build_prompt(AgentFormat.plain(tagged), world.train[0].question)[-1]
     assert prompt_end == nl
     # After the prompt ("\n") or a tool result ("</information>") comes <mem>, then the chain.
     transitions = [(nl, chain[0]), (info_close, chain[0])] + list(zip(chain[:-1], chain[1:]))
@@ -140,7 +141,7 @@ def test_tags_become_single_tokens_in_spare_rows(checkpoint):
     text = "<mem> paris; (1) 東京</mem><think> ok</think><answer> naïve</answer>"
     assert tok.decode(tok.encode(text)) == text
     assert set(tok.stop_ids()) == {base.eos_id, base.pad_id, *(tok.piece_id(t) for t in STOP_TAGS)}
-    assert build_prompt(tok, "who?") == tok.encode("Search, remember in mem, answer.\nQuestion: who?\n")
+    assert build_prompt(AgentFormat.plain(tok), "who?") == tok.encode("Search, remember in mem, answer.\nQuestion: who?\n")
     with pytest.raises(ValueError, match=r"no room for protocol tag '</information>'"):
         base.with_protocol_tags(BASE_VOCAB + 11)
 
@@ -173,14 +174,14 @@ def test_build_experiment_loads_checkpoint_and_tagged_tokenizer(experiment, chec
     assert max(tok.tag_ids.values()) < experiment.model_cfg.vocab_size
     # A scripted turn encoded by the HF tokenizer parses and its <mem> span is found on the ids.
     ids = tok.encode(render_turn(" alpha; (1) beta", " search", "search", " gamma"))
-    turn = make_turn(tok, ids, None, stopped=True)
+    turn = make_turn(experiment.fmt, ids, None, stopped=True)
     assert turn.parsed.valid and turn.parsed.mem == " alpha; (1) beta" and turn.parsed.action == "search"
     start, end = turn.mem_span
     assert (ids[start], ids[end - 1]) == (tok.piece_id(MEM[0]), tok.piece_id(MEM[1]))
     assert tok.decode(ids[start:end]) == "<mem> alpha; (1) beta</mem>"
     # The SFT cold start's scripted agent works on the HF ids too.
     q = experiment.train_questions[0]
-    tr = scripted_trajectory(q, experiment.offices, tok, experiment.tool_env, ScriptedAgentConfig(),
+    tr = scripted_trajectory(q, experiment.offices, experiment.fmt, experiment.tool_env, ScriptedAgentConfig(),
                              experiment.cfg.rl.rollout, np.random.default_rng(0))
     assert tr.answer is not None and all(t.mem_span is not None and t.parsed.valid for t in tr.turns)
 
@@ -190,8 +191,8 @@ def test_greedy_rollout_stops_at_tag_ids_and_finds_mem_spans(experiment, checkpo
     tok = experiment.tokenizer
     cfg = RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=16,
                         temperature=0.0, context_steps=1, min_rows_bucket=4)
-    trajs = new_trajectories(tok, experiment.train_questions[:2], group_size=1)
-    rollout(experiment.sample_fn, experiment.params, trajs, tok, experiment.tool_env, cfg, jax.random.PRNGKey(0))
+    trajs = new_trajectories(experiment.fmt, experiment.train_questions[:2], group_size=1)
+    rollout(experiment.sample_fn, experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.end_reason == "max_turns" and len(tr.turns) == 2
         for turn in tr.turns:
@@ -210,7 +211,7 @@ def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
     learner = Learner(exp.logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       temperature=1.0, micro_batch_rows=8)
     metrics, trajs = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, exp.train_questions[:2],
-                             exp.tokenizer, exp.tool_env, exp.cfg.rl, jax.random.PRNGKey(1),
+                             exp.fmt, exp.tool_env, exp.cfg.rl, jax.random.PRNGKey(1),
                              np.random.default_rng(1))
     assert len(trajs) == 4 and all(np.isfinite(v) for v in metrics.values()), metrics
     assert sum(t.mem_span is not None for tr in trajs for t in tr.turns) >= 4  # the memory reward had turns

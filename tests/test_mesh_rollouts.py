@@ -12,6 +12,7 @@ from mempo_jax.batching import pad_sequences
 from mempo_jax.sampling import Sampler, SamplerConfig
 from mempo_jax.sharding import make_mesh
 from toy_agent import toy_model, toy_world
+from mempo_jax.agent.format import AgentFormat
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2)]
 
@@ -36,8 +37,8 @@ def _greedy_rollout(model, mesh):
 
     rc = RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=12,
                        temperature=0.0, context_steps=1, min_rows_bucket=8)
-    trajs = new_trajectories(tok, questions, 2)
-    rollout(sample_fn, params, trajs, tok, env, rc, jax.random.PRNGKey(0))
+    trajs = new_trajectories(AgentFormat.plain(tok), questions, 2)
+    rollout(sample_fn, params, trajs, AgentFormat.plain(tok), env, rc, jax.random.PRNGKey(0))
     return trajs, outputs
 
 

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import pytest
+from mempo_jax.agent.format import AgentFormat
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -78,7 +79,7 @@ def run_rl_step(params, mesh, seed: int = 0):
                                           pad_id=tok.pad_id)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
     mine = questions[process_slice(len(questions))]
-    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, mine, tok, env, rl_config(),
+    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, mine, AgentFormat.plain(tok), env, rl_config(),
                              jax.random.PRNGKey(seed), np.random.default_rng(seed))
     turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
     if jax.process_count() > 1:
@@ -97,8 +98,8 @@ def _after_the_step(learner, sample_fn, sync, tok, env, questions) -> dict:
     pid = jax.process_index()
     extra = []
     if pid == 1:
-        extra = new_trajectories(tok, questions[:1], 2)
-        rollout(sample_fn, learner.params, extra, tok, env, rl_config().rollout, jax.random.PRNGKey(7))
+        extra = new_trajectories(AgentFormat.plain(tok), questions[:1], 2)
+        rollout(sample_fn, learner.params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
     mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
                         sync=sync)
     return {"mean": mean, "concat": concat_processes([pid] * (pid + 1), sync).tolist(),
@@ -121,9 +122,9 @@ def sft_params():
     keywords = {"q0": "alice", "q1": "acme", "q2": "globex", "q3": "carol"}
     rows = []
     for q in questions:
-        prompt = build_prompt(tok, q.question)
+        prompt = build_prompt(AgentFormat.plain(tok), q.question)
         first = render_turn(" " + q.question, " search", "search", " " + keywords[q.id])
-        obs = encode_observation(tok, env.execute(parse_turn(first)).observation, 12)
+        obs = encode_observation(AgentFormat.plain(tok), env.execute(parse_turn(first)).observation, 12)
         second = render_turn(" " + keywords[q.id] + " " + q.golds[0][0], " answer", "answer", " " + q.golds[0][0])
         t1, t2 = tok.encode(first), tok.encode(second)
         rows.append((prompt + t1, [0.0] * len(prompt) + [1.0] * len(t1)))

@@ -20,6 +20,7 @@ from mempo_jax.experiment import _tokenizer_texts
 from mempo_jax.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.search import ToolEnvironment
+from mempo_jax.agent.format import AgentFormat
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def setup(tmp_path_factory):
     env = ToolEnvironment(BM25Index(world.documents), topk=1)
     offices = {c["name"]: c["offices"] for c in world.companies}
     rng = np.random.default_rng(0)
-    trajs = [scripted_trajectory(q, offices, tok, env, ScriptedAgentConfig(0.5, 0.3), RolloutConfig(), rng)
+    trajs = [scripted_trajectory(q, offices, AgentFormat.plain(tok), env, ScriptedAgentConfig(0.5, 0.3), RolloutConfig(), rng)
              for q in world.train]
     return world, tok, env, trajs
 
@@ -132,8 +133,8 @@ def test_scripted_lazy_agent_forgets_and_diligent_agent_answers(setup):
     multi = [q for q in world.train if q.kind == "multi" and len(q.golds) >= 3][:10]
     rng = np.random.default_rng(1)
     for q in multi:
-        good = scripted_trajectory(q, offices, tok, env, ScriptedAgentConfig(0.0, 0.0), RolloutConfig(), rng)
-        lazy = scripted_trajectory(q, offices, tok, env, ScriptedAgentConfig(1.0, 0.0), RolloutConfig(), rng)
+        good = scripted_trajectory(q, offices, AgentFormat.plain(tok), env, ScriptedAgentConfig(0.0, 0.0), RolloutConfig(), rng)
+        lazy = scripted_trajectory(q, offices, AgentFormat.plain(tok), env, ScriptedAgentConfig(1.0, 0.0), RolloutConfig(), rng)
         assert good.answer.strip() == q.answer
         assert lazy.answer.strip().startswith("unknown")
 
@@ -154,10 +155,10 @@ def test_sampled_rollout_bookkeeping(setup):
     def sample_fn(p, ids, mask, key, n, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
 
-    trajs = new_trajectories(tok, world.train[:4], 3)
+    trajs = new_trajectories(AgentFormat.plain(tok), world.train[:4], 3)
     assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=12, context_steps=1)
-    rollout(sample_fn, params, trajs, tok, env, rcfg, jax.random.PRNGKey(0))
+    rollout(sample_fn, params, trajs, AgentFormat.plain(tok), env, rcfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.done and 1 <= len(tr.turns) <= 3
         for t, turn in enumerate(tr.turns):
@@ -182,14 +183,14 @@ def test_random_outputs_never_break_bookkeeping(setup, outputs, observations):
             from mempo_jax.tools.search import ToolResult
             return [ToolResult(observations[i % 5], "search", i % 2 == 0) for i in range(len(parsed))]
 
-    tr = new_trajectories(tok, [dataclasses.make_dataclass("Q", ["id", "question", "golds"])("q", "Who?", (("x",),))], 1)[0]
+    tr = new_trajectories(AgentFormat.plain(tok), [dataclasses.make_dataclass("Q", ["id", "question", "golds"])("q", "Who?", (("x",),))], 1)[0]
     cfg = RolloutConfig(max_turns=len(outputs), max_observation_tokens=16)
     for out in outputs:
         if tr.done:
             break
-        turn = make_turn(tok, out, [0.0] * len(out), stopped=True)
+        turn = make_turn(AgentFormat.plain(tok), out, [0.0] * len(out), stopped=True)
         turn.context_len = len(tr.policy_context(1))
-        apply_tools(tok, RandomTools(), [tr], [turn], cfg)
+        apply_tools(AgentFormat.plain(tok), RandomTools(), [tr], [turn], cfg)
     rows = build_training_rows([tr], 1, tok.pad_id)
     assert rows.loss_mask.sum() == sum(len(t.output_ids) for t in tr.turns)
     for row, s, e in zip(rows.mem_rows, rows.mem_starts, rows.mem_ends):

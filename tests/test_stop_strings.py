@@ -78,10 +78,10 @@ def test_find_text_span_includes_straddling_tokens():
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_tokenizer_dir):
+def smol(smollm2_dir):
     from mempo_jax.hf_tokenizer import HFTokenizer
 
-    tok = HFTokenizer(smollm2_tokenizer_dir)
+    tok = HFTokenizer(smollm2_dir)
     return tok, StopAutomaton.build(STOP_TAGS, token_bytes(tok))
 
 

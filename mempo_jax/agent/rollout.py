@@ -15,11 +15,11 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, MEM, ParsedTurn, format_error_observation, parse_turn
-from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, find_span, parse_context_steps
+from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFormat
+from mempo_jax.agent.protocol import ALL_TAG_PIECES, ParsedTurn, format_error_observation, parse_turn
+from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, parse_context_steps
 from mempo_jax.batching import bucket_length, pad_sequences
 
-SYSTEM_PROMPT = "Search, remember in mem, answer."
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
 
 
@@ -54,32 +54,32 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def build_prompt(tokenizer, question: str) -> list[int]:
-    """BOS (when the tokenizer has one; Qwen has none) + system prompt + question, as ids."""
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return bos + tokenizer.encode(f"{SYSTEM_PROMPT}\nQuestion: {question}\n")
+def build_prompt(fmt: AgentFormat, question: str) -> list[int]:
+    """The prompt ids of a question: ``fmt.prompt_ids`` (system prompt + question, templated)."""
+    return fmt.prompt_ids(question)
 
 
-def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
-    """``<information>`` + text (cut to ``max_tokens`` ids) + ``</information>`` as ids."""
-    body = tokenizer.encode(text)[:max_tokens]
-    return [tokenizer.piece_id(INFORMATION[0])] + body + [tokenizer.piece_id(INFORMATION[1])]
+def encode_observation(fmt: AgentFormat, text: str, max_tokens: int) -> list[int]:
+    """A tool result as ids: ``fmt.observation_ids`` (``<information>`` + text cut to ``max_tokens``
+    ids + ``</information>``, or the template's tool message)."""
+    return fmt.observation_ids(text, max_tokens)
 
 
-def make_turn(tokenizer, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
-    """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids.
+def make_turn(fmt: AgentFormat, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
+    """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids
+    (``fmt.mem_span``: by id in tokens mode, by token offsets in text mode).
 
     A turn that ran out of its token budget without a stop tag is a format failure.
     """
     ids = [int(i) for i in output_ids]
-    parsed = parse_turn(tokenizer.decode(ids))
+    parsed = parse_turn(fmt.tokenizer.decode(ids))
     if not stopped and parsed.error is None:
         parsed = ParsedTurn(parsed.mem, parsed.think, None, None, "turn ended without a closing action tag")
-    span = find_span(ids, tokenizer.piece_id(MEM[0]), tokenizer.piece_id(MEM[1]))
+    span = fmt.mem_span(ids)
     return Turn(ids, None if logprobs is None else [float(x) for x in logprobs], [], parsed, span)
 
 
-def apply_tools(tokenizer, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg: RolloutConfig) -> None:
+def apply_tools(fmt: AgentFormat, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg: RolloutConfig) -> None:
     """Append each turn to its trajectory and answer it: an answer ends the episode; a search or
     access goes to the tool environment (one batched call); a malformed turn gets an error
     observation and the episode goes on (MEMPO_SPEC §1)."""
@@ -91,7 +91,7 @@ def apply_tools(tokenizer, tool_env, trajs: Sequence[Trajectory], turns: Sequenc
         elif turn.parsed.error is not None:
             turn.tool_ok = False
             turn.observation_ids = encode_observation(
-                tokenizer, format_error_observation(turn.parsed.error), cfg.max_observation_tokens
+                fmt, format_error_observation(turn.parsed.error), cfg.max_observation_tokens
             )
         else:
             pending.append(turn)
@@ -99,7 +99,7 @@ def apply_tools(tokenizer, tool_env, trajs: Sequence[Trajectory], turns: Sequenc
         results = tool_env.execute_batch([t.parsed for t in pending])
         for turn, res in zip(pending, results):
             turn.tool_ok = bool(res.ok)
-            turn.observation_ids = encode_observation(tokenizer, res.observation, cfg.max_observation_tokens)
+            turn.observation_ids = encode_observation(fmt, res.observation, cfg.max_observation_tokens)
     for tr in trajs:
         if not tr.done and len(tr.turns) >= cfg.max_turns:
             tr.done, tr.end_reason = True, "max_turns"
@@ -112,7 +112,7 @@ def rollout(
     sample_fn: SampleFn,
     params,
     trajs: list[Trajectory],
-    tokenizer,
+    fmt: AgentFormat,
     tool_env,
     cfg: RolloutConfig,
     key: jax.Array,
@@ -126,7 +126,7 @@ def rollout(
         ``lengths``, ``stopped`` (``[B, N]`` / ``[B]``).
       params: the policy parameters.
       trajs: trajectories holding only ``prompt_ids`` (the n copies of each question share a group id).
-      tokenizer: the project tokenizer (tags are single pieces).
+      fmt: the agent format (tokenizer, tag codec, prompt template).
       tool_env: host tools with ``execute_batch(list[ParsedTurn]) -> list[ToolResult]``.
       cfg: rollout options.
       key: PRNG key; turn t uses ``fold_in(key, t)``.
@@ -157,16 +157,16 @@ def rollout(
         rows = bucket_length(len(contexts), cfg.min_rows_bucket)
         length = bucket_length(max(len(c) for c in contexts), MIN_PROMPT_BUCKET)
         padded = contexts + [contexts[0][:1]] * (rows - len(contexts))
-        ids, mask = pad_sequences(padded, tokenizer.pad_id, length, side="left")
+        ids, mask = pad_sequences(padded, fmt.tokenizer.pad_id, length, side="left")
         out = sample_fn(params, ids, mask, jax.random.fold_in(key, t), cfg.max_new_tokens, cfg.temperature, cfg.top_p)
         tokens, logprobs, lengths, stopped = jax.device_get((out.tokens, out.logprobs, out.lengths, out.stopped))
         turns = []
         for i, (tr, ctx) in enumerate(zip(runnable, contexts)):
             n = int(lengths[i])
-            turn = make_turn(tokenizer, tokens[i, :n], logprobs[i, :n], bool(stopped[i]))
+            turn = make_turn(fmt, tokens[i, :n], logprobs[i, :n], bool(stopped[i]))
             turn.context_len = len(ctx)
             turns.append(turn)
-        apply_tools(tokenizer, tool_env, runnable, turns, cfg)
+        apply_tools(fmt, tool_env, runnable, turns, cfg)
     for tr in trajs:
         if not tr.done:
             tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
@@ -210,7 +210,7 @@ def warm_sampler(sample_fn: SampleFn, params, pad_id: int, cfg: RolloutConfig, n
     return len(shapes)
 
 
-def new_trajectories(tokenizer, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
+def new_trajectories(fmt: AgentFormat, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
     """``group_size`` fresh trajectories per question; the group id is the question's index in
     ``questions`` (+ ``group_offset``), assigned before the copies are made (MEMPO_SPEC §4).
 
@@ -218,7 +218,7 @@ def new_trajectories(tokenizer, questions: Sequence, group_size: int, group_offs
     """
     out = []
     for g, q in enumerate(questions):
-        prompt = build_prompt(tokenizer, q.question)
+        prompt = fmt.prompt_ids(q.question)
         out += [Trajectory(q.id, g + group_offset, tuple(q.golds), list(prompt)) for _ in range(group_size)]
     return out
 
@@ -242,7 +242,7 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 __all__ = [
-    "ALL_TAG_PIECES", "FULL", "MIN_PROMPT_BUCKET", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
+    "ALL_TAG_PIECES", "AgentFormat", "FULL", "MIN_PROMPT_BUCKET", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
     "encode_observation", "make_turn", "new_trajectories", "rollout", "rollout_metrics", "sampler_shapes",
     "warm_sampler",
 ]

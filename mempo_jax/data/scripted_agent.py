@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from mempo_jax.agent.protocol import MEM, parse_turn, render_turn
-from mempo_jax.agent.rollout import RolloutConfig, build_prompt, encode_observation
-from mempo_jax.agent.trajectory import Trajectory, Turn, find_span
+from mempo_jax.agent.protocol import parse_turn, render_turn
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.agent.trajectory import Trajectory, Turn
 
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 
@@ -54,14 +55,14 @@ def _answer(question, facts: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
-def scripted_trajectory(question, world_offices: dict, tokenizer, tool_env, cfg: ScriptedAgentConfig,
+def scripted_trajectory(question, world_offices: dict, fmt: AgentFormat, tool_env, cfg: ScriptedAgentConfig,
                         rollout_cfg: RolloutConfig, rng: np.random.Generator, group_id: int = 0) -> Trajectory:
     """Play one question with the scripted agent.
 
     Args:
       question: a ``world.Question`` (``hops`` give the plan).
       world_offices: company name → {city: office head}, for the lazy agent's guesses.
-      tokenizer: the project tokenizer.
+      fmt: the agent format (tokenizer, tags, prompt).
       tool_env: the tool environment (real BM25 search).
       cfg: the agent's imperfections.
       rollout_cfg: observation length limit.
@@ -71,21 +72,20 @@ def scripted_trajectory(question, world_offices: dict, tokenizer, tool_env, cfg:
     Returns:
       A finished ``Trajectory`` whose turns carry ids, ``<mem>`` spans and observations.
     """
-    tr = Trajectory(question.id, group_id, tuple(question.golds), build_prompt(tokenizer, question.question))
+    tr = Trajectory(question.id, group_id, tuple(question.golds), fmt.prompt_ids(question.question))
     lazy = rng.random() < cfg.lazy_prob
     facts: list[str] = []
-    mem_open, mem_close = tokenizer.piece_id(MEM[0]), tokenizer.piece_id(MEM[1])
 
     def emit(mem: str, think: str, action: str, argument: str) -> Turn:
         # A space opens every block's content, so names inside tags tokenise as they do in
         # running text ("▁Name"); consumers strip the content.
         text = render_turn(" " + mem, " " + think, action, " " + argument)
-        ids = tokenizer.encode(text)
+        ids = fmt.tokenizer.encode(text)
         ctx_len = len(tr.policy_context(rollout_cfg.context_steps))
-        turn = Turn(ids, None, [], parse_turn(text), find_span(ids, mem_open, mem_close), context_len=ctx_len)
+        turn = Turn(ids, None, [], parse_turn(text), fmt.mem_span(ids), context_len=ctx_len)
         if action != "answer":
             res = tool_env.execute_batch([turn.parsed])[0]
-            turn.observation_ids = encode_observation(tokenizer, res.observation, rollout_cfg.max_observation_tokens)
+            turn.observation_ids = fmt.observation_ids(res.observation, rollout_cfg.max_observation_tokens)
             turn.tool_ok = bool(res.ok)
         tr.turns.append(turn)
         return turn
