@@ -36,11 +36,25 @@ class ModelOptions:
       preset: a ``ModelConfig`` classmethod name (``tiny``, ``qwen2_5_0_5b``, …).
       overrides: ``(field, value)`` pairs applied to the preset (e.g. ``(("num_layers", 2),)``).
       checkpoint: a Hugging Face checkpoint folder to import instead of random weights ("" = none).
+      tags: how a checkpoint's policy writes the protocol tags (``agent.tags.TagCodec``):
+        ``"text"`` (default: the checkpoint keeps its own tokenization; ``</search>`` is several
+        BPE tokens, stops and ``<mem>`` spans are found on the sampled ids' bytes) or ``"tokens"``
+        (every tag one added token: spare embedding rows or reserved specials, else the embedding
+        and an untied LM head are resized, ``model.resize``). Ignored without a checkpoint: the
+        from-scratch tokenizer has every tag as a single piece (tokens mode).
+
+    Raises:
+      ValueError: for a ``tags`` value other than ``"text"`` / ``"tokens"``.
     """
 
     preset: str = "tiny"
     overrides: tuple = ()
     checkpoint: str = ""
+    tags: str = "text"
+
+    def __post_init__(self):
+        if self.tags not in ("text", "tokens"):
+            raise ValueError(f"ModelOptions.tags must be 'text' or 'tokens', got {self.tags!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -262,11 +262,13 @@ def run_rollout_options(run_dir: pathlib.Path):
 
 
 def make_sample_fn(graphdef, model_cfg, fmt):
-    """The rollout's ``sample_fn`` over the jitted KV-cache sampler (as ``experiment.build_experiment``):
-    stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids, single-id closing action tags)."""
-    from mempo_jax.sampling import Sampler, SamplerConfig
+    """The rollout's ``sample_fn`` over the jitted KV-cache sampler (``experiment.make_sampler``, as
+    ``experiment.build_experiment``): stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids,
+    single-id closing action tags) and, in text mode, at the first closing action tag written as text."""
+    from mempo_jax.experiment import make_sampler
+    from mempo_jax.sampling import SamplerConfig
 
-    sampler = Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id)
+    sampler = make_sampler(graphdef, model_cfg, fmt)
 
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
