@@ -260,3 +260,46 @@ def test_token_bytes_are_what_decode_gives(tok):
     for _ in range(300):
         ids = rng.integers(0, tok.vocab_size, size=int(rng.integers(1, 8))).tolist()
         assert b"".join(table[i] for i in ids).decode("utf-8", errors="replace") == tok.decode(ids)
+
+
+# ------------------------------------------------------- wiring: a checkpoint run in text mode
+
+
+def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir, tmp_path):
+    """``build_experiment`` on a checkpoint (here: the forced model exported with SmolLM2's
+    tokenizer) keeps the tokenizer as it is, and its rollout stops every turn where the codec says;
+    ``evaluate.make_sample_fn`` builds the same sampler."""
+    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+    from mempo_jax.config import ExperimentConfig, ModelOptions
+    from mempo_jax.data.world import WorldConfig
+    from mempo_jax.evaluate import make_sample_fn
+    from mempo_jax.experiment import build_experiment
+    from mempo_jax.model.hf_io import save_hf_checkpoint
+
+    favoured = [tok.encode(f)[0] for f in SAMPLED + ["<", "mem", "think", " Paris"]] + [tok.eos_id]
+    cfg, _, params = _forced_model(tok.vocab_size, favoured, [1.0] * (len(favoured) - 1) + [-3.0])
+    save_hf_checkpoint(tmp_path / "ckpt", cfg, params, tokenizer=tok)
+    world = WorldConfig(num_countries=3, num_cities=6, num_companies=6, num_people=24, offices_per_company=2,
+                        num_single=4, num_bridge=4, num_multi=2)
+    exp = build_experiment(ExperimentConfig(seed=0, world=world, model=ModelOptions(checkpoint=str(tmp_path / "ckpt"))),
+                           tmp_path / "cache")
+    assert exp.fmt.codec.mode == "text" and exp.model_cfg.vocab_size == 49152 and not exp.tokenizer.tag_ids
+    rcfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=512, max_observation_tokens=8,
+                         temperature=1.0, context_steps=1, min_rows_bucket=8)
+    trajs = new_trajectories(exp.fmt, exp.train_questions[:8], group_size=1)
+    rollout(exp.sample_fn, exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
+    turns = [t for tr in trajs for t in tr.turns]
+    stopped = 0
+    for t in turns:
+        n = codec.first_stop(t.output_ids)
+        assert n == len(t.output_ids) or (n is None and len(t.output_ids) == rcfg.max_new_tokens)
+        stopped += n is not None
+        assert t.mem_span == codec.find_span(t.output_ids, *MEM)
+    assert stopped > 0 and len(turns) > len(trajs)
+    # the evaluation command's sampler is the same program with the same stops
+    ids = jnp.asarray([trajs[0].prompt_ids[-6:]] * 8, jnp.int32)
+    mask = jnp.ones(ids.shape, bool)
+    a = exp.sample_fn(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    b = make_sample_fn(exp.graphdef, exp.model_cfg, exp.fmt)(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
