@@ -38,6 +38,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.tools.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 
@@ -119,96 +120,6 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     elif step not in steps:
         raise FileNotFoundError(f"checkpoint step {step} not found under {run / 'checkpoints'} (have {steps})")
     return run, step
-
-
-def pooled_passages(path: str | os.PathLike) -> Optional[list]:
-    """The passages a QA file carries, pooled into a corpus, or None when it carries none.
-
-    HotpotQA / 2WikiMultihopQA ``context`` → ``pool_hotpotqa_contexts``; MuSiQue ``paragraphs`` →
-    ``pool_musique_paragraphs`` (ids ``"0"``, ``"1"``, …, deduplicated by (title, text)).
-    FlashRAG / Search-R1 and question–answer files return None.
-
-    Raises:
-      ValueError: an empty or malformed file (naming file, line and field).
-    """
-    from mempo_jax.data.qa_formats import detect_format
-    from mempo_jax.tools.corpus import pool_hotpotqa_contexts, pool_musique_paragraphs
-
-    fmt = detect_format(path)
-    if fmt in ("hotpotqa", "2wikimultihopqa"):
-        return pool_hotpotqa_contexts(path)
-    if fmt == "musique":
-        return pool_musique_paragraphs(path)
-    return None
-
-
-def merge_passages(pools: Sequence[Sequence]) -> list:
-    """Union of several pooled corpora: deduplicated by (title, text), renumbered ``"0"``, ``"1"``, …
-    in first-seen order (each pool numbers its own passages from 0, so ids would collide)."""
-    from mempo_jax.tools.corpus import Document
-
-    out, seen = [], set()
-    for pool in pools:
-        for d in pool:
-            if (d.title, d.text) not in seen:
-                seen.add((d.title, d.text))
-                out.append(Document(str(len(out)), d.title, d.text))
-    return out
-
-
-def plan_corpora(specs: Sequence[DatasetSpec], corpus: Optional[str], retriever_url: Optional[str]):
-    """One search backend per dataset (see the module doc for the rule) and a description of each.
-
-    Args:
-      specs: the datasets; their files must exist.
-      corpus: ``--corpus`` file (Search-R1 corpus JSONL) or None.
-      retriever_url: ``--retriever_url`` or None (exclusive with ``corpus``).
-
-    Returns:
-      ``({name: backend}, {name: description})``; backends are ``BM25Index`` or
-      ``RemoteSearchBackend`` (datasets may share one object).
-
-    Raises:
-      ValueError: a dataset without passages and no corpus anywhere (asks for ``--corpus``), an
-        unreachable retriever, or a malformed corpus / data file.
-      FileNotFoundError: a missing ``--corpus`` file.
-    """
-    from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus_jsonl
-    from mempo_jax.tools.remote import RemoteSearchBackend
-    from mempo_jax.tools.search import ToolError
-
-    if retriever_url:
-        backend = RemoteSearchBackend(retriever_url)
-        try:
-            backend.search(["test"], 1)
-        except ToolError as e:
-            raise ValueError(f"--retriever_url {retriever_url}: the retrieval server does not answer "
-                             f"POST /retrieve ({e.reason})") from None
-        return {s.name: backend for s in specs}, {s.name: f"retriever {backend.url}" for s in specs}
-    if corpus:
-        if not pathlib.Path(corpus).is_file():
-            raise FileNotFoundError(f"--corpus: no such file: {corpus}")
-        index = BM25Index(load_corpus_jsonl(corpus))
-        return {s.name: index for s in specs}, {s.name: f"corpus {corpus} ({len(index)} passages)" for s in specs}
-    pools = {s.name: pooled_passages(s.path) for s in specs}
-    own = {n: p for n, p in pools.items() if p}
-    backends, notes = {}, {}
-    for name, pool in own.items():
-        backends[name] = BM25Index(pool)
-        notes[name] = f"own passages ({len(pool)})"
-    missing = [s.name for s in specs if s.name not in own]
-    if missing:
-        if not own:
-            raise ValueError(f"dataset {missing[0]!r} carries no passages and no corpus was given: pass "
-                             "--corpus FILE (Search-R1 corpus JSONL) or --retriever_url URL, or add a "
-                             "--dataset that carries passages (HotpotQA, 2Wiki, MuSiQue) to pool from")
-        union = merge_passages(list(own.values()))
-        index = BM25Index(union)
-        for name in missing:
-            backends[name] = index
-            notes[name] = f"pooled from {'+'.join(own)} ({len(union)} passages)"
-    return {s.name: backends[s.name] for s in specs}, {s.name: notes[s.name] for s in specs}
 
 
 def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int = 1, seed: int = 0) -> list:
