@@ -1,10 +1,18 @@
-"""The evaluation command: a trained run on QA datasets, in every context mode (MEMPO_SPEC §6).
+"""The evaluation command: a trained run, or any Hugging Face checkpoint, on QA datasets, in every
+context mode (MEMPO_SPEC §6).
 
 ::
 
-    python -m mempo_jax.evaluate --run_dir RUN_DIR [--checkpoint STEP] \\
+    python -m mempo_jax.evaluate (--run_dir RUN_DIR [--checkpoint STEP] | --hf_checkpoint DIR) \\
         --dataset NAME=PATH [--dataset NAME=PATH ...] [--corpus FILE | --retriever_url URL] \\
         [--modes 1,full] [--limit N] [--temperature 0] [--topk K] [--multi_objective K] --out DIR
+
+``--hf_checkpoint DIR`` evaluates a Hugging Face folder (``config.json``, safetensors,
+``tokenizer.json`` + ``tokenizer_config.json``: e.g. Qwen2.5-7B-Instruct zero-shot, a released
+MemPO checkpoint, or ``RUN_DIR/hf_export`` of our trainer) exactly as a run folder: the policy is
+``experiment.load_checkpoint_policy`` of it (the protocol tags as the trainer adds them), the
+rollout options are ``RolloutConfig()``'s and ``--topk`` defaults to 3 (override them with the
+flags below); ``--dtype bfloat16`` halves its memory.
 
 For every dataset and context mode the policy answers each question once (``evaluate_policy``)
 and the command writes ``DIR/eval.json`` (``{dataset: {mode: {em, f1, tt, pt, turns,
@@ -22,9 +30,10 @@ Retrieval (MEMPO_SPEC §7), per dataset:
   ``--dataset`` files; with none, the command stops and asks for ``--corpus``.
 
 ``--checkpoint`` takes a step (with ``--run_dir``) or, as issue #5 writes it, a run folder
-(``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). Bad input (missing run
-folder or checkpoint, ``--dataset`` without ``=``, a missing or malformed file) prints one line on
-stderr and exits with status 2.
+(``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). A run folder trained from
+a Hugging Face checkpoint holds ``hf_tokenizer/`` instead of ``tokenizer.model``; both load. Bad
+input (missing run folder, checkpoint or HF folder files, ``--dataset`` without ``=``, a missing
+or malformed file) prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -88,8 +97,9 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
 
     Raises:
       ValueError: neither argument, or a ``--checkpoint`` path that names another run folder.
-      FileNotFoundError: the folder, ``tokenizer.model``, ``model_config.json``, any
-        checkpoint, or the requested step is missing (the message lists the steps present).
+      FileNotFoundError: the folder, its tokenizer (``tokenizer.model`` or ``hf_tokenizer/``),
+        ``model_config.json``, any checkpoint, or the requested step is missing (the message lists
+        the steps present).
     """
     step: Optional[int] = None
     run: Optional[pathlib.Path] = pathlib.Path(run_dir) if run_dir else None
@@ -106,12 +116,17 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
                 raise ValueError(f"--run_dir {run} and --checkpoint {checkpoint} name different run folders")
             run = p
     if run is None:
-        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.train)")
+        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.train) or "
+                         "--hf_checkpoint DIR (a Hugging Face checkpoint folder)")
     if not run.is_dir():
         raise FileNotFoundError(f"run folder not found: {run}")
-    for name in ("tokenizer.model", "model_config.json"):
-        if not (run / name).is_file():
-            raise FileNotFoundError(f"{run / name} not found: is {run} a run folder of mempo_jax.train?")
+    from mempo_jax.checkpoint import run_tokenizer_path
+
+    if run_tokenizer_path(run) is None:
+        raise FileNotFoundError(f"{run / 'tokenizer.model'} (or hf_tokenizer/tokenizer.json) not found: is {run} a run "
+                                "folder of mempo_jax.train?")
+    if not (run / "model_config.json").is_file():
+        raise FileNotFoundError(f"{run / 'model_config.json'} not found: is {run} a run folder of mempo_jax.train?")
     steps = checkpoint_steps(run)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {run / 'checkpoints'}")
@@ -120,6 +135,25 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     elif step not in steps:
         raise FileNotFoundError(f"checkpoint step {step} not found under {run / 'checkpoints'} (have {steps})")
     return run, step
+
+
+def resolve_hf_checkpoint(path: str) -> pathlib.Path:
+    """The ``--hf_checkpoint`` folder, checked before the (slow) model load.
+
+    Raises:
+      FileNotFoundError: the folder, its ``config.json``, its ``tokenizer.json`` or any
+        ``*.safetensors`` file is missing (one line naming the path).
+    """
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--hf_checkpoint: no such folder: {folder}")
+    for name in ("config.json", "tokenizer.json"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"--hf_checkpoint: {folder / name} not found (a Hugging Face checkpoint folder "
+                                    "holds config.json, *.safetensors and tokenizer.json)")
+    if not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"--hf_checkpoint: no *.safetensors file in {folder}")
+    return folder
 
 
 def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int = 1, seed: int = 0) -> list:
@@ -173,12 +207,11 @@ def run_rollout_options(run_dir: pathlib.Path):
 
 def make_sample_fn(graphdef, model_cfg, tokenizer):
     """The rollout's ``sample_fn`` over the jitted KV-cache sampler (as ``experiment.build_experiment``):
-    stops at EOS and the closing action tags."""
-    from mempo_jax.agent.protocol import STOP_TAGS
+    stops at ``experiment.policy_stop_ids`` (EOS, end-of-turn ids, the closing action tags)."""
+    from mempo_jax.experiment import policy_stop_ids
     from mempo_jax.sampling import Sampler, SamplerConfig
 
-    stop_ids = [tokenizer.eos_id] + [tokenizer.piece_id(t) for t in STOP_TAGS]
-    sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+    sampler = Sampler(graphdef, model_cfg, policy_stop_ids(tokenizer), tokenizer.pad_id)
 
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
@@ -240,6 +273,10 @@ def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mempo_jax.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
     p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP")
+    p.add_argument("--hf_checkpoint", metavar="DIR",
+                   help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) instead of --run_dir")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter and activation dtype of an --hf_checkpoint (default float32)")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="QA file (repeatable)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", help="Search-R1 corpus JSONL ({id, contents}) for a local BM25 index")
@@ -284,12 +321,21 @@ def run(args) -> dict:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-    run_dir, step = resolve_run(args.run_dir, args.checkpoint)
+    if args.hf_checkpoint:
+        if args.run_dir or args.checkpoint:
+            raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")
+        hf_dir = resolve_hf_checkpoint(args.hf_checkpoint)
+        run_dir, step = None, None
+        base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
+    else:
+        hf_dir = None
+        run_dir, step = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
     for name, qs in questions.items():
         if not qs:
             raise ValueError(f"--dataset {name}: no questions to evaluate")
-    base, run_topk, options_from = run_rollout_options(run_dir)
+    if run_dir is not None:
+        base, run_topk, options_from = run_rollout_options(run_dir)
     overrides = {k: getattr(args, k) for k in ("max_turns", "max_new_tokens", "max_context_tokens",
                                                "max_observation_tokens") if getattr(args, k) is not None}
     topk = args.topk or run_topk
@@ -309,7 +355,14 @@ def run(args) -> dict:
     jax.config.update("jax_compilation_cache_dir", os.environ.get(
         "MEMPO_XLA_CACHE", str(pathlib.Path.home() / ".cache" / "mempo_jax" / "xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
+    if hf_dir is not None:
+        from mempo_jax.config import ModelOptions
+        from mempo_jax.experiment import load_checkpoint_policy
+
+        model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(ModelOptions(
+            checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype))))
+    else:
+        tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
     sample_fn = make_sample_fn(graphdef, model_cfg, tokenizer)
     largest = min(args.batch_size, max(len(q) for q in questions.values()))
     # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
@@ -353,7 +406,8 @@ def run(args) -> dict:
 
     # ---- outputs -------------------------------------------------------------------------
     meta = {
-        "run_dir": str(run_dir), "checkpoint_step": step, "datasets": {s.name: str(s.path) for s in specs},
+        "run_dir": None if run_dir is None else str(run_dir), "checkpoint_step": step,
+        "hf_checkpoint": None if hf_dir is None else str(hf_dir), "datasets": {s.name: str(s.path) for s in specs},
         "corpus": corpus_notes, "topk": topk, "temperature": args.temperature, "seed": args.seed,
         "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": options_from,
         "vocab_size": tokenizer.vocab_size,
@@ -365,15 +419,19 @@ def run(args) -> dict:
     write_json_atomic(out / "eval_meta.json", meta)
     _write_text_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     table = format_table(results)
+    if hf_dir is not None:
+        policy_name, chart_title = f"the Hugging Face checkpoint {hf_dir}", f"{hf_dir.name} (HF checkpoint, {args.dtype})"
+    else:
+        policy_name, chart_title = f"{run_dir} (checkpoint {step})", f"{run_dir.name} @ {step}"
     corpus_lines = "\n".join(f"- {n}: {c}" for n, c in corpus_notes.items())
     _write_text_atomic(out / "eval.md", (
-        f"# Evaluation of {run_dir} (checkpoint {step})\n\n{table}\n\n"
+        f"# Evaluation of {policy_name}\n\n{table}\n\n"
         f"EM/F1: SQuAD-normalised, max over gold aliases; TT: tokens processed per question (every "
         f"turn's context + output, summed); PT: the largest single context + output; format fail: share "
         f"of episodes with a malformed turn or no answer. Temperature {args.temperature}, top-{topk} "
         f"search{f', {args.multi_objective} questions per prompt' if args.multi_objective > 1 else ''}.\n\n"
         f"Retrieval corpus:\n{corpus_lines}\n"))
-    write_chart(results, out / "eval.png", f"{run_dir.name} @ {step}")
+    write_chart(results, out / "eval.png", chart_title)
     print("\n" + table + f"\n\n[evaluate] -> {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'}", flush=True)
     return results
 
