@@ -6,7 +6,7 @@ SmolLM2 (Llama layout, tied embeddings, ChatML template; Q4_1-dequantized weight
 export and continue three chat prompts greedily token for token as our sampler does on the
 re-imported export. To stay within the test budget on CPU the model keeps its first
 ``LAYERS`` layers (real weights, real tokenizer and template); the full 30-layer model passes the
-same check (a documented command in the module's report, not a test).
+same check: ``MEMPO_SMOLLM2_LAYERS=30 python -m pytest -q tests/test_hf_export.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mempo_jax.hf_tokenizer import HFTokenizer  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint  # noqa: E402
 from mempo_jax.sampling import Sampler, SamplerConfig  # noqa: E402
 
-LAYERS = 4
+LAYERS = int(os.environ.get("MEMPO_SMOLLM2_LAYERS", "4"))  # SmolLM2-135M has 30
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
     [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who wrote Hamlet?"}],
