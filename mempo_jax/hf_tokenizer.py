@@ -206,12 +206,14 @@ class HFTokenizer:
 
     def save(self, folder: str | os.PathLike) -> pathlib.Path:
         """Write ``tokenizer.json`` (incl. added protocol tags) into ``folder`` and copy the
-        source's ``tokenizer_config.json`` / ``generation_config.json`` beside it, so an exported
-        checkpoint folder (``save_hf_checkpoint``) loads with its tags. Returns the folder."""
+        source's ``tokenizer_config.json``, ``generation_config.json``, ``special_tokens_map.json``
+        and ``chat_template.jinja`` beside it (those present), so an exported checkpoint folder
+        (``save_hf_checkpoint``) loads with its tags and chat template. Returns the folder."""
         folder = pathlib.Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(folder / "tokenizer.json"))
-        for name in ("tokenizer_config.json", "generation_config.json"):
+        for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                     "chat_template.jinja"):
             src = self.path.parent / name
             if src.is_file() and src.resolve() != (folder / name).resolve():
                 shutil.copyfile(src, folder / name)

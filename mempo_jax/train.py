@@ -8,7 +8,15 @@ Stages (the default ``configs/tiny_world.gin`` runs all of them on CPU in minute
 4. MemPO RL (rollout → outcome + memory rewards → grouped advantages → PPO), with a progress bar,
    ``metrics.jsonl``, TensorBoard events and sample rollouts in ``rollouts.jsonl``;
 5. evaluation after RL; the before/after table is printed and written to ``summary.json``
-   with the bootstrap 95 % CI of the k = 1 EM gain.
+   with the bootstrap 95 % CI of the k = 1 EM gain. A run from a Hugging Face checkpoint
+   (``ModelOptions.checkpoint``) then exports the RL policy to ``RUN_DIR/hf_export``
+   (``mempo_jax.export``: config, safetensors, tokenizer with its tags and chat template).
+
+Data: the tiny world, or QA files (``ExperimentConfig.train_path`` / ``eval_path`` in any format
+``mempo_jax.data.qa_formats`` reads) searched over ``corpus_path`` (local BM25), a
+``retriever_url`` (``/retrieve`` server, checked before RUN_DIR is touched) or the files' own
+context paragraphs. ``SFTConfig.steps = 0`` starts RL from the initial policy (a checkpoint's),
+which is then also the frozen reference.
 
 Checkpoints, resume and preemption (docs/resume.md). Orbax checkpoints are saved asynchronously
 every ``CheckpointConfig.every_steps`` steps and at the end of each stage: SFT to
@@ -309,7 +317,7 @@ def run(args) -> dict:
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
     from mempo_jax.data.scripted_agent import scripted_trajectory
     from mempo_jax.evaluation import evaluate_policy
-    from mempo_jax.experiment import build_experiment, entity_token_ids
+    from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
     from mempo_jax.metrics import bootstrap_ci, format_eval_table, write_json_atomic
     from mempo_jax.preemption import Preempted, Preemption
@@ -326,6 +334,7 @@ def run(args) -> dict:
     run_dir = pathlib.Path(args.run_dir)
     run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
     cfg = run_cfg.experiment
+    check_qa_inputs(cfg)  # QA files, corpus, retriever: a bad one stops the run before RUN_DIR changes
     ck, hooks = cfg.checkpoint, FaultHooks.from_env()
     multi, primary = jax.process_count() > 1, distributed.is_primary()
     mesh = rules = None
@@ -408,7 +417,7 @@ def run(args) -> dict:
         stack.callback(logs.close)
         t_start -= float(newest.get("elapsed_s", 0.0)) if newest else 0.0
         say(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
-            f"questions, {len(exp.documents)} passages, vocab {tok.vocab_size}, "
+            f"questions, search {exp.corpus}, vocab {tok.vocab_size}, "
             f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
         if mesh is not None:
             say(f"[mempo] mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} "
@@ -608,6 +617,12 @@ def run(args) -> dict:
             save_rl(cfg.rl.steps, _plain(order.get_state()), logs.offsets(), faults.state())
 
         evals["rl"], per_q["rl"] = evaluate_once("rl", point.eval_rl, rl_ckpt, EVAL_RL_FILE, "rl_step", cfg.rl.steps)
+        exported = None
+        if cfg.model.checkpoint:  # the RL policy as a Hugging Face folder (every process: a collective)
+            from mempo_jax.export import EXPORT_DIR, export_policy
+
+            exported = str(export_policy(run_dir / EXPORT_DIR, exp.model_cfg, learner.params, tok,
+                                         source=cfg.model.checkpoint))
 
         # ---- summary ----------------------------------------------------------------------
         k1 = mode_name(modes[0])
@@ -616,7 +631,7 @@ def run(args) -> dict:
         summary = {
             "eval": evals, "em_gain": float(gain.mean()), "em_gain_ci95": [lo, hi], "em_gain_mode": k1,
             "wall_s": time.time() - t_start, "params": exp.model_cfg.num_params(), "dataset": cfg.dataset,
-            "heldout_questions": len(held),
+            "heldout_questions": len(held), "hf_export": exported,
         }
         if primary:
             write_json_atomic(run_dir / "summary.json", summary)
