@@ -51,8 +51,12 @@ class Experiment:
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     """Questions and the pooled context corpus of a HotpotQA file (HF distractor layout).
 
-    The scripted cold-start plan searches each supporting-fact title in turn, keeps the titles
-    read so far in ``<mem>`` and answers the gold answer.
+    The scripted cold-start plan searches each supporting-fact title in turn and keeps, as that
+    hop's memory fact, the title's supporting sentences (``context`` sentences at the
+    ``supporting_facts`` ``sent_id``s, stripped, joined by a space; ``"read {title}"`` when the
+    title or sentence is absent from the context). So the bridge fact of hop 1 (e.g. "Tinted
+    Windows is the debut album of the band Tinted Windows") is still in ``<mem>`` when the answer
+    is given; the last hop adds ``"(1) {answer}"``, the gold answer.
 
     Raises:
       ValueError: naming the file, line and field of a malformed record.
@@ -64,14 +68,55 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     questions = []
     for where, rec in iter_records(path):
         try:
-            titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
+            sf = rec["supporting_facts"]
+            titles = list(dict.fromkeys(sf["title"]))
             qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
-        except (KeyError, TypeError) as e:
+            context = dict(zip(rec["context"]["title"], rec["context"]["sentences"]))
+            wanted: dict[str, list[int]] = {}
+            for t, i in zip(sf["title"], sf["sent_id"]):
+                wanted.setdefault(t, []).append(int(i))
+        except (KeyError, TypeError, ValueError) as e:
             raise field_error(path, where, str(e).strip("'"), "missing or malformed HotpotQA field") from None
-        hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
+
+        def fact(title: str) -> str:
+            sents = context.get(title) or []
+            got = [" ".join(str(sents[i]).split()) for i in sorted(set(wanted[title])) if 0 <= i < len(sents)]
+            return " ".join(g for g in got if g) or f"read {title}"
+
+        hops = [(t, (fact(t),)) for t in titles] or [(text, ())]
         hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
         questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
     return questions, docs
+
+
+def load_questions(cfg: ExperimentConfig) -> tuple[list, list, list, dict]:
+    """The run's questions and corpus: ``(train, held-out, documents, offices)``.
+
+    ``tiny_world``: the embedded world's splits; ``offices`` maps each company to its
+    ``{city: office head}`` (the scripted agent's lazy guesses). ``hotpotqa``: ``hotpotqa_questions``
+    of ``cfg.data_path``, split by a permutation seeded by ``cfg.seed``: the first 20 % (at least
+    one) held out, the rest for training — disjoint by construction; ``offices`` is empty.
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed data file (names it).
+    """
+    if cfg.dataset == "tiny_world":
+        world = build_world(cfg.world)
+        return world.train, world.heldout, world.documents, {c["name"]: c["offices"] for c in world.companies}
+    if not pathlib.Path(cfg.data_path).is_file():
+        raise FileNotFoundError(f"ExperimentConfig.data_path: no such file: {cfg.data_path}")
+    questions, docs = hotpotqa_questions(cfg.data_path)
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(questions))
+    n_held = max(1, int(0.2 * len(questions)))
+    held_q = [questions[int(i)] for i in order[:n_held]]
+    train_q = [questions[int(i)] for i in order[n_held:]]
+    return train_q, held_q, docs, {}
+
+
+def build_tool_env(cfg: ExperimentConfig, documents) -> ToolEnvironment:
+    """The run's tools: BM25 over ``documents``, ``cfg.topk`` passages per search."""
+    return ToolEnvironment(BM25Index(documents), topk=cfg.topk)
 
 
 def _tokenizer_texts(documents, questions) -> list[str]:
@@ -169,25 +214,12 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
     """
-    if cfg.dataset == "tiny_world":
-        world = build_world(cfg.world)
-        train_q, held_q, docs = world.train, world.heldout, world.documents
-        offices = {c["name"]: c["offices"] for c in world.companies}
-    else:
-        if not pathlib.Path(cfg.data_path).is_file():
-            raise FileNotFoundError(f"ExperimentConfig.data_path: no such file: {cfg.data_path}")
-        questions, docs = hotpotqa_questions(cfg.data_path)
-        rng = np.random.default_rng(cfg.seed)
-        order = rng.permutation(len(questions))
-        n_held = max(1, int(0.2 * len(questions)))
-        held_q = [questions[int(i)] for i in order[:n_held]]
-        train_q = [questions[int(i)] for i in order[n_held:]]
-        offices = {}
+    train_q, held_q, docs, offices = load_questions(cfg)
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
-    tool_env = ToolEnvironment(BM25Index(docs), topk=cfg.topk)
+    tool_env = build_tool_env(cfg, docs)
 
     if not cfg.model.checkpoint:
         model_cfg = getattr(ModelConfig, cfg.model.preset)
