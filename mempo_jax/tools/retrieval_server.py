@@ -10,6 +10,13 @@ MEMPO_SPEC §7 (Search-R1 ``search_r1/search/retrieval_server.py`` contract)::
       → {"document": {"id", "contents"}}; 404 {"detail": …} for an unknown id
     GET  /health → {"status": "ok", "num_docs": int}
 
+Per-request caps (issue 12 item 9; ``create_app`` arguments, ``--max_queries`` etc.): a body over
+``max_body_bytes`` is answered 413 before it is parsed (declared ``Content-Length`` or counted
+while a chunked body arrives); more than ``max_queries`` queries, or ``queries × min(topk,
+num_docs)`` over ``max_results``, is answered 422. Each answer is ``{"detail": …}`` naming the
+limit, e.g. ``"too many results per request: 300 queries × topk 100 = 30000 > max_results
+16384; send fewer queries per request or a smaller topk"``.
+
 Run::
 
     python -m mempo_jax.tools.retrieval_server --corpus corpus.jsonl [--index DIR] \\
@@ -22,6 +29,7 @@ and save it there. Binds 127.0.0.1 by default (loopback only).
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 from typing import Any, Optional, Sequence
@@ -32,16 +40,68 @@ import pydantic
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import load_corpus_jsonl
 
-MAX_QUERIES = 4096  # per request
-MAX_TOPK = 1000
+DEFAULT_MAX_QUERIES = 4096  # queries per /retrieve request
+DEFAULT_MAX_RESULTS = 16384  # queries × min(topk, num_docs) per request (~16 MB of 1 KB passages)
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # request body (4,096 queries of 1 KB)
 
 
 class RetrieveRequest(pydantic.BaseModel):
     """Body of ``POST /retrieve`` (Search-R1 ``QueryRequest``)."""
 
-    queries: list[str] = pydantic.Field(max_length=MAX_QUERIES)
-    topk: Optional[int] = pydantic.Field(default=None, ge=1, le=MAX_TOPK)
+    queries: list[str]
+    topk: Optional[int] = pydantic.Field(default=None, ge=1)
     return_scores: bool = False
+
+
+class _BodyLimit:
+    """ASGI middleware: answer 413 to a request body over ``max_bytes``, before the app reads it.
+
+    A declared ``Content-Length`` over the limit is refused at once; otherwise the body is
+    buffered while counting (chunked bodies included) and replayed to the app. (FastAPI's own
+    ``max_body_size`` answers a plain ``Content Too Large`` that does not state the limit.)
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _refuse(self, send: Any, size: str) -> None:
+        body = json.dumps({"detail": f"request body of {size} bytes is over the limit of {self.max_bytes} bytes "
+                                     "(max_body_bytes); send fewer queries per request"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, declared.decode())
+            return
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                await self._refuse(send, f"more than {self.max_bytes}")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 class AccessRequest(pydantic.BaseModel):
@@ -50,8 +110,9 @@ class AccessRequest(pydantic.BaseModel):
     id: str
 
 
-def create_app(index: BM25Index, default_topk: int = 3) -> fastapi.FastAPI:
-    """The FastAPI application serving ``index`` (routes in the module doc).
+def create_app(index: BM25Index, default_topk: int = 3, *, max_queries: int = DEFAULT_MAX_QUERIES,
+               max_results: int = DEFAULT_MAX_RESULTS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> fastapi.FastAPI:
+    """The FastAPI application serving ``index`` (routes and caps in the module doc).
 
     Endpoints are plain ``def`` functions, so uvicorn runs concurrent requests in its thread
     pool; BM25 search only reads the index.
@@ -59,13 +120,20 @@ def create_app(index: BM25Index, default_topk: int = 3) -> fastapi.FastAPI:
     Args:
       index: the BM25 index (any object with BM25Index's ``search``/``get``/``__len__``).
       default_topk: hits per query when a request omits ``topk``, ``>= 1``.
+      max_queries: queries per ``/retrieve`` request (more: 422), ``>= 1``.
+      max_results: ``len(queries) × min(topk, len(index))`` per request (more: 422), ``>= 1``.
+      max_body_bytes: request body size, bytes (more: 413), ``>= 1``.
 
     Raises:
-      ValueError: ``default_topk < 1``.
+      ValueError: any argument ``< 1``.
     """
-    if default_topk < 1:
-        raise ValueError(f"default_topk must be >= 1, got {default_topk}")
+    limits = {"default_topk": default_topk, "max_queries": max_queries, "max_results": max_results,
+              "max_body_bytes": max_body_bytes}
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     app = fastapi.FastAPI(title="mempo_jax retrieval server", docs_url=None, redoc_url=None)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -74,6 +142,15 @@ def create_app(index: BM25Index, default_topk: int = 3) -> fastapi.FastAPI:
     @app.post("/retrieve")
     def retrieve(req: RetrieveRequest) -> dict[str, Any]:
         topk = req.topk if req.topk is not None else default_topk
+        if len(req.queries) > max_queries:
+            raise fastapi.HTTPException(status_code=422, detail=(
+                f"too many queries per request: {len(req.queries)} > max_queries {max_queries}; "
+                "send fewer queries per request"))
+        served = len(req.queries) * min(topk, len(index))
+        if served > max_results:
+            raise fastapi.HTTPException(status_code=422, detail=(
+                f"too many results per request: {len(req.queries)} queries × topk {min(topk, len(index))} = "
+                f"{served} > max_results {max_results}; send fewer queries per request or a smaller topk"))
         results = index.search(req.queries, topk)
         if req.return_scores:
             out = [[{"document": h.document.to_row(), "score": h.score} for h in hits] for hits in results]
@@ -122,16 +199,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--topk", type=int, default=3, help="hits per query when a request gives none")
+    parser.add_argument("--max_queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries per request (422 above)")
+    parser.add_argument("--max_results", type=int, default=DEFAULT_MAX_RESULTS,
+                        help="queries × topk per request (422 above)")
+    parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="request body size in bytes (413 above)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     try:
+        for name in ("topk", "max_queries", "max_results", "max_body_bytes"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
         index = build_index(args.corpus, args.index)
+        app = create_app(index, args.topk, max_queries=args.max_queries, max_results=args.max_results,
+                         max_body_bytes=args.max_body_bytes)
     except (ValueError, OSError) as exc:
         print(f"retrieval_server: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
-    uvicorn.run(create_app(index, args.topk), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

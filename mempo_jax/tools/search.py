@@ -4,7 +4,9 @@ MEMPO_SPEC §2: the tool runs on the host (reference: ``ToolParser.parse`` →
 ``AsearcherSearchTool.execute``, a retrieval call); §1: a turn with no valid action gets an
 error observation and the episode goes on. The environment wraps every observation returned
 here in ``<information>…</information>``. Tool failures never raise into the rollout: a backend
-raising ``ToolError`` becomes an observation with ``ok=False``.
+raising ``ToolError`` becomes an observation with ``ok=False``. Every piece of text that comes
+from the tool or the corpus (titles, passages, ids, echoed arguments) goes through
+``neutralize_tags``, so it can never be encoded as a protocol tag id (issue 12 item 8).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import re
 from typing import Literal, Protocol, Sequence
 
-from mempo_jax.agent.protocol import ParsedTurn, format_error_observation
+from mempo_jax.agent.protocol import ParsedTurn, format_error_observation, neutralize_tags
 from mempo_jax.tools.corpus import Document, Hit
 
 Kind = Literal["search", "access", "error"]
@@ -61,13 +63,19 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _safe_line(text: str) -> str:
+    """Tool text on one line, with protocol-tag openers neutralised."""
+    return neutralize_tags(_one_line(text))
+
+
 def format_hits(hits: Sequence[Hit], max_chars: int | None = None) -> str:
     """Compact search observation: one line per hit, ``[doc 17] Title: text``.
 
     Args:
       hits: ranked hits (best first).
       max_chars: cut each passage text to this many characters (with ``"…"``); None keeps it
-        whole. Whitespace runs (newlines included) become single spaces.
+        whole. Whitespace runs (newlines included) become single spaces. Id, title and text
+        go through ``neutralize_tags`` (``<answer>`` in a passage reads ``&lt;answer>``).
 
     Returns:
       the lines joined by ``"\\n"``; ``"No results."`` when ``hits`` is empty.
@@ -76,17 +84,17 @@ def format_hits(hits: Sequence[Hit], max_chars: int | None = None) -> str:
         return "No results."
     lines = []
     for hit in hits:
-        text = _one_line(hit.document.text)
+        text = _safe_line(hit.document.text)
         if max_chars is not None and len(text) > max_chars:
             text = text[: max(max_chars - 1, 0)].rstrip() + "…"
-        title = _one_line(hit.document.title)
-        doc_id = _one_line(hit.document.id)
+        title = _safe_line(hit.document.title)
+        doc_id = _safe_line(hit.document.id)
         lines.append(f"[doc {doc_id}] {title}: {text}" if title else f"[doc {doc_id}] {text}")
     return "\n".join(lines)
 
 
 def _quote(arg: str) -> str:
-    arg = _one_line(arg)
+    arg = _safe_line(arg)
     return repr(arg if len(arg) <= _ARG_QUOTE else arg[: _ARG_QUOTE - 1] + "…")
 
 
@@ -125,7 +133,8 @@ class ToolEnvironment:
         Returns:
           malformed turn → ``format_error_observation`` (kind "error", ok False);
           search → ``format_hits`` of one backend call; access → the document's contents
-          (``'"Title"\\ntext'``) or an error naming the unknown id (ok False).
+          (``'"Title"\\ntext'``, through ``neutralize_tags``) or an error naming the unknown
+          id (ok False).
 
         Raises:
           ValueError: the turn is a valid ``<answer>`` (answers end the episode; the caller
@@ -176,7 +185,7 @@ class ToolEnvironment:
             if len(hits) != len(queries):
                 raise ToolError("bad response", f"{len(hits)} result lists for {len(queries)} queries")
         except ToolError as exc:
-            obs = f"Search failed ({exc.reason}). Try again, or answer with what you know."
+            obs = f"Search failed ({neutralize_tags(exc.reason)}). Try again, or answer with what you know."
             return [ToolResult(obs, "search", False) for _ in queries]
         return [ToolResult(format_hits(h, self.snippet_chars), "search", True) for h in hits]
 
@@ -191,11 +200,11 @@ class ToolEnvironment:
             if doc is None and bare and bare != doc_id:
                 doc = self.backend.get(bare)
         except ToolError as exc:
-            return ToolResult(f"Access failed ({exc.reason}). Try again or search instead.", "access", False)
+            return ToolResult(f"Access failed ({neutralize_tags(exc.reason)}). Try again or search instead.", "access", False)
         if doc is None:
             return ToolResult(
                 f"No document with id {_quote(doc_id)}. Use an id shown as [doc ID] in search results.",
                 "access",
                 False,
             )
-        return ToolResult(doc.contents, "access", True)
+        return ToolResult(neutralize_tags(doc.contents), "access", True)
