@@ -29,7 +29,7 @@ ignored, except the optional row keys ``id`` (str: the question id) and ``golds`
 lists, one per objective) which are kept on the trajectory.
 
 Conversion (``conversation_trajectory``) goes through the run's ``AgentFormat``: prompt ids =
-``fmt.conversation_ids(system, user)``, each assistant content → ``tokenizer.encode(content)`` (the
+``fmt.conversation_ids(system, user)`` (``fmt.prompt_ids(user)`` without a system message), each assistant content → ``tokenizer.encode(content)`` (the
 tags as the tokenizer writes them: single pieces in tokens mode, BPE text in text mode), its
 ``<mem>`` span ``fmt.mem_span(ids)``, each tool content → ``fmt.observation_ids(content,
 max_observation_tokens)`` (loss mask 0). ``sft.sft_rows`` / ``trajectory.build_training_rows`` then cut
@@ -251,15 +251,18 @@ def conversation_trajectory(conv: Conversation, fmt, max_observation_tokens: int
       group_id: group index recorded on the trajectory.
 
     Returns:
-      ``Trajectory`` with ``prompt_ids = fmt.conversation_ids(system or fmt.system_prompt, user)``;
+      ``Trajectory`` with ``prompt_ids = fmt.conversation_ids(system, user)``, or without a system
+      message ``fmt.prompt_ids(user)`` (the format's system prompt: the rollout's prompt);
       per assistant message a ``Turn`` with ``output_ids = fmt.tokenizer.encode(content)``,
       ``parsed = parse_turn(content)``, ``mem_span = fmt.mem_span(output_ids)`` and
       ``observation_ids = fmt.observation_ids(tool content, max_observation_tokens)`` (``[]`` without
       a tool message). ``done`` is True; ``answer`` / ``end_reason`` follow the last turn (``"answer"``
       when it is a valid ``<answer>``, else ``"max_turns"``).
     """
-    system = conv.system if conv.system is not None else fmt.system_prompt
-    tr = Trajectory(conv.id, group_id, conv.golds, list(fmt.conversation_ids(system, conv.user)))
+    # No system message: the rollout's own prompt of this question (fmt.prompt_ids is
+    # conversation_ids(fmt.system_prompt, question)), so SFT trains on the contexts RL samples from.
+    prompt = fmt.prompt_ids(conv.user) if conv.system is None else fmt.conversation_ids(conv.system, conv.user)
+    tr = Trajectory(conv.id, group_id, conv.golds, list(prompt))
     for assistant, tool in conv.turns:
         ids = [int(t) for t in fmt.tokenizer.encode(assistant)]
         ctx_len = len(tr.policy_context(context_steps))
