@@ -29,12 +29,15 @@ ignored, except the optional row keys ``id`` (str: the question id) and ``golds`
 lists, one per objective) which are kept on the trajectory.
 
 Conversion (``conversation_trajectory``) goes through the run's ``AgentFormat``: prompt ids =
-``fmt.conversation_ids(system, user)`` (``fmt.prompt_ids(user)`` without a system message), each assistant content → ``tokenizer.encode(content)`` (the
-tags as the tokenizer writes them: single pieces in tokens mode, BPE text in text mode), its
-``<mem>`` span ``fmt.mem_span(ids)``, each tool content → ``fmt.observation_ids(content,
-max_observation_tokens)`` (loss mask 0). ``sft.sft_rows`` / ``trajectory.build_training_rows`` then cut
-the trajectories into rows (one per trajectory in ``full`` mode, one per turn in k-step mode; loss on
-assistant tokens only).
+``fmt.conversation_ids(system, user)`` (``fmt.prompt_ids(user)`` without a system message: the
+rollout's own prompt), each assistant content → ``tokenizer.encode(content)`` (the tags as the
+tokenizer writes them: single pieces in tokens mode, BPE text in text mode), its ``<mem>`` span
+``fmt.mem_span(ids)``, each tool content → ``fmt.observation_ids(content, max_observation_tokens)``
+(loss mask 0). These are the pieces the rollout concatenates, so a scripted conversation read back
+equals the trajectory the rollout would record for the same ids. ``sft.sft_rows`` /
+``trajectory.build_training_rows`` then cut the trajectories into rows (one per trajectory in
+``full`` mode, one per turn in k-step mode; loss on assistant tokens only). Not kept from a file:
+log-probs (``None``, SFT needs none) and ``tool_ok`` (True).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 from mempo_jax.agent.protocol import parse_turn
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn

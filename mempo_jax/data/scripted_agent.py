@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.protocol import parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import Trajectory
@@ -110,7 +111,7 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
     return Conversation(system, question.question, tuple(turns), str(question.id), tuple(question.golds))
 
 
-def scripted_trajectory(question, world_offices: dict, fmt, tool_env, cfg: ScriptedAgentConfig,
+def scripted_trajectory(question, world_offices: dict, fmt: AgentFormat, tool_env, cfg: ScriptedAgentConfig,
                         rollout_cfg: RolloutConfig, rng: np.random.Generator, group_id: int = 0) -> Trajectory:
     """Play one question with the scripted agent: ``scripted_conversation`` read back through
     ``messages.conversation_trajectory`` — the same path as an SFT messages file.
