@@ -66,7 +66,7 @@ class ModelOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Cold-start SFT on scripted trajectories.
+    """Cold-start SFT on scripted trajectories or on a trajectory file (``data_path``).
 
     Attributes:
       steps: optimizer steps.
@@ -79,6 +79,11 @@ class SFTConfig:
       micro_batch_rows: rows per gradient-accumulation micro-batch of an SFT step (same gradient,
         bounded activations; a pod recipe sets it to ``PlanConfig.micro_batch_rows``); 0 = the
         whole batch in one micro-batch. Must divide ``batch_rows``.
+      data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
+        ``mempo_jax/data/messages.py``) to train on instead of playing the scripted agent ("" = play
+        it; ``python -m mempo_jax.data.write_sft_messages`` writes its conversations in this format).
+        Read and validated before the run folder changes; a bad row is one error naming file, line
+        and field. ``agent`` is then unused.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -91,6 +96,7 @@ class SFTConfig:
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
     micro_batch_rows: int = 0
+    data_path: str = ""
 
     def __post_init__(self):
         rows, micro = int(self.batch_rows), int(self.micro_batch_rows)

@@ -53,8 +53,9 @@ class Experiment:
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     """Questions and the pooled context corpus of a HotpotQA file (HF distractor layout).
 
-    The scripted cold-start plan searches each supporting-fact title in turn, keeps the titles
-    read so far in ``<mem>`` and answers the gold answer (``qa_questions.load_qa_questions``).
+    The scripted cold-start plan searches each supporting-fact title in turn, keeps each title's
+    supporting sentences (the bridge fact) in ``<mem>`` and answers the gold answer
+    (``qa_questions.load_qa_questions``).
 
     Raises:
       ValueError: naming the file, line and field of a malformed record.
@@ -121,6 +122,25 @@ def load_qa_data(cfg: ExperimentConfig):
     if dropped:
         note += f"; {dropped} training question(s) also in {cfg.eval_path} left out"
     return train_q, held_q, docs, backend, note
+
+
+def load_questions(cfg: ExperimentConfig):
+    """The run's questions and search backend: ``(train, held-out, documents, offices, backend, note)``.
+
+    ``tiny_world``: the embedded world's splits, BM25 over its passages; ``offices`` maps each
+    company to its ``{city: office head}`` (the scripted agent's lazy guesses). A QA run:
+    ``load_qa_data`` (``offices`` empty). Used by ``build_experiment`` and ``write_sft_messages``.
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed data file, an unreachable retriever.
+    """
+    if cfg.dataset == "tiny_world":
+        world = build_world(cfg.world)
+        docs = world.documents
+        offices = {c["name"]: c["offices"] for c in world.companies}
+        return world.train, world.heldout, docs, offices, BM25Index(docs), f"{len(docs)} passages"
+    train_q, held_q, docs, backend, note = load_qa_data(cfg)
+    return train_q, held_q, docs, {}, backend, note
 
 
 def _tokenizer_texts(documents, questions) -> list[str]:
@@ -254,17 +274,10 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
     """
-    if cfg.dataset == "tiny_world":
-        world = build_world(cfg.world)
-        train_q, held_q, docs = world.train, world.heldout, world.documents
-        offices = {c["name"]: c["offices"] for c in world.companies}
-        backend, corpus = BM25Index(docs), f"{len(docs)} passages"
-    else:
-        train_q, held_q, docs, backend, corpus = load_qa_data(cfg)
-        offices = {}
-        if not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
-            raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
-                             "with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0")
+    train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
+    if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
+        raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
+                         "with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0")
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:

@@ -3,7 +3,8 @@
 Stages (the default ``configs/tiny_world.gin`` runs all of them on CPU in minutes):
 
 1. build the world (or read real data), the BM25 tools, the tokenizer and the model;
-2. cold-start SFT on the scripted agent's trajectories;
+2. cold-start SFT on the scripted agent's trajectories, or on an SFT trajectory file
+   (``SFTConfig.data_path``, messages rows; both go through ``data/messages.py``);
 3. evaluation of the SFT policy on held-out questions in every context mode;
 4. MemPO RL (rollout → outcome + memory rewards → grouped advantages → PPO), with a progress bar,
    ``metrics.jsonl``, TensorBoard events and sample rollouts in ``rollouts.jsonl``;
@@ -315,7 +316,8 @@ def run(args) -> dict:
     from mempo_jax import distributed, lockstep
     from mempo_jax.agent.trajectory import mode_name, parse_context_steps
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
-    from mempo_jax.data.scripted_agent import scripted_trajectory
+    from mempo_jax.data.messages import conversation_trajectory, read_messages
+    from mempo_jax.data.scripted_agent import scripted_conversation
     from mempo_jax.evaluation import evaluate_policy
     from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
@@ -342,6 +344,8 @@ def run(args) -> dict:
         mesh, rules = make_run_mesh(run_cfg.mesh), run_cfg.mesh.rules
         _check_mesh_sizes(cfg, mesh, rules)
     sft_micro = cfg.sft.micro_batch_rows or cfg.sft.batch_rows
+    # An SFT trajectory file is read and validated before the run folder changes.
+    sft_file = read_messages(cfg.sft.data_path) if cfg.sft.steps > 0 and cfg.sft.data_path else None
     interruptible = contextlib.nullcontext if multi else None  # see preemption below
     say = print if primary else (lambda *a, **k: None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -446,10 +450,16 @@ def run(args) -> dict:
             batches = iter(())
             if cfg.sft.steps > 0:
                 with interruptible():  # the same rows on every process (one generator); each feeds its share
-                    scripted = [scripted_trajectory(q, exp.offices, exp.fmt, exp.tool_env, cfg.sft.agent, cfg.rl.rollout,
-                                                    rng) for q in tqdm(exp.train_questions, desc="scripted agent",
-                                                                       leave=False, disable=not primary)]
-                    rows = sft_rows(scripted, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    # A messages file, or the scripted agent's conversations: one path to trajectories.
+                    convs = sft_file or [scripted_conversation(q, exp.offices, exp.tool_env, cfg.sft.agent, rng)
+                                         for q in tqdm(exp.train_questions, desc="scripted agent", leave=False,
+                                                       disable=not primary)]
+                    trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, train_steps)
+                             for c in convs]
+                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    if sft_file:
+                        say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)",
+                            flush=True)
                     rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)),
                                       tok.bos_id, rng)
                     batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)

@@ -6,8 +6,11 @@ hops)``: ``kind`` is the file's format, ``golds`` the example's aliases per obje
 plan of the scripted agent (``data.scripted_agent``) for the SFT cold start:
 
 * HotpotQA / 2WikiMultihopQA: one search per supporting-fact title (``supporting_facts``, HF
-  layout ``{"title": [...]}`` or official ``[[title, sentence_id], ...]``) in order, the fact
-  ``"read {title}"`` kept in ``<mem>``; the last hop also reads the answer (``"(1) answer"``).
+  layout ``{"title": [...], "sent_id": [...]}`` or official ``[[title, sentence_id], ...]``) in
+  order; each hop's fact, kept in ``<mem>``, is that title's supporting sentences from the row's
+  ``context`` (joined by a space; ``"read {title}"`` when the context lacks them), so the bridge
+  fact of hop 1 is still in memory when the answer is given; the last hop also reads the answer
+  (``"(1) answer"``).
 * MuSiQue: one search per ``question_decomposition`` step for the title of its supporting
   paragraph (``paragraph_support_idx``), keeping the step's answer (the bridge fact); the last
   step's fact is ``"(1) answer"``. Without a decomposition, the ``is_supporting`` paragraphs.
@@ -30,17 +33,50 @@ from mempo_jax.data.world import Question
 from mempo_jax.tools.records import field_error
 
 
-def _supporting_titles(row: dict[str, Any], path, where: str) -> list[str]:
+def _supporting_facts(row: dict[str, Any], path, where: str) -> list[tuple[str, Any]]:
+    """``[(title, sentence id or None), …]`` of a HotpotQA / 2Wiki row, in file order."""
     facts = row.get("supporting_facts")
     if isinstance(facts, dict):
-        titles = facts.get("title")
+        titles, sent_ids = facts.get("title"), facts.get("sent_id")
+        if not isinstance(sent_ids, list) or not isinstance(titles, list) or len(sent_ids) != len(titles):
+            sent_ids = [None] * (len(titles) if isinstance(titles, list) else 0)
     elif isinstance(facts, list):
         titles = [f[0] if isinstance(f, (list, tuple)) and f else None for f in facts]
+        sent_ids = [f[1] if isinstance(f, (list, tuple)) and len(f) > 1 else None for f in facts]
     else:
         raise field_error(path, where, "supporting_facts", "missing or malformed (a dict with 'title' or a list)")
     if not isinstance(titles, list) or not all(isinstance(t, str) for t in titles):
         raise field_error(path, where, "supporting_facts", "titles must be strings")
-    return list(dict.fromkeys(titles))
+    return list(zip(titles, sent_ids))
+
+
+def _context_sentences(row: dict[str, Any]) -> dict[str, list]:
+    """title → sentences of a row's ``context`` (HF ``{"title", "sentences"}`` or official ``[[title, [s…]]]``)."""
+    ctx = row.get("context")
+    try:
+        if isinstance(ctx, dict):
+            return {t: list(s) for t, s in zip(ctx.get("title") or [], ctx.get("sentences") or [])}
+        if isinstance(ctx, list):
+            return {c[0]: list(c[1]) for c in ctx if isinstance(c, (list, tuple)) and len(c) == 2}
+    except TypeError:
+        pass
+    return {}
+
+
+def _hotpot_hops(row: dict[str, Any], path, where: str) -> list[tuple[str, tuple[str, ...]]]:
+    facts = _supporting_facts(row, path, where)
+    context = _context_sentences(row)
+    wanted: dict[str, list[int]] = {}
+    for title, i in facts:
+        ids = wanted.setdefault(title, [])
+        if isinstance(i, int) and not isinstance(i, bool):
+            ids.append(i)
+    hops = []
+    for title, ids in wanted.items():
+        sents = context.get(title) or []
+        got = [" ".join(str(sents[i]).split()) for i in sorted(set(ids)) if 0 <= i < len(sents)]
+        hops.append((title, (" ".join(g for g in got if g) or f"read {title}",)))
+    return hops
 
 
 def _musique_hops(row: dict[str, Any], path, where: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -64,7 +100,7 @@ def _musique_hops(row: dict[str, Any], path, where: str) -> list[tuple[str, tupl
 
 def _plan(fmt: str, row: dict[str, Any], path, where: str, question: str, golds) -> tuple:
     if fmt in ("hotpotqa", "2wikimultihopqa"):
-        hops = [(t, (f"read {t}",)) for t in _supporting_titles(row, path, where)]
+        hops = _hotpot_hops(row, path, where)
     elif fmt == "musique":
         hops = _musique_hops(row, path, where)
     else:
