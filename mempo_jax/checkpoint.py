@@ -8,8 +8,10 @@ a killed save is never taken for a complete one (leftover temporary folders are 
 Nothing is pickled: arrays are tensorstore/OCDBT, metadata is JSON.
 
 Layout of a run folder (``python -m mempo_jax.train``): ``sft_checkpoint/N`` (SFT; the final one
-is the frozen reference policy of RL), ``checkpoints/N`` (RL step N), ``tokenizer.model``,
-``model_config.json``.
+is the frozen reference policy of RL), ``checkpoints/N`` (RL step N), ``model_config.json`` and
+the tokenizer: ``tokenizer.model`` (our SentencePiece model) or, for a run from a Hugging Face
+checkpoint, ``hf_tokenizer/`` (``tokenizer.json`` with the protocol tags the run added, and the
+checkpoint's ``tokenizer_config.json`` / ``generation_config.json`` / chat template).
 """
 
 from __future__ import annotations
@@ -192,13 +194,63 @@ def read_checkpoint(directory: str | os.PathLike, step: Optional[int] = None) ->
         ckpt.close()
 
 
+SP_TOKENIZER_FILE = "tokenizer.model"
+HF_TOKENIZER_DIR = "hf_tokenizer"
+
+
+def _is_hf_tokenizer(tokenizer) -> bool:
+    """An ``HFTokenizer`` (saved as a folder) rather than a SentencePiece model (one file)."""
+    return callable(getattr(tokenizer, "save", None))
+
+
+def _hf_tokenizer_json(tokenizer) -> Any:
+    """The ``tokenizer.json`` a ``HFTokenizer`` writes, parsed (the in-memory tokenizer with its tags)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads((tokenizer.save(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def run_tokenizer_path(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
+    """The tokenizer a run folder holds: ``RUN_DIR/hf_tokenizer`` (a folder with ``tokenizer.json``)
+    when present, else ``RUN_DIR/tokenizer.model``, else None."""
+    run_dir = pathlib.Path(run_dir)
+    if (run_dir / HF_TOKENIZER_DIR / "tokenizer.json").is_file():
+        return run_dir / HF_TOKENIZER_DIR
+    if (run_dir / SP_TOKENIZER_FILE).is_file():
+        return run_dir / SP_TOKENIZER_FILE
+    return None
+
+
+def load_run_tokenizer(run_dir: str | os.PathLike):
+    """The run folder's tokenizer: ``HFTokenizer(RUN_DIR/hf_tokenizer)`` or
+    ``SentencePieceTokenizer(RUN_DIR/tokenizer.model)`` (``run_tokenizer_path``).
+
+    Raises:
+      FileNotFoundError: the folder holds neither.
+    """
+    path = run_tokenizer_path(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{pathlib.Path(run_dir) / SP_TOKENIZER_FILE} (or {HF_TOKENIZER_DIR}/tokenizer.json) "
+                                f"not found: is {run_dir} a run folder of mempo_jax.train?")
+    if path.is_dir():
+        from mempo_jax.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(path)
+    from mempo_jax.tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(path)
+
+
 def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None:
-    """Before a run folder is resumed: its ``model_config.json`` and ``tokenizer.model`` must be
-    those this config builds (else the checkpoints belong to another model).
+    """Before a run folder is resumed: its ``model_config.json`` and tokenizer (``tokenizer.model``
+    or ``hf_tokenizer/tokenizer.json``) must be those this config builds (else the checkpoints
+    belong to another model).
 
     Args:
       run_dir: the run folder; absent files are not checked.
-      tokenizer: the tokenizer built now (``.path``: its model file).
+      tokenizer: the tokenizer built now (SentencePiece: ``.path`` is its model file; HF: compared
+        by the ``tokenizer.json`` it writes).
       model_cfg: the ``ModelConfig`` built now.
 
     Raises:
@@ -218,7 +270,18 @@ def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> Non
             raise ValueError(f"{cfg_path}: the run folder's checkpoints are of another model shape "
                              f"(stored vs this config: {', '.join(diff[:4])}); use another --run_dir or the same "
                              "ModelOptions")
-    tok_path = run_dir / "tokenizer.model"
+    if _is_hf_tokenizer(tokenizer):
+        hf_path = run_dir / HF_TOKENIZER_DIR / "tokenizer.json"
+        if hf_path.is_file():
+            try:
+                stored = json.loads(hf_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{hf_path}: not JSON ({e})") from None
+            if stored != _hf_tokenizer_json(tokenizer):
+                raise ValueError(f"{hf_path} differs from the tokenizer this config builds ({tokenizer.path}): the "
+                                 "checkpoints belong to another vocabulary; use another --run_dir")
+        return
+    tok_path = run_dir / SP_TOKENIZER_FILE
     if tok_path.is_file() and pathlib.Path(tokenizer.path).resolve() != tok_path.resolve():
         if _sha256(tok_path) != _sha256(tokenizer.path):
             raise ValueError(f"{tok_path} differs from the tokenizer this config builds ({tokenizer.path}): the "
@@ -230,48 +293,69 @@ def _sha256(path) -> str:
 
 
 def save_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None:
-    """Copy the tokenizer model to ``RUN_DIR/tokenizer.model`` and write ``RUN_DIR/model_config.json``
-    (the ``ModelConfig`` fields), so a run folder alone is enough to rebuild its policy."""
+    """Write the tokenizer and ``RUN_DIR/model_config.json`` (the ``ModelConfig`` fields), so a run
+    folder alone is enough to rebuild its policy (``load_policy``).
+
+    A SentencePiece tokenizer's model file is copied to ``RUN_DIR/tokenizer.model``; an
+    ``HFTokenizer`` (a run from a Hugging Face checkpoint) is saved, protocol tags included, to
+    ``RUN_DIR/hf_tokenizer/`` (written beside it and renamed into place).
+    """
     run_dir = pathlib.Path(run_dir)
+    if _is_hf_tokenizer(tokenizer):
+        import tempfile
+
+        dst = run_dir / HF_TOKENIZER_DIR
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=HF_TOKENIZER_DIR + ".tmp", dir=run_dir))
+        tokenizer.save(tmp)
+        os.chmod(tmp, 0o755)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    else:
+        _copy_sentencepiece(run_dir, tokenizer)
+    tmp = run_dir / "model_config.json.tmp"
+    tmp.write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2), encoding="utf-8")
+    os.replace(tmp, run_dir / "model_config.json")
+
+
+def _copy_sentencepiece(run_dir: pathlib.Path, tokenizer) -> None:
     src = pathlib.Path(tokenizer.path)
-    dst = run_dir / "tokenizer.model"
+    dst = run_dir / SP_TOKENIZER_FILE
     if src.resolve() != dst.resolve():
         tmp = dst.with_suffix(".tmp")
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    tmp = run_dir / "model_config.json.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2), encoding="utf-8")
-    os.replace(tmp, run_dir / "model_config.json")
 
 
 def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None):
     """Rebuild a trained policy from a run folder written by ``python -m mempo_jax.train``.
 
     Args:
-      run_dir: the run folder (``tokenizer.model``, ``model_config.json``, ``checkpoints/``).
+      run_dir: the run folder (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
+        ``checkpoints/``).
       step: checkpoint step (default: the latest complete one).
 
     Returns:
-      ``(tokenizer, model_cfg, graphdef, params)``.
+      ``(tokenizer, model_cfg, graphdef, params)``; the tokenizer is a ``SentencePieceTokenizer``
+      or, for a run from a Hugging Face checkpoint, an ``HFTokenizer`` (``load_run_tokenizer``).
 
     Raises:
       FileNotFoundError: if the folder lacks one of those files or any checkpoint.
       ValueError: if the checkpoint does not match ``model_config.json``.
     """
     from mempo_jax.model.config import ModelConfig
-    from mempo_jax.model.forward import create_model, split_model
-    from mempo_jax.tokenizer import SentencePieceTokenizer
+    from mempo_jax.model.forward import abstract_model, split_model
 
     run_dir = pathlib.Path(run_dir)
-    for name in ("tokenizer.model", "model_config.json", "checkpoints"):
+    for name in ("model_config.json", "checkpoints"):
         if not (run_dir / name).exists():
             raise FileNotFoundError(f"{run_dir / name} not found: is {run_dir} a run folder of mempo_jax.train?")
-    tokenizer = SentencePieceTokenizer(run_dir / "tokenizer.model")
+    tokenizer = load_run_tokenizer(run_dir)
     fields = json.loads((run_dir / "model_config.json").read_text(encoding="utf-8"))
     if isinstance(fields.get("rope_scaling"), list):
         fields["rope_scaling"] = tuple(tuple(x) for x in fields["rope_scaling"])
     model_cfg = ModelConfig(**fields)
-    graphdef, params = split_model(create_model(model_cfg, seed=0))
+    graphdef, params = split_model(abstract_model(model_cfg))  # shapes only: the checkpoint fills them
     ckpt = Checkpointer(run_dir / "checkpoints", async_save=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:

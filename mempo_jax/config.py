@@ -42,24 +42,40 @@ class ModelOptions:
         (every tag one added token: spare embedding rows or reserved specials, else the embedding
         and an untied LM head are resized, ``model.resize``). Ignored without a checkpoint: the
         from-scratch tokenizer has every tag as a single piece (tokens mode).
+      chat_template: how a checkpoint's policy is prompted: ``"auto"`` (its own chat template when
+        the folder has one, else the plain prompt), ``"require"`` (its template, or a one-line
+        error), ``"none"`` (the plain prompt of the from-scratch tokenizer).
+      tool_layout: where tool results go: ``"assistant"`` (the assistant's stream, as
+        ``<information>…</information>``; Search-R1 / ASearcher), ``"user"`` or ``"tool"`` (a
+        message of that role, rendered by the chat template).
+      system_prompt_path: a text file replacing the shipped MemPO system prompt
+        (``mempo_jax/agent/prompts/mempo_system.txt``; ``{action_tags}`` / ``{actions}`` are
+        filled in); "" = the shipped one.
 
     Raises:
-      ValueError: for a ``tags`` value other than ``"text"`` / ``"tokens"``.
+      ValueError: an unknown ``tags``, ``chat_template`` or ``tool_layout`` value.
     """
 
     preset: str = "tiny"
     overrides: tuple = ()
     checkpoint: str = ""
     tags: str = "text"
+    chat_template: str = "auto"
+    tool_layout: str = "assistant"
+    system_prompt_path: str = ""
 
     def __post_init__(self):
         if self.tags not in ("text", "tokens"):
             raise ValueError(f"ModelOptions.tags must be 'text' or 'tokens', got {self.tags!r}")
+        if self.chat_template not in ("auto", "require", "none"):
+            raise ValueError(f"ModelOptions.chat_template must be 'auto', 'require' or 'none', got {self.chat_template!r}")
+        if self.tool_layout not in ("assistant", "user", "tool"):
+            raise ValueError(f"ModelOptions.tool_layout must be 'assistant', 'user' or 'tool', got {self.tool_layout!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Cold-start SFT on scripted trajectories.
+    """Cold-start SFT on scripted trajectories or on a trajectory file (``data_path``).
 
     Attributes:
       steps: optimizer steps.
@@ -72,6 +88,11 @@ class SFTConfig:
       micro_batch_rows: rows per gradient-accumulation micro-batch of an SFT step (same gradient,
         bounded activations; a pod recipe sets it to ``PlanConfig.micro_batch_rows``); 0 = the
         whole batch in one micro-batch. Must divide ``batch_rows``.
+      data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
+        ``mempo_jax/data/messages.py``) to train on instead of playing the scripted agent ("" = play
+        it; ``python -m mempo_jax.data.write_sft_messages`` writes its conversations in this format).
+        Read and validated before the run folder changes; a bad row is one error naming file, line
+        and field. ``agent`` is then unused.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -84,6 +105,7 @@ class SFTConfig:
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
     micro_batch_rows: int = 0
+    data_path: str = ""
 
     def __post_init__(self):
         rows, micro = int(self.batch_rows), int(self.micro_batch_rows)
@@ -147,8 +169,26 @@ class ExperimentConfig:
 
     Attributes:
       seed: master seed (world, model init, rollouts, shuffles).
-      dataset: ``"tiny_world"`` (embedded default) or ``"hotpotqa"`` (real data, see README).
-      data_path: the data file for ``dataset != "tiny_world"``.
+      dataset: ``"tiny_world"`` (embedded default), ``"qa"`` (RL on QA files: ``train_path``,
+        ``eval_path``, and ``corpus_path`` or ``retriever_url``) or ``"hotpotqa"`` (the same, the
+        name kept for recipes that set ``data_path``).
+      data_path: the HotpotQA file of ``dataset = "hotpotqa"`` recipes: another name for
+        ``train_path`` (set one of them; with ``eval_path`` empty 20 % of it is held out and its
+        context paragraphs are the corpus, as before).
+      train_path: the training QA file, any format ``mempo_jax.data.qa_formats`` reads: FlashRAG /
+        Search-R1 JSONL or parquet, question–answer JSONL, CSV with ``question`` and ``answer``
+        columns, HotpotQA, 2WikiMultihopQA, MuSiQue (``mempo_jax.data.qa_questions``).
+      eval_path: the held-out QA file (same formats); its questions are removed from the training
+        ones (same question text). Empty: ``max(1, 20 %)`` of ``train_path`` is held out (seeded).
+      corpus_path: a Search-R1 / FlashRAG corpus JSONL (``{"id", "contents"}`` rows) searched with
+        a local BM25 index (``mempo_jax.tools.backends.training_backend``).
+      retriever_url: a running Search-R1-compatible ``/retrieve`` server instead (e.g.
+        ``python -m mempo_jax.tools.retrieval_server``), reached with ``RemoteSearchBackend``'s
+        timeouts and retries; checked at start-up (a server that does not answer: one line naming
+        the URL, exit 2, run folder untouched). Exclusive with ``corpus_path``. With neither, the
+        context paragraphs of the QA files (HotpotQA, 2Wiki, MuSiQue) are the corpus.
+      pool_contexts: with ``corpus_path``, also index the context paragraphs the QA files carry
+        (ids ``ctx0``, ``ctx1``, …); not allowed with ``retriever_url``.
       world: the embedded world's sizes.
       vocab_size: SentencePiece vocabulary size.
       topk: passages returned per search.
@@ -164,6 +204,11 @@ class ExperimentConfig:
     seed: int = 0
     dataset: str = "tiny_world"
     data_path: str = ""
+    train_path: str = ""
+    eval_path: str = ""
+    corpus_path: str = ""
+    retriever_url: str = ""
+    pool_contexts: bool = False
     world: WorldConfig = WorldConfig()
     vocab_size: int = 1024
     topk: int = 1
@@ -176,12 +221,31 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
-        if self.dataset not in ("tiny_world", "hotpotqa"):
-            raise ValueError(f"ExperimentConfig.dataset must be 'tiny_world' or 'hotpotqa', got {self.dataset!r}")
-        if self.dataset != "tiny_world" and not self.data_path:
-            raise ValueError(f"ExperimentConfig.data_path is required for dataset {self.dataset!r}")
+        if self.dataset not in ("tiny_world", "hotpotqa", "qa"):
+            raise ValueError(f"ExperimentConfig.dataset must be 'tiny_world', 'qa' or 'hotpotqa', got {self.dataset!r}")
+        qa_fields = ("data_path", "train_path", "eval_path", "corpus_path", "retriever_url")
+        if self.dataset == "tiny_world":
+            for name in qa_fields:
+                if getattr(self, name):
+                    raise ValueError(f"ExperimentConfig.{name} is set but dataset is 'tiny_world'; "
+                                     "set ExperimentConfig.dataset = \"qa\"")
+        elif not self.qa_train_path:
+            raise ValueError(f"ExperimentConfig.train_path (or data_path) is required for dataset {self.dataset!r}")
+        if self.data_path and self.train_path and self.data_path != self.train_path:
+            raise ValueError("ExperimentConfig.data_path and ExperimentConfig.train_path name different files; "
+                             "set train_path only")
+        if self.corpus_path and self.retriever_url:
+            raise ValueError("ExperimentConfig.corpus_path and ExperimentConfig.retriever_url are exclusive; set one")
+        if self.pool_contexts and self.retriever_url:
+            raise ValueError("ExperimentConfig.pool_contexts cannot add passages to a retriever_url's index; "
+                             "use corpus_path, or set pool_contexts = False")
         if self.topk < 1:
             raise ValueError(f"ExperimentConfig.topk must be >= 1, got {self.topk}")
+
+    @property
+    def qa_train_path(self) -> str:
+        """The training QA file: ``train_path``, else ``data_path`` ("" for the tiny world)."""
+        return self.train_path or self.data_path
 
 
 # MeshConfig / TPUConfig / PlanConfig (mempo_jax.mesh_config) sit beside ExperimentConfig in a pod

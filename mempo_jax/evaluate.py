@@ -1,10 +1,18 @@
-"""The evaluation command: a trained run on QA datasets, in every context mode (MEMPO_SPEC §6).
+"""The evaluation command: a trained run, or any Hugging Face checkpoint, on QA datasets, in every
+context mode (MEMPO_SPEC §6).
 
 ::
 
-    python -m mempo_jax.evaluate --run_dir RUN_DIR [--checkpoint STEP] \\
+    python -m mempo_jax.evaluate (--run_dir RUN_DIR [--checkpoint STEP] | --hf_checkpoint DIR) \\
         --dataset NAME=PATH [--dataset NAME=PATH ...] [--corpus FILE | --retriever_url URL] \\
         [--modes 1,full] [--limit N] [--temperature 0] [--topk K] [--multi_objective K] --out DIR
+
+``--hf_checkpoint DIR`` evaluates a Hugging Face folder (``config.json``, safetensors,
+``tokenizer.json`` + ``tokenizer_config.json``: e.g. Qwen2.5-7B-Instruct zero-shot, a released
+MemPO checkpoint, or ``RUN_DIR/hf_export`` of our trainer) exactly as a run folder: the policy is
+``experiment.load_checkpoint_policy`` of it (the protocol tags as the trainer adds them), the
+rollout options are ``RolloutConfig()``'s and ``--topk`` defaults to 3 (override them with the
+flags below); ``--dtype bfloat16`` halves its memory.
 
 For every dataset and context mode the policy answers each question once (``evaluate_policy``)
 and the command writes ``DIR/eval.json`` (``{dataset: {mode: {em, f1, tt, pt, turns,
@@ -22,9 +30,10 @@ Retrieval (MEMPO_SPEC §7), per dataset:
   ``--dataset`` files; with none, the command stops and asks for ``--corpus``.
 
 ``--checkpoint`` takes a step (with ``--run_dir``) or, as issue #5 writes it, a run folder
-(``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). Bad input (missing run
-folder or checkpoint, ``--dataset`` without ``=``, a missing or malformed file) prints one line on
-stderr and exits with status 2.
+(``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). A run folder trained from
+a Hugging Face checkpoint holds ``hf_tokenizer/`` instead of ``tokenizer.model``; both load. Bad
+input (missing run folder, checkpoint or HF folder files, ``--dataset`` without ``=``, a missing
+or malformed file) prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from typing import Any, Optional, Sequence
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.tools.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 
@@ -88,8 +98,9 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
 
     Raises:
       ValueError: neither argument, or a ``--checkpoint`` path that names another run folder.
-      FileNotFoundError: the folder, ``tokenizer.model``, ``model_config.json``, any
-        checkpoint, or the requested step is missing (the message lists the steps present).
+      FileNotFoundError: the folder, its tokenizer (``tokenizer.model`` or ``hf_tokenizer/``),
+        ``model_config.json``, any checkpoint, or the requested step is missing (the message lists
+        the steps present).
     """
     step: Optional[int] = None
     run: Optional[pathlib.Path] = pathlib.Path(run_dir) if run_dir else None
@@ -106,12 +117,17 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
                 raise ValueError(f"--run_dir {run} and --checkpoint {checkpoint} name different run folders")
             run = p
     if run is None:
-        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.train)")
+        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.train) or "
+                         "--hf_checkpoint DIR (a Hugging Face checkpoint folder)")
     if not run.is_dir():
         raise FileNotFoundError(f"run folder not found: {run}")
-    for name in ("tokenizer.model", "model_config.json"):
-        if not (run / name).is_file():
-            raise FileNotFoundError(f"{run / name} not found: is {run} a run folder of mempo_jax.train?")
+    from mempo_jax.checkpoint import run_tokenizer_path
+
+    if run_tokenizer_path(run) is None:
+        raise FileNotFoundError(f"{run / 'tokenizer.model'} (or hf_tokenizer/tokenizer.json) not found: is {run} a run "
+                                "folder of mempo_jax.train?")
+    if not (run / "model_config.json").is_file():
+        raise FileNotFoundError(f"{run / 'model_config.json'} not found: is {run} a run folder of mempo_jax.train?")
     steps = checkpoint_steps(run)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {run / 'checkpoints'}")
@@ -122,94 +138,23 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     return run, step
 
 
-def pooled_passages(path: str | os.PathLike) -> Optional[list]:
-    """The passages a QA file carries, pooled into a corpus, or None when it carries none.
-
-    HotpotQA / 2WikiMultihopQA ``context`` → ``pool_hotpotqa_contexts``; MuSiQue ``paragraphs`` →
-    ``pool_musique_paragraphs`` (ids ``"0"``, ``"1"``, …, deduplicated by (title, text)).
-    FlashRAG / Search-R1 and question–answer files return None.
+def resolve_hf_checkpoint(path: str) -> pathlib.Path:
+    """The ``--hf_checkpoint`` folder, checked before the (slow) model load.
 
     Raises:
-      ValueError: an empty or malformed file (naming file, line and field).
+      FileNotFoundError: the folder, its ``config.json``, its ``tokenizer.json`` or any
+        ``*.safetensors`` file is missing (one line naming the path).
     """
-    from mempo_jax.data.qa_formats import detect_format
-    from mempo_jax.tools.corpus import pool_hotpotqa_contexts, pool_musique_paragraphs
-
-    fmt = detect_format(path)
-    if fmt in ("hotpotqa", "2wikimultihopqa"):
-        return pool_hotpotqa_contexts(path)
-    if fmt == "musique":
-        return pool_musique_paragraphs(path)
-    return None
-
-
-def merge_passages(pools: Sequence[Sequence]) -> list:
-    """Union of several pooled corpora: deduplicated by (title, text), renumbered ``"0"``, ``"1"``, …
-    in first-seen order (each pool numbers its own passages from 0, so ids would collide)."""
-    from mempo_jax.tools.corpus import Document
-
-    out, seen = [], set()
-    for pool in pools:
-        for d in pool:
-            if (d.title, d.text) not in seen:
-                seen.add((d.title, d.text))
-                out.append(Document(str(len(out)), d.title, d.text))
-    return out
-
-
-def plan_corpora(specs: Sequence[DatasetSpec], corpus: Optional[str], retriever_url: Optional[str]):
-    """One search backend per dataset (see the module doc for the rule) and a description of each.
-
-    Args:
-      specs: the datasets; their files must exist.
-      corpus: ``--corpus`` file (Search-R1 corpus JSONL) or None.
-      retriever_url: ``--retriever_url`` or None (exclusive with ``corpus``).
-
-    Returns:
-      ``({name: backend}, {name: description})``; backends are ``BM25Index`` or
-      ``RemoteSearchBackend`` (datasets may share one object).
-
-    Raises:
-      ValueError: a dataset without passages and no corpus anywhere (asks for ``--corpus``), an
-        unreachable retriever, or a malformed corpus / data file.
-      FileNotFoundError: a missing ``--corpus`` file.
-    """
-    from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus_jsonl
-    from mempo_jax.tools.remote import RemoteSearchBackend
-    from mempo_jax.tools.search import ToolError
-
-    if retriever_url:
-        backend = RemoteSearchBackend(retriever_url)
-        try:
-            backend.search(["test"], 1)
-        except ToolError as e:
-            raise ValueError(f"--retriever_url {retriever_url}: the retrieval server does not answer "
-                             f"POST /retrieve ({e.reason})") from None
-        return {s.name: backend for s in specs}, {s.name: f"retriever {backend.url}" for s in specs}
-    if corpus:
-        if not pathlib.Path(corpus).is_file():
-            raise FileNotFoundError(f"--corpus: no such file: {corpus}")
-        index = BM25Index(load_corpus_jsonl(corpus))
-        return {s.name: index for s in specs}, {s.name: f"corpus {corpus} ({len(index)} passages)" for s in specs}
-    pools = {s.name: pooled_passages(s.path) for s in specs}
-    own = {n: p for n, p in pools.items() if p}
-    backends, notes = {}, {}
-    for name, pool in own.items():
-        backends[name] = BM25Index(pool)
-        notes[name] = f"own passages ({len(pool)})"
-    missing = [s.name for s in specs if s.name not in own]
-    if missing:
-        if not own:
-            raise ValueError(f"dataset {missing[0]!r} carries no passages and no corpus was given: pass "
-                             "--corpus FILE (Search-R1 corpus JSONL) or --retriever_url URL, or add a "
-                             "--dataset that carries passages (HotpotQA, 2Wiki, MuSiQue) to pool from")
-        union = merge_passages(list(own.values()))
-        index = BM25Index(union)
-        for name in missing:
-            backends[name] = index
-            notes[name] = f"pooled from {'+'.join(own)} ({len(union)} passages)"
-    return {s.name: backends[s.name] for s in specs}, {s.name: notes[s.name] for s in specs}
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--hf_checkpoint: no such folder: {folder}")
+    for name in ("config.json", "tokenizer.json"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"--hf_checkpoint: {folder / name} not found (a Hugging Face checkpoint folder "
+                                    "holds config.json, *.safetensors and tokenizer.json)")
+    if not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"--hf_checkpoint: no *.safetensors file in {folder}")
+    return folder
 
 
 def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int = 1, seed: int = 0) -> list:
@@ -241,6 +186,20 @@ def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int
     return examples[:limit] if limit else examples
 
 
+def _run_config(run_dir: pathlib.Path):
+    """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent or unreadable)."""
+    path = run_dir / "config.gin"
+    if not path.is_file():
+        return None, "defaults (no config.gin)"
+    from mempo_jax.config import load_config
+
+    try:
+        return load_config([str(path)]), str(path)
+    except ValueError as e:
+        print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
+        return None, "defaults (config.gin unreadable)"
+
+
 def run_rollout_options(run_dir: pathlib.Path):
     """The rollout options and ``topk`` the run was trained with, read from ``RUN_DIR/config.gin``.
 
@@ -248,17 +207,16 @@ def run_rollout_options(run_dir: pathlib.Path):
       ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
       is absent or unreadable by this version; ``note`` says which was used.
     """
-    path = run_dir / "config.gin"
-    if not path.is_file():
-        return RolloutConfig(), DEFAULT_TOPK, "defaults (no config.gin)"
-    from mempo_jax.config import load_config
+    cfg, note = _run_config(run_dir)
+    return (RolloutConfig(), DEFAULT_TOPK, note) if cfg is None else (cfg.rl.rollout, cfg.topk, note)
 
-    try:
-        cfg = load_config([str(path)])
-    except ValueError as e:
-        print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
-        return RolloutConfig(), DEFAULT_TOPK, "defaults (config.gin unreadable)"
-    return cfg.rl.rollout, cfg.topk, str(path)
+
+def run_model_options(run_dir: pathlib.Path):
+    """The run's ``ModelOptions`` (how its policy is prompted), default ones without a readable config."""
+    from mempo_jax.config import ModelOptions
+
+    cfg, _ = _run_config(run_dir)
+    return ModelOptions() if cfg is None else cfg.model
 
 
 def make_sample_fn(graphdef, model_cfg, fmt):
@@ -330,6 +288,10 @@ def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mempo_jax.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
     p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP")
+    p.add_argument("--hf_checkpoint", metavar="DIR",
+                   help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) instead of --run_dir")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter and activation dtype of an --hf_checkpoint (default float32)")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="QA file (repeatable)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", help="Search-R1 corpus JSONL ({id, contents}) for a local BM25 index")
@@ -374,12 +336,21 @@ def run(args) -> dict:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-    run_dir, step = resolve_run(args.run_dir, args.checkpoint)
+    if args.hf_checkpoint:
+        if args.run_dir or args.checkpoint:
+            raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")
+        hf_dir = resolve_hf_checkpoint(args.hf_checkpoint)
+        run_dir, step = None, None
+        base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
+    else:
+        hf_dir = None
+        run_dir, step = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
     for name, qs in questions.items():
         if not qs:
             raise ValueError(f"--dataset {name}: no questions to evaluate")
-    base, run_topk, options_from = run_rollout_options(run_dir)
+    if run_dir is not None:
+        base, run_topk, options_from = run_rollout_options(run_dir)
     overrides = {k: getattr(args, k) for k in ("max_turns", "max_new_tokens", "max_context_tokens",
                                                "max_observation_tokens") if getattr(args, k) is not None}
     topk = args.topk or run_topk
@@ -399,8 +370,17 @@ def run(args) -> dict:
     jax.config.update("jax_compilation_cache_dir", os.environ.get(
         "MEMPO_XLA_CACHE", str(pathlib.Path.home() / ".cache" / "mempo_jax" / "xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
-    fmt = AgentFormat.plain(tokenizer)
+    from mempo_jax.config import ModelOptions
+    from mempo_jax.experiment import load_checkpoint_policy, policy_format
+
+    if hf_dir is not None:
+        options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)))
+        model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(options)
+        fmt = policy_format(options, tokenizer)
+    else:
+        tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
+        folder = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
+        fmt = policy_format(run_model_options(run_dir), tokenizer, folder=folder)
     sample_fn = make_sample_fn(graphdef, model_cfg, fmt)
     largest = min(args.batch_size, max(len(q) for q in questions.values()))
     # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
@@ -444,7 +424,8 @@ def run(args) -> dict:
 
     # ---- outputs -------------------------------------------------------------------------
     meta = {
-        "run_dir": str(run_dir), "checkpoint_step": step, "datasets": {s.name: str(s.path) for s in specs},
+        "run_dir": None if run_dir is None else str(run_dir), "checkpoint_step": step,
+        "hf_checkpoint": None if hf_dir is None else str(hf_dir), "datasets": {s.name: str(s.path) for s in specs},
         "corpus": corpus_notes, "topk": topk, "temperature": args.temperature, "seed": args.seed,
         "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": options_from,
         "vocab_size": tokenizer.vocab_size,
@@ -456,15 +437,19 @@ def run(args) -> dict:
     write_json_atomic(out / "eval_meta.json", meta)
     _write_text_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     table = format_table(results)
+    if hf_dir is not None:
+        policy_name, chart_title = f"the Hugging Face checkpoint {hf_dir}", f"{hf_dir.name} (HF checkpoint, {args.dtype})"
+    else:
+        policy_name, chart_title = f"{run_dir} (checkpoint {step})", f"{run_dir.name} @ {step}"
     corpus_lines = "\n".join(f"- {n}: {c}" for n, c in corpus_notes.items())
     _write_text_atomic(out / "eval.md", (
-        f"# Evaluation of {run_dir} (checkpoint {step})\n\n{table}\n\n"
+        f"# Evaluation of {policy_name}\n\n{table}\n\n"
         f"EM/F1: SQuAD-normalised, max over gold aliases; TT: tokens processed per question (every "
         f"turn's context + output, summed); PT: the largest single context + output; format fail: share "
         f"of episodes with a malformed turn or no answer. Temperature {args.temperature}, top-{topk} "
         f"search{f', {args.multi_objective} questions per prompt' if args.multi_objective > 1 else ''}.\n\n"
         f"Retrieval corpus:\n{corpus_lines}\n"))
-    write_chart(results, out / "eval.png", f"{run_dir.name} @ {step}")
+    write_chart(results, out / "eval.png", chart_title)
     print("\n" + table + f"\n\n[evaluate] -> {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'}", flush=True)
     return results
 

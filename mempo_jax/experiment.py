@@ -7,16 +7,17 @@ training loop (``train.py``) and the evaluation command only consume them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any
 
 import jax
-import numpy as np
 
-from mempo_jax.agent.protocol import render_turn
 from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.protocol import render_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExperimentConfig
+from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
@@ -46,33 +47,101 @@ class Experiment:
     logits_fn: Any
     scorer: MemoryRewardScorer
     mesh: Any = None
+    corpus: str = ""  # what the tools search, in words
     fmt: Any = None  # the AgentFormat (tokenizer, tag codec, prompt template)
 
 
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     """Questions and the pooled context corpus of a HotpotQA file (HF distractor layout).
 
-    The scripted cold-start plan searches each supporting-fact title in turn, keeps the titles
-    read so far in ``<mem>`` and answers the gold answer.
+    The scripted cold-start plan searches each supporting-fact title in turn, keeps each title's
+    supporting sentences (the bridge fact) in ``<mem>`` and answers the gold answer
+    (``qa_questions.load_qa_questions``).
 
     Raises:
       ValueError: naming the file, line and field of a malformed record.
     """
     from mempo_jax.tools.corpus import pool_hotpotqa_contexts
-    from mempo_jax.tools.records import field_error, iter_records
 
-    docs = pool_hotpotqa_contexts(path)
-    questions = []
-    for where, rec in iter_records(path):
-        try:
-            titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
-            qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
-        except (KeyError, TypeError) as e:
-            raise field_error(path, where, str(e).strip("'"), "missing or malformed HotpotQA field") from None
-        hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
-        hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
-        questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
-    return questions, docs
+    return load_qa_questions(path), pool_hotpotqa_contexts(path)
+
+
+def qa_paths(cfg: ExperimentConfig) -> list[str]:
+    """The QA files of a ``dataset != "tiny_world"`` run: the training file, then the held-out one."""
+    return [p for p in (cfg.qa_train_path, cfg.eval_path) if p]
+
+
+def check_qa_inputs(cfg: ExperimentConfig) -> None:
+    """The QA run's inputs, checked before the run folder is touched: the files exist, their
+    format is readable (``qa_formats.detect_format``: e.g. a CSV without a ``question`` column),
+    and a ``retriever_url`` answers. Nothing for the tiny world.
+
+    Raises:
+      FileNotFoundError: naming the config field of a missing file.
+      ValueError: one line naming the file (or the URL) that is unusable.
+    """
+    from mempo_jax.data.qa_formats import detect_format
+    from mempo_jax.tools.backends import connect_retriever
+
+    if cfg.dataset == "tiny_world":
+        return
+    fields = {"train_path" if cfg.train_path else "data_path": cfg.qa_train_path, "eval_path": cfg.eval_path,
+              "corpus_path": cfg.corpus_path}
+    for name, path in fields.items():
+        if path and not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"ExperimentConfig.{name}: no such file: {path}")
+    for path in qa_paths(cfg):
+        detect_format(path)
+    if cfg.retriever_url:
+        connect_retriever(cfg.retriever_url, "ExperimentConfig.retriever_url").close()
+
+
+def load_qa_data(cfg: ExperimentConfig):
+    """Questions and search backend of a QA run (``dataset`` ``"qa"`` / ``"hotpotqa"``).
+
+    Training questions come from ``train_path`` (or ``data_path``), held-out ones from
+    ``eval_path`` (questions asked in both are dropped from training), else a seeded 20 % of the
+    training file (``qa_questions.split_questions``). The backend is ``backends.training_backend``
+    of ``corpus_path`` / ``retriever_url`` / ``pool_contexts`` over both files.
+
+    Returns:
+      ``(train_questions, heldout_questions, documents, backend, note)``; ``documents`` is ``[]``
+      for a retriever, ``note`` describes the backend.
+
+    Raises:
+      ValueError / FileNotFoundError: a missing or malformed file, an unreachable retriever
+        (one line naming the field, file or URL).
+    """
+    from mempo_jax.data.qa_questions import split_questions
+    from mempo_jax.tools.backends import training_backend
+
+    check_qa_inputs(cfg)
+    train = load_qa_questions(cfg.qa_train_path)
+    held = load_qa_questions(cfg.eval_path) if cfg.eval_path else None
+    train_q, held_q, dropped = split_questions(train, held, cfg.seed)
+    backend, docs, note = training_backend(qa_paths(cfg), cfg.corpus_path, cfg.retriever_url, cfg.pool_contexts)
+    if dropped:
+        note += f"; {dropped} training question(s) also in {cfg.eval_path} left out"
+    return train_q, held_q, docs, backend, note
+
+
+def load_questions(cfg: ExperimentConfig):
+    """The run's questions and search backend: ``(train, held-out, documents, offices, backend, note)``.
+
+    ``tiny_world``: the embedded world's splits, BM25 over its passages; ``offices`` maps each
+    company to its ``{city: office head}`` (the scripted agent's lazy guesses). A QA run:
+    ``load_qa_data`` (``offices`` empty). Used by ``build_experiment`` and ``write_sft_messages``.
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed data file, an unreachable retriever.
+    """
+    if cfg.dataset == "tiny_world":
+        world = build_world(cfg.world)
+        docs = world.documents
+        offices = {c["name"]: c["offices"] for c in world.companies}
+        return world.train, world.heldout, docs, offices, BM25Index(docs), f"{len(docs)} passages"
+    train_q, held_q, docs, backend, note = load_qa_data(cfg)
+    return train_q, held_q, docs, {}, backend, note
 
 
 def _tokenizer_texts(documents, questions) -> list[str]:
@@ -101,6 +170,45 @@ def entity_token_ids(tokenizer, documents) -> list[int]:
     ids = [tokenizer.encode(" " + d.title) for d in documents]
     single = [t[0] for t in ids if len(t) == 1]
     return single or [t[0] for t in ids if t]
+
+
+def policy_format(options, tokenizer, folder=None) -> AgentFormat:
+    """The ``AgentFormat`` a policy is prompted with; the trainer and the evaluation command alike.
+
+    From-scratch models (``options.checkpoint`` empty and no ``folder``): ``AgentFormat.plain``.
+    A checkpoint (``folder``, default ``options.checkpoint``): its own chat template around the
+    MemPO system prompt (``AgentFormat.for_checkpoint``), per ``options.chat_template``:
+    ``"auto"`` uses the template when the folder has one and the plain prompt otherwise,
+    ``"require"`` insists on one, ``"none"`` always uses the plain prompt; either way the tags
+    are written as ``options.tags`` says (``TagCodec``: ``"text"`` or ``"tokens"``).
+
+    Args:
+      options: a ``ModelOptions``.
+      tokenizer: the policy's tokenizer (protocol tags as single ids in tokens mode).
+      folder: where the tokenizer files and template live (a run folder's saved tokenizer).
+
+    Raises:
+      FileNotFoundError: ``chat_template = "require"`` and the folder has no template.
+      ValueError: ``tags = "tokens"`` and a tag is not one token of ``tokenizer``, or
+        ``tags = "text"`` and the tokenizer cannot write a tag (names the tag).
+    """
+    folder = folder or options.checkpoint
+    if not folder:
+        return AgentFormat.plain(tokenizer)
+    has_template = (pathlib.Path(folder, "chat_template.jinja").is_file()
+                    or "chat_template" in _json_or_empty(pathlib.Path(folder, "tokenizer_config.json")))
+    if options.chat_template == "none" or (options.chat_template == "auto" and not has_template):
+        return AgentFormat(tokenizer, TagCodec(tokenizer, options.tags))  # the plain prompt
+    return AgentFormat.for_checkpoint(folder, tokenizer, tags=options.tags, tool_layout=options.tool_layout,
+                                      enabled_tools=("search", "access"),
+                                      system_prompt_path=options.system_prompt_path or None)
+
+
+def _json_or_empty(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def load_checkpoint_policy(options, mesh=None, rules=None):
@@ -204,25 +312,15 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
     """
-    if cfg.dataset == "tiny_world":
-        world = build_world(cfg.world)
-        train_q, held_q, docs = world.train, world.heldout, world.documents
-        offices = {c["name"]: c["offices"] for c in world.companies}
-    else:
-        if not pathlib.Path(cfg.data_path).is_file():
-            raise FileNotFoundError(f"ExperimentConfig.data_path: no such file: {cfg.data_path}")
-        questions, docs = hotpotqa_questions(cfg.data_path)
-        rng = np.random.default_rng(cfg.seed)
-        order = rng.permutation(len(questions))
-        n_held = max(1, int(0.2 * len(questions)))
-        held_q = [questions[int(i)] for i in order[:n_held]]
-        train_q = [questions[int(i)] for i in order[n_held:]]
-        offices = {}
+    train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
+    if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
+        raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
+                         "with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0")
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
-    tool_env = ToolEnvironment(BM25Index(docs), topk=cfg.topk)
+    tool_env = ToolEnvironment(backend, topk=cfg.topk)
 
     if not cfg.model.checkpoint:
         model_cfg = getattr(ModelConfig, cfg.model.preset)
@@ -235,10 +333,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
             from mempo_jax.sharding import DEFAULT_RULES, init_sharded_params
 
             graphdef, params = init_sharded_params(model_cfg, cfg.seed, mesh, DEFAULT_RULES if rules is None else rules)
-    if cfg.model.checkpoint:  # the checkpoint's tag mode (ModelOptions.tags)
-        fmt = AgentFormat(tokenizer, TagCodec(tokenizer, cfg.model.tags))
-    else:
-        fmt = AgentFormat.plain(tokenizer)
+    fmt = policy_format(cfg.model, tokenizer)
     scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
     if mesh is None:
         sampler = make_sampler(graphdef, model_cfg, fmt)
@@ -259,4 +354,4 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix_ids(tokenizer),
                                 temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
-                      sample_fn, logits_fn, scorer, mesh, fmt)
+                      sample_fn, logits_fn, scorer, mesh, corpus, fmt)

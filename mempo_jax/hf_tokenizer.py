@@ -228,8 +228,9 @@ class HFTokenizer:
     def save(self, folder: str | os.PathLike) -> pathlib.Path:
         """Write ``tokenizer.json`` (incl. added protocol tags) into ``folder`` and copy the
         source's ``tokenizer_config.json``, ``generation_config.json``, ``chat_template.jinja`` and
-        ``special_tokens_map.json`` (those present) beside it, so an exported
-        checkpoint folder (``save_hf_checkpoint``) loads with its tags. Returns the folder."""
+        ``special_tokens_map.json`` (``COPIED_FILES``, those present) beside it, so an exported
+        checkpoint folder (``save_hf_checkpoint``) loads with its tags and chat template. Returns
+        the folder."""
         folder = pathlib.Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(folder / "tokenizer.json"))

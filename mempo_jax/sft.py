@@ -1,7 +1,8 @@
-"""Cold-start SFT: the scripted agent's trajectories as training rows (MEMPO_SPEC §5, reference:
-SFT on trajectories that contain ``<mem>`` before RL).
+"""Cold-start SFT: trajectories as training rows (MEMPO_SPEC §5, reference: SFT on trajectories
+that contain ``<mem>`` before RL). The trajectories are the scripted agent's or those of an SFT
+messages file (``SFTConfig.data_path``); both are read through ``data/messages.py``.
 
-Each scripted trajectory gives one row per turn in k-step form (the turn's own context + its
+Each trajectory gives one row per turn in k-step form (the turn's own context + its
 output) and, for a ``full_fraction`` share, one whole-history row, so the policy works in both
 context modes. Loss: token-mean cross-entropy on generated tokens only (tool results masked).
 
@@ -27,10 +28,10 @@ from mempo_jax.batching import bucket_length, pad_sequences
 
 def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: float, pad_id: int,
              rng: np.random.Generator) -> list[tuple[list[int], list[float]]]:
-    """Training rows ``(ids, loss_mask)`` from scripted trajectories.
+    """Training rows ``(ids, loss_mask)`` from SFT trajectories (``build_training_rows``).
 
     Args:
-      trajs: finished scripted trajectories.
+      trajs: finished trajectories (scripted, or read from a messages file).
       context_steps: the k of the k-step rows (``FULL`` gives whole-history rows only).
       full_fraction: share of trajectories that also give a whole-history row.
       pad_id: padding id.

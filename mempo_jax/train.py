@@ -3,12 +3,21 @@
 Stages (the default ``configs/tiny_world.gin`` runs all of them on CPU in minutes):
 
 1. build the world (or read real data), the BM25 tools, the tokenizer and the model;
-2. cold-start SFT on the scripted agent's trajectories;
+2. cold-start SFT on the scripted agent's trajectories, or on an SFT trajectory file
+   (``SFTConfig.data_path``, messages rows; both go through ``data/messages.py``);
 3. evaluation of the SFT policy on held-out questions in every context mode;
 4. MemPO RL (rollout → outcome + memory rewards → grouped advantages → PPO), with a progress bar,
    ``metrics.jsonl``, TensorBoard events and sample rollouts in ``rollouts.jsonl``;
 5. evaluation after RL; the before/after table is printed and written to ``summary.json``
-   with the bootstrap 95 % CI of the k = 1 EM gain.
+   with the bootstrap 95 % CI of the k = 1 EM gain. A run from a Hugging Face checkpoint
+   (``ModelOptions.checkpoint``) then exports the RL policy to ``RUN_DIR/hf_export``
+   (``mempo_jax.export``: config, safetensors, tokenizer with its tags and chat template).
+
+Data: the tiny world, or QA files (``ExperimentConfig.train_path`` / ``eval_path`` in any format
+``mempo_jax.data.qa_formats`` reads) searched over ``corpus_path`` (local BM25), a
+``retriever_url`` (``/retrieve`` server, checked before RUN_DIR is touched) or the files' own
+context paragraphs. ``SFTConfig.steps = 0`` starts RL from the initial policy (a checkpoint's),
+which is then also the frozen reference.
 
 Checkpoints, resume and preemption (docs/resume.md). Orbax checkpoints are saved asynchronously
 every ``CheckpointConfig.every_steps`` steps and at the end of each stage: SFT to
@@ -307,9 +316,10 @@ def run(args) -> dict:
     from mempo_jax import distributed, lockstep
     from mempo_jax.agent.trajectory import mode_name, parse_context_steps
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
-    from mempo_jax.data.scripted_agent import scripted_trajectory
+    from mempo_jax.data.messages import conversation_trajectory, read_messages
+    from mempo_jax.data.scripted_agent import scripted_conversation
     from mempo_jax.evaluation import evaluate_policy
-    from mempo_jax.experiment import build_experiment, entity_token_ids
+    from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
     from mempo_jax.metrics import bootstrap_ci, format_eval_table, write_json_atomic
     from mempo_jax.preemption import Preempted, Preemption
@@ -326,6 +336,7 @@ def run(args) -> dict:
     run_dir = pathlib.Path(args.run_dir)
     run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
     cfg = run_cfg.experiment
+    check_qa_inputs(cfg)  # QA files, corpus, retriever: a bad one stops the run before RUN_DIR changes
     ck, hooks = cfg.checkpoint, FaultHooks.from_env()
     multi, primary = jax.process_count() > 1, distributed.is_primary()
     mesh = rules = None
@@ -333,6 +344,8 @@ def run(args) -> dict:
         mesh, rules = make_run_mesh(run_cfg.mesh), run_cfg.mesh.rules
         _check_mesh_sizes(cfg, mesh, rules)
     sft_micro = cfg.sft.micro_batch_rows or cfg.sft.batch_rows
+    # An SFT trajectory file is read and validated before the run folder changes.
+    sft_file = read_messages(cfg.sft.data_path) if cfg.sft.steps > 0 and cfg.sft.data_path else None
     interruptible = contextlib.nullcontext if multi else None  # see preemption below
     say = print if primary else (lambda *a, **k: None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -408,7 +421,7 @@ def run(args) -> dict:
         stack.callback(logs.close)
         t_start -= float(newest.get("elapsed_s", 0.0)) if newest else 0.0
         say(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
-            f"questions, {len(exp.documents)} passages, vocab {tok.vocab_size}, "
+            f"questions, search {exp.corpus}, vocab {tok.vocab_size}, "
             f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
         if mesh is not None:
             say(f"[mempo] mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} "
@@ -437,10 +450,16 @@ def run(args) -> dict:
             batches = iter(())
             if cfg.sft.steps > 0:
                 with interruptible():  # the same rows on every process (one generator); each feeds its share
-                    scripted = [scripted_trajectory(q, exp.offices, exp.fmt, exp.tool_env, cfg.sft.agent, cfg.rl.rollout,
-                                                    rng) for q in tqdm(exp.train_questions, desc="scripted agent",
-                                                                       leave=False, disable=not primary)]
-                    rows = sft_rows(scripted, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    # A messages file, or the scripted agent's conversations: one path to trajectories.
+                    convs = sft_file or [scripted_conversation(q, exp.offices, exp.tool_env, cfg.sft.agent, rng)
+                                         for q in tqdm(exp.train_questions, desc="scripted agent", leave=False,
+                                                       disable=not primary)]
+                    trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, train_steps)
+                             for c in convs]
+                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    if sft_file:
+                        say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)",
+                            flush=True)
                     rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)),
                                       tok.bos_id, rng)
                     batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
@@ -608,6 +627,12 @@ def run(args) -> dict:
             save_rl(cfg.rl.steps, _plain(order.get_state()), logs.offsets(), faults.state())
 
         evals["rl"], per_q["rl"] = evaluate_once("rl", point.eval_rl, rl_ckpt, EVAL_RL_FILE, "rl_step", cfg.rl.steps)
+        exported = None
+        if cfg.model.checkpoint:  # the RL policy as a Hugging Face folder (every process: a collective)
+            from mempo_jax.export import EXPORT_DIR, export_policy
+
+            exported = str(export_policy(run_dir / EXPORT_DIR, exp.model_cfg, learner.params, tok,
+                                         source=cfg.model.checkpoint))
 
         # ---- summary ----------------------------------------------------------------------
         k1 = mode_name(modes[0])
@@ -616,7 +641,7 @@ def run(args) -> dict:
         summary = {
             "eval": evals, "em_gain": float(gain.mean()), "em_gain_ci95": [lo, hi], "em_gain_mode": k1,
             "wall_s": time.time() - t_start, "params": exp.model_cfg.num_params(), "dataset": cfg.dataset,
-            "heldout_questions": len(held),
+            "heldout_questions": len(held), "hf_export": exported,
         }
         if primary:
             write_json_atomic(run_dir / "summary.json", summary)

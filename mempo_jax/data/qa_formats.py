@@ -12,6 +12,10 @@ Formats (MEMPO_SPEC §6–7; all read by ``load_dataset(path, format="auto")``):
   layout (``_id``, ``context = [[title, sentences]]``, a JSON array).
 * ``"2wikimultihopqa"`` — 2WikiMultihopQA (official layout, HotpotQA-like plus ``evidences``).
 * ``"musique"`` — MuSiQue (``paragraphs``, ``answer``, ``answer_aliases``).
+* CSV (``*.csv``, header row) — read as ``"qa"``: a ``question`` and an ``answer`` column, an
+  optional ``id`` column; an ``answer`` cell holding a JSON array (``["Paris", "paris, france"]``)
+  gives several aliases. A CSV without a ``question`` (or ``answer``) column is one error naming
+  the file and its columns.
 
 Gold strings are whitespace-stripped and de-duplicated (order kept); rewards apply SQuAD
 normalisation later (MEMPO_SPEC §3).
@@ -20,17 +24,18 @@ normalisation later (MEMPO_SPEC §3).
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any, Callable, Iterator, Sequence
 
 import grain
 
 from mempo_jax.tools.corpus import hotpotqa_paragraphs
-from mempo_jax.tools.records import PathLike, field_error, first_record, iter_records
+from mempo_jax.tools.records import PathLike, csv_columns, field_error, first_record, iter_records
 
 FORMATS: tuple[str, ...] = ("flashrag", "qa", "hotpotqa", "2wikimultihopqa", "musique")
 _TWOWIKI_TYPES = {"compositional", "inference", "bridge_comparison"}
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,24 @@ def _qa(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExamp
     return QAExample(_id(row, path, where, ("id", "idx", "_id")), _question(row, path, where), golds, source)
 
 
+def _csv_qa(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
+    """A CSV row (every value a string): an ``answer`` cell that is a JSON array is a list of
+    aliases; an empty ``id`` cell counts as absent."""
+    row = dict(row)
+    answer = row.get("answer")
+    if isinstance(answer, str) and answer.strip().startswith("["):
+        try:
+            parsed = json.loads(answer)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, list):
+            row["answer"] = parsed
+    for key in ("id", "idx", "_id"):
+        if row.get(key) == "":
+            row.pop(key)
+    return _qa(row, path, where, source)
+
+
 def _hotpot_like(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
     hotpotqa_paragraphs(row, path, where)  # validates the context layout
     answer = _require(row, path, where, "answer")
@@ -180,6 +203,10 @@ def sniff_format(row: dict[str, Any]) -> str | None:
     return None
 
 
+def _is_csv(path: PathLike) -> bool:
+    return pathlib.Path(path).suffix.lower() == ".csv"
+
+
 def default_source(path: PathLike) -> str:
     """Dataset name from a file name: ``bamboogle_125.r1searcher.jsonl`` → ``bamboogle_125.r1searcher``."""
     name = pathlib.Path(path).name
@@ -192,9 +219,20 @@ def default_source(path: PathLike) -> str:
 def detect_format(path: PathLike) -> str:
     """Sniff the format of a file from its first row (``sniff_format``).
 
+    A ``*.csv`` file is ``"qa"`` when its header has ``question`` and ``answer`` columns.
+
     Raises:
-      ValueError: an empty file, or a first row that fits no format (naming file and line).
+      ValueError: an empty file, a first row that fits no format (naming file and line), or a
+        CSV without a ``question`` / ``answer`` column (naming the file and its columns).
     """
+    if _is_csv(path):
+        columns = csv_columns(path)
+        if not columns:
+            raise ValueError(f"{path}: empty file, cannot detect the QA format")
+        for need in ("question", "answer"):
+            if need not in columns:
+                raise ValueError(f"{path}: a QA CSV needs a {need!r} column; the header has {columns}")
+        return "qa"
     first = first_record(path)
     if first is None:
         raise ValueError(f"{path}: empty file, cannot detect the QA format")
@@ -206,7 +244,7 @@ def detect_format(path: PathLike) -> str:
 
 
 def iter_dataset(path: PathLike, format: str = "auto", source: str | None = None) -> Iterator[QAExample]:
-    """Stream ``QAExample``s from a file (JSONL, JSON array or parquet; see ``records``).
+    """Stream ``QAExample``s from a file (JSONL, JSON array, parquet or CSV; see ``records``).
 
     Args:
       path: the data file.
@@ -217,14 +255,23 @@ def iter_dataset(path: PathLike, format: str = "auto", source: str | None = None
     Raises:
       ValueError: unknown format, or a malformed row: ``"{path}:{line}: field '{field}': ..."``.
     """
+    for _, _, example in iter_dataset_rows(path, format, source):
+        yield example
+
+
+def iter_dataset_rows(path: PathLike, format: str = "auto",
+                      source: str | None = None) -> Iterator[tuple[str, dict[str, Any], QAExample]]:
+    """``(location, raw row, QAExample)`` for every row, for readers that need more of a row than
+    the example keeps (e.g. the supporting facts of a HotpotQA row). Arguments and errors as
+    ``iter_dataset``."""
     if format == "auto":
         format = detect_format(path)
     if format not in _READERS:
         raise ValueError(f"unknown QA format {format!r}; expected 'auto' or one of {FORMATS}")
-    reader = _READERS[format]
+    reader = _csv_qa if format == "qa" and _is_csv(path) else _READERS[format]
     src = default_source(path) if source is None else source
     for where, row in iter_records(path):
-        yield reader(row, path, where, src)
+        yield where, row, reader(row, path, where, src)
 
 
 def load_dataset(path: PathLike, format: str = "auto", source: str | None = None) -> list[QAExample]:

@@ -11,6 +11,11 @@ purpose, so that the SFT policy leaves room for RL:
 * **duplicate search** (probability ``duplicate_prob`` per hop): the same search is issued twice.
 
 Observations come from the real tool environment, so SFT data shows real retrieval results.
+
+The agent plays in text (``scripted_conversation``: a messages conversation, the layout of an SFT
+trajectory file, ``data/messages.py``); ``scripted_trajectory`` reads it back through the same
+converter as a user's file, so the embedded default and a user's data take one path.
+``python -m mempo_jax.data.write_sft_messages`` writes the conversations to a file.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
-from mempo_jax.agent.protocol import parse_turn, render_turn
 from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.protocol import parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig
-from mempo_jax.agent.trajectory import Trajectory, Turn
+from mempo_jax.agent.trajectory import Trajectory
+from mempo_jax.data.messages import Conversation, conversation_trajectory
 
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 
@@ -55,40 +61,40 @@ def _answer(question, facts: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
-def scripted_trajectory(question, world_offices: dict, fmt: AgentFormat, tool_env, cfg: ScriptedAgentConfig,
-                        rollout_cfg: RolloutConfig, rng: np.random.Generator, group_id: int = 0) -> Trajectory:
-    """Play one question with the scripted agent.
+def scripted_conversation(question, world_offices: dict, tool_env, cfg: ScriptedAgentConfig,
+                          rng: np.random.Generator, system: str | None = None) -> Conversation:
+    """Play one question with the scripted agent, as text: a messages conversation.
+
+    Each assistant turn is exactly ``render_turn(" " + mem, " " + think, action, " " + argument)``
+    (a space opens every block's content, so names inside tags tokenise as they do in running text,
+    ``"▁Name"``; consumers strip the content); each search is run on ``tool_env`` and its raw
+    observation text (not wrapped, not cut) is the tool message after the turn.
 
     Args:
       question: a ``world.Question`` (``hops`` give the plan).
       world_offices: company name → {city: office head}, for the lazy agent's guesses.
-      fmt: the agent format (tokenizer, tags, prompt).
       tool_env: the tool environment (real BM25 search).
       cfg: the agent's imperfections.
-      rollout_cfg: observation length limit.
-      rng: numpy generator (seeded by the caller).
-      group_id: group index recorded on the trajectory.
+      rng: numpy generator (seeded by the caller); draws, in order: lazy or not, then per hop a
+        duplicate draw and, for a lazy bridge's last hop, the guessed head.
+      system: the system message (``None``: the run's ``AgentFormat.system_prompt`` applies when read).
 
     Returns:
-      A finished ``Trajectory`` whose turns carry ids, ``<mem>`` spans and observations.
+      A ``messages.Conversation`` (id and golds of the question).
+
+    Raises:
+      ValueError: from ``render_turn`` when a fact or query contains a protocol tag piece.
     """
-    tr = Trajectory(question.id, group_id, tuple(question.golds), fmt.prompt_ids(question.question))
     lazy = rng.random() < cfg.lazy_prob
     facts: list[str] = []
+    turns: list[tuple[str, str | None]] = []
 
-    def emit(mem: str, think: str, action: str, argument: str) -> Turn:
-        # A space opens every block's content, so names inside tags tokenise as they do in
-        # running text ("▁Name"); consumers strip the content.
+    def emit(mem: str, think: str, action: str, argument: str) -> None:
         text = render_turn(" " + mem, " " + think, action, " " + argument)
-        ids = fmt.tokenizer.encode(text)
-        ctx_len = len(tr.policy_context(rollout_cfg.context_steps))
-        turn = Turn(ids, None, [], parse_turn(text), fmt.mem_span(ids), context_len=ctx_len)
+        observation = None
         if action != "answer":
-            res = tool_env.execute_batch([turn.parsed])[0]
-            turn.observation_ids = fmt.observation_ids(res.observation, rollout_cfg.max_observation_tokens)
-            turn.tool_ok = bool(res.ok)
-        tr.turns.append(turn)
-        return turn
+            observation = tool_env.execute_batch([parse_turn(text)])[0].observation
+        turns.append((text, observation))
 
     for hop_i, (query, new_facts) in enumerate(question.hops):
         mem = "; ".join(facts) if facts else "none"
@@ -102,5 +108,23 @@ def scripted_trajectory(question, world_offices: dict, fmt: AgentFormat, tool_en
             new = [f"(1) {heads[int(rng.integers(len(heads)))]}"]
         facts = [new[-1]] if lazy else facts + new
     emit("; ".join(facts), "answer", "answer", _answer(question, facts))
-    tr.done, tr.answer, tr.end_reason = True, tr.turns[-1].parsed.argument, "answer"
-    return tr
+    return Conversation(system, question.question, tuple(turns), str(question.id), tuple(question.golds))
+
+
+def scripted_trajectory(question, world_offices: dict, fmt: AgentFormat, tool_env, cfg: ScriptedAgentConfig,
+                        rollout_cfg: RolloutConfig, rng: np.random.Generator, group_id: int = 0) -> Trajectory:
+    """Play one question with the scripted agent: ``scripted_conversation`` read back through
+    ``messages.conversation_trajectory`` — the same path as an SFT messages file.
+
+    Args:
+      question, world_offices, tool_env, cfg, rng: as ``scripted_conversation``.
+      fmt: the run's ``AgentFormat`` (prompt, tag codec, observation wrapper).
+      rollout_cfg: ``max_observation_tokens`` and ``context_steps`` (the turns' ``context_len``).
+      group_id: group index recorded on the trajectory.
+
+    Returns:
+      A finished ``Trajectory`` whose turns carry ids, ``<mem>`` spans and observations.
+    """
+    conv = scripted_conversation(question, world_offices, tool_env, cfg, rng)
+    return conversation_trajectory(conv, fmt, rollout_cfg.max_observation_tokens, rollout_cfg.context_steps,
+                                   group_id)

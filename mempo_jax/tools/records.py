@@ -1,4 +1,4 @@
-"""Reading rows out of data files: JSONL, a JSON array, or parquet — each with its location.
+"""Reading rows out of data files: JSONL, a JSON array, parquet or CSV — each with its location.
 
 Shared by the corpus reader/pooling (``tools/corpus.py``) and the QA readers
 (``data/qa_formats.py``). Every row comes with a location string for error messages
@@ -6,11 +6,14 @@ Shared by the corpus reader/pooling (``tools/corpus.py``) and the QA readers
 
 * JSONL — the 1-based line number, e.g. ``data.jsonl:12``;
 * JSON array (the official HotpotQA / 2Wiki ``*.json`` files) — ``data.json:record 7`` (1-based);
-* parquet (Search-R1 ``train.parquet``) — ``data.parquet:row 7`` (1-based; needs ``pyarrow``).
+* parquet (Search-R1 ``train.parquet``) — ``data.parquet:row 7`` (1-based; needs ``pyarrow``);
+* CSV with a header row (``*.csv``) — the 1-based line where the row ends, e.g. ``data.csv:3``
+  (the header is line 1); every value is a string (Python's ``csv`` module, Excel dialect).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pathlib
@@ -55,17 +58,46 @@ def _first_char(path: PathLike) -> str:
                 return stripped[0]
 
 
-def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``(location, row)`` for every row of a JSONL, JSON-array or parquet file.
-
-    The container is chosen by content, not name: ``*.parquet`` → parquet; a file whose first
-    non-blank character is ``[`` → one JSON array of objects; anything else → JSONL.
-
-    Returns:
-      an iterator of ``("12", row)`` (JSONL line), ``("record 7", row)`` or ``("row 7", row)``.
+def csv_columns(path: PathLike) -> list[str]:
+    """The header row of a CSV file (column names, stripped); ``[]`` for an empty file.
 
     Raises:
-      ValueError: invalid JSON or a non-object row (naming the file and location).
+      OSError: the file cannot be opened.
+    """
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: the BOM spreadsheet programs write
+        header = next(csv.reader(f), [])
+    return [c.strip() for c in header]
+
+
+def _iter_csv(path: pathlib.Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = [c.strip() for c in next(reader, [])]
+            for values in reader:
+                if not any(v.strip() for v in values):
+                    continue  # blank line
+                if len(values) != len(header):
+                    raise ValueError(f"{path}:{reader.line_num}: {len(values)} values for the {len(header)} "
+                                     f"columns of the header {header}")
+                yield str(reader.line_num), dict(zip(header, values))
+        except csv.Error as exc:
+            raise ValueError(f"{path}:{reader.line_num}: invalid CSV ({exc})") from None
+
+
+def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(location, row)`` for every row of a JSONL, JSON-array, parquet or CSV file.
+
+    The container is chosen by name for ``*.parquet`` (parquet) and ``*.csv`` (CSV with a header
+    row; values are strings), else by content: a file whose first non-blank character is ``[`` →
+    one JSON array of objects; anything else → JSONL.
+
+    Returns:
+      an iterator of ``("12", row)`` (JSONL or CSV line), ``("record 7", row)`` or ``("row 7", row)``.
+
+    Raises:
+      ValueError: invalid JSON or CSV, a non-object row, or a CSV row whose number of values is
+        not the header's (naming the file and location).
       ImportError: a parquet file without ``pyarrow`` installed.
       OSError: the file cannot be opened.
     """
@@ -77,6 +109,9 @@ def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
             raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
         for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
             yield f"row {i}", row
+        return
+    if path.suffix.lower() == ".csv":
+        yield from _iter_csv(path)
         return
     if _first_char(path) == "[":
         try:

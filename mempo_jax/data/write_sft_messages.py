@@ -1,0 +1,83 @@
+"""``python -m mempo_jax.data.write_sft_messages --out FILE [--gin_file F] [--gin_param B] [--split S]``.
+
+Plays the scripted agent (``data/scripted_agent.py``) on the questions of a run config's dataset —
+the embedded tiny world or a HotpotQA file (``ExperimentConfig.dataset`` / ``data_path``, split into
+training and held-out questions by ``experiment.load_questions``) — against the run's tools and
+writes one messages row per question (``data/messages.py``): the assistant contents are exactly the
+``render_turn`` text of each turn, the tool contents the raw observation text. The file is what
+``SFTConfig.data_path`` reads; ``.parquet`` in the name writes parquet (needs ``pyarrow``).
+
+The generator is seeded by ``ExperimentConfig.seed`` and draws as ``train.py`` does when it plays
+the agent in memory (no ``SFTConfig.data_path``), so the file holds the same trajectories that the
+default SFT stage trains on. Nothing is tokenised: no tokenizer or model is built.
+
+Exit status: 0 written, 2 bad config or data (one line on stderr; nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def _parse_args(argv):
+    from mempo_jax.train import DEFAULT_GIN
+
+    p = argparse.ArgumentParser(prog="python -m mempo_jax.data.write_sft_messages",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output file (.jsonl, or .parquet)")
+    p.add_argument("--gin_file", action="append", default=None, help=f"gin config (default {DEFAULT_GIN})")
+    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. ExperimentConfig.seed=1")
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="which questions to play (default: train; heldout is for inspection, never train on it)")
+    return p.parse_args(argv)
+
+
+def scripted_conversations(cfg, split: str = "train"):
+    """The scripted agent's conversations on a config's questions, as ``train.py`` plays them.
+
+    Args:
+      cfg: an ``ExperimentConfig``.
+      split: ``"train"`` or ``"heldout"``.
+
+    Returns:
+      ``(conversations, questions)``: one ``messages.Conversation`` per question, in question order.
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed data file (names it).
+    """
+    from mempo_jax.data.scripted_agent import scripted_conversation
+    from mempo_jax.experiment import load_questions
+    from mempo_jax.tools.search import ToolEnvironment
+
+    train_q, held_q, _, offices, backend, _ = load_questions(cfg)
+    questions = train_q if split == "train" else held_q
+    env = ToolEnvironment(backend, topk=cfg.topk)
+    rng = np.random.default_rng(cfg.seed)  # train.py's SFT generator (its first draws are the agent's)
+    return [scripted_conversation(q, offices, env, cfg.sft.agent, rng) for q in questions], questions
+
+
+def main(argv=None) -> int:
+    """CLI entry point; returns the exit status (0 written, 2 bad config or data)."""
+    args = _parse_args(argv)
+    from mempo_jax.data.messages import write_messages
+    from mempo_jax.train import DEFAULT_GIN, load_run_config
+
+    try:
+        cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param).experiment
+        convs, _ = scripted_conversations(cfg, args.split)
+        n = write_messages(args.out, convs)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    turns = sum(len(c.turns) for c in convs)
+    answered = sum("<answer>" in c.turns[-1][0] for c in convs)
+    print(f"[mempo] {cfg.dataset}: wrote {n} {args.split} conversations ({turns} assistant turns, "
+          f"{turns / max(n, 1):.2f} per row, {answered} answered) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
