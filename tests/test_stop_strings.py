@@ -109,3 +109,64 @@ def test_single_token_tags_by_automaton_equal_stop_ids(tiny, use_mesh, temperatu
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert np.asarray(a.stopped).any()
+
+
+# ------------------------------------------------- device = host on arbitrary forced sequences
+
+L = 16  # generated tokens per row
+SEQ_FRAGMENTS = FRAGMENTS + [b""]  # the last one is the stop id (EOS: decodes to nothing)
+EOS_F = len(SEQ_FRAGMENTS) - 1
+F = len(SEQ_FRAGMENTS)
+
+
+def _tok_id(k, f):
+    """Id of fragment f at generated position k (id 0: the prompt's start token and the pad)."""
+    return 1 + k * F + f
+
+
+@pytest.fixture(scope="module")
+def forced():
+    """A 1-layer model whose greedy output is any sequence we choose through the LM head alone:
+    id ``(k, f)`` is embedded as the unit vector ``e_k`` (its position), and LM-head row ``k``
+    points at the next id. The head is a parameter, so every sequence runs the same program."""
+    vocab, d = 1 + L * F, 32
+    cfg = ModelConfig(vocab_size=vocab, embed_dim=d, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      mlp_dim=8, tie_embeddings=False)
+    graphdef, params = split_model(create_model(cfg, seed=0))
+    layer = params["layers"][0]
+    layer["attn"]["o"].set_value(jnp.zeros_like(layer["attn"]["o"].get_value()))
+    layer["mlp"]["down"].set_value(jnp.zeros_like(layer["mlp"]["down"].get_value()))
+    embed = np.zeros((vocab, d), np.float32)
+    embed[0, L] = 1.0
+    for k in range(L):
+        embed[1 + k * F: 1 + (k + 1) * F, k] = 1.0
+    params["embed"].set_value(jnp.asarray(embed))
+    vocab_bytes = [b""] + [SEQ_FRAGMENTS[f] for _ in range(L) for f in range(F)]
+    auto = StopAutomaton.build(STOP_TAGS, vocab_bytes)
+    stop_ids = [_tok_id(k, EOS_F) for k in range(L)]
+    sampler = Sampler(graphdef, cfg, stop_ids, 0, stop_automaton=auto)
+    return cfg, params, sampler, auto, stop_ids
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(0, F - 1), min_size=L, max_size=L))
+def test_device_stop_equals_host_first_stop_on_any_sequence(forced, frags):
+    """The jitted sampler, forced to emit any fragment sequence, stops where the host's
+    ``first_stop`` (and the brute force over the bytes) says: tags split across tokens, completed
+    by the prefill's own token, ending inside a token, or a stop id."""
+    cfg, params, sampler, auto, stop_ids = forced
+    head = np.zeros((cfg.embed_dim, cfg.vocab_size), np.float32)
+    scale = 10.0 / np.sqrt(cfg.embed_dim)  # rmsnorm(e_k) = sqrt(D) e_k
+    head[L, _tok_id(0, frags[0])] = scale  # after the prompt's start token: fragment 0
+    for k in range(L - 1):
+        head[k, _tok_id(k + 1, frags[k + 1])] = scale
+    params["lm_head"].set_value(jnp.asarray(head))
+    out = sampler(params, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool), jax.random.key(0),
+                  SamplerConfig(L, 0.0))
+    ids = [_tok_id(k, f) for k, f in enumerate(frags)]
+    got = np.asarray(out.tokens[0]).tolist()
+    n = auto.first_stop(ids, stop_ids)
+    assert n == _brute_first([SEQ_FRAGMENTS[f] for f in frags], [t.encode() for t in STOP_TAGS], stop_ids, ids)
+    assert int(out.lengths[0]) == (n or L) and bool(out.stopped[0]) == (n is not None)
+    assert got[: n or L] == ids[: n or L] and all(t == 0 for t in got[n or L:])
+    assert sampler._generate._cache_size() == 1  # one compiled program for every sequence
