@@ -5,14 +5,15 @@ Same surface as ``mempo_jax.tokenizer.SentencePieceTokenizer``: ``encode``, ``de
 
 * ``bos_id`` is ``None`` for tokenizers without a BOS token (Qwen2.5); prepend nothing then.
 * Protocol tags (``<mem>``, ``</search>``, …) are usually *several* byte-level BPE tokens of a
-  checkpoint's tokenizer, so ``piece_id`` raises ``KeyError`` for them. The rollout finds
-  ``<mem>`` spans and stop tags on ids as single tokens, so a run from a checkpoint uses
-  ``with_protocol_tags(embedding_rows)``: every tag becomes one added token whose id is a spare
-  embedding row (Qwen2.5: 151,936 rows vs 151,665 tokens) or a renamed reserved special token
-  (Llama 3: ``<|reserved_special_token_N|>``). Those rows are untrained at first; the SFT cold
-  start trains them. Without the tags (``TagCodec`` text mode), closing tags are detected on the
-  sampled ids through their bytes (``token_bytes`` + ``mempo_jax.stop_strings``), never by
-  re-tokenising text (ARCHITECTURE.md, token-in/token-out).
+  checkpoint's tokenizer, so ``piece_id`` raises ``KeyError`` for them. By default a run keeps
+  them so (``ModelOptions.tags = "text"``, ``TagCodec`` text mode): closing tags and ``<mem>``
+  spans are found on the sampled ids through their bytes (``token_bytes`` +
+  ``mempo_jax.stop_strings``), never by re-tokenising text (ARCHITECTURE.md, token-in/token-out).
+  With ``tags = "tokens"`` a run uses ``with_protocol_tags(embedding_rows)``: every tag becomes
+  one added token whose id is a spare embedding row (Qwen2.5: 151,936 rows vs 151,665 tokens), a
+  renamed reserved special token (Llama 3: ``<|reserved_special_token_N|>``) or, after the
+  embedding was resized to ``rows_for_protocol_tags`` (``model.resize``), a new row. Those rows are
+  untrained at first; the SFT cold start trains them.
 * The Qwen chat template (``<|im_start|>role\\n…<|im_end|>\\n``) is applied by ``chat_ids``,
   with the special tokens inserted as ids.
 
