@@ -119,7 +119,7 @@ class Sampler:
       stop_automaton: optional ``mempo_jax.stop_strings.StopAutomaton`` over the model's
         ``vocab_size`` ids: a row also stops at the first token that completes one of its stop
         strings in the decoded output (a closing tag written as several tokens, or ending inside
-        a token such as ``>\n``). Each row carries an automaton state (0 at its first generated
+        a token such as ``>\\n``). Each row carries an automaton state (0 at its first generated
         token, advanced by the prefill's token too); the ``[S, V]`` tables are arguments of the
         program (not constants), so samplers with equal table shapes share one compilation.
         ``None`` (default): the program is exactly the one without the option.

@@ -1,6 +1,6 @@
 """How the protocol tags are written in a tokenizer's ids: one id each, or plain text.
 
-Two modes (``RolloutConfig``/``ModelOptions.tags``):
+Two modes (``ModelOptions.tags``; ``python -m mempo_jax.evaluate --tags``):
 
 * ``"tokens"`` — every tag of ``protocol.ALL_TAG_PIECES`` is one id: the from-scratch
   SentencePiece tokenizer (user-defined pieces), or an HF tokenizer with the tags added as tokens.
@@ -13,7 +13,7 @@ Two modes (``RolloutConfig``/``ModelOptions.tags``):
   action tags lifted to ``[states, vocab]`` tables), and ``first_stop`` makes the same lookups on
   the host, so both agree on every row: the first token whose bytes complete ``</search>``,
   ``</access>`` or ``</answer>`` (a tag split across tokens, or ending inside a token such as
-  ``>\n``), or a stop id.
+  ``>\\n``), or a stop id.
 
 Every consumer (rollout, scripted agent, SFT reader, memory-reward scorer) goes through a
 ``TagCodec``, so the two modes differ in this module only.
