@@ -36,6 +36,12 @@ class ModelOptions:
       preset: a ``ModelConfig`` classmethod name (``tiny``, ``qwen2_5_0_5b``, …).
       overrides: ``(field, value)`` pairs applied to the preset (e.g. ``(("num_layers", 2),)``).
       checkpoint: a Hugging Face checkpoint folder to import instead of random weights ("" = none).
+      tags: how a checkpoint's policy writes the protocol tags (``agent.tags.TagCodec``):
+        ``"text"`` (default: the checkpoint keeps its own tokenization; ``</search>`` is several
+        BPE tokens, stops and ``<mem>`` spans are found on the sampled ids' bytes) or ``"tokens"``
+        (every tag one added token: spare embedding rows or reserved specials, else the embedding
+        and an untied LM head are resized, ``model.resize``). Ignored without a checkpoint: the
+        from-scratch tokenizer has every tag as a single piece (tokens mode).
       chat_template: how a checkpoint's policy is prompted: ``"auto"`` (its own chat template when
         the folder has one, else the plain prompt), ``"require"`` (its template, or a one-line
         error), ``"none"`` (the plain prompt of the from-scratch tokenizer).
@@ -47,17 +53,20 @@ class ModelOptions:
         filled in); "" = the shipped one.
 
     Raises:
-      ValueError: an unknown ``chat_template`` or ``tool_layout`` value.
+      ValueError: an unknown ``tags``, ``chat_template`` or ``tool_layout`` value.
     """
 
     preset: str = "tiny"
     overrides: tuple = ()
     checkpoint: str = ""
+    tags: str = "text"
     chat_template: str = "auto"
     tool_layout: str = "assistant"
     system_prompt_path: str = ""
 
     def __post_init__(self):
+        if self.tags not in ("text", "tokens"):
+            raise ValueError(f"ModelOptions.tags must be 'text' or 'tokens', got {self.tags!r}")
         if self.chat_template not in ("auto", "require", "none"):
             raise ValueError(f"ModelOptions.chat_template must be 'auto', 'require' or 'none', got {self.chat_template!r}")
         if self.tool_layout not in ("assistant", "user", "tool"):

@@ -10,7 +10,9 @@ context mode (MEMPO_SPEC §6).
 ``--hf_checkpoint DIR`` evaluates a Hugging Face folder (``config.json``, safetensors,
 ``tokenizer.json`` + ``tokenizer_config.json``: e.g. Qwen2.5-7B-Instruct zero-shot, a released
 MemPO checkpoint, or ``RUN_DIR/hf_export`` of our trainer) exactly as a run folder: the policy is
-``experiment.load_checkpoint_policy`` of it (the protocol tags as the trainer adds them), the
+``experiment.load_checkpoint_policy`` of it with ``--tags`` (``text``, the default: the folder's
+own tokenization, closing tags stop the turn when written as text; ``tokens``: the tags as added
+tokens, as a ``ModelOptions.tags = "tokens"`` run adds them), the
 rollout options are ``RolloutConfig()``'s and ``--topk`` defaults to 3 (override them with the
 flags below); ``--dtype bfloat16`` halves its memory.
 
@@ -220,11 +222,13 @@ def run_model_options(run_dir: pathlib.Path):
 
 
 def make_sample_fn(graphdef, model_cfg, fmt):
-    """The rollout's ``sample_fn`` over the jitted KV-cache sampler (as ``experiment.build_experiment``):
-    stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids, single-id closing action tags)."""
-    from mempo_jax.sampling import Sampler, SamplerConfig
+    """The rollout's ``sample_fn`` over the jitted KV-cache sampler (``experiment.make_sampler``, as
+    ``experiment.build_experiment``): stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids,
+    single-id closing action tags) and, in text mode, at the first closing action tag written as text."""
+    from mempo_jax.experiment import make_sampler
+    from mempo_jax.sampling import SamplerConfig
 
-    sampler = Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id)
+    sampler = make_sampler(graphdef, model_cfg, fmt)
 
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
@@ -290,6 +294,9 @@ def _parse_args(argv):
                    help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) instead of --run_dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and activation dtype of an --hf_checkpoint (default float32)")
+    p.add_argument("--tags", default="text", choices=("text", "tokens"),
+                   help="how an --hf_checkpoint writes the protocol tags: as text (default, its own tokenization) "
+                        "or as added tokens (ModelOptions.tags)")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="QA file (repeatable)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", help="Search-R1 corpus JSONL ({id, contents}) for a local BM25 index")
@@ -372,7 +379,8 @@ def run(args) -> dict:
     from mempo_jax.experiment import load_checkpoint_policy, policy_format
 
     if hf_dir is not None:
-        options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)))
+        options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)),
+                               tags=args.tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(options)
         fmt = policy_format(options, tokenizer)
     else:

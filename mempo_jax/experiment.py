@@ -15,6 +15,7 @@ import jax
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.protocol import render_turn
+from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
@@ -178,15 +179,18 @@ def policy_format(options, tokenizer, folder=None) -> AgentFormat:
     A checkpoint (``folder``, default ``options.checkpoint``): its own chat template around the
     MemPO system prompt (``AgentFormat.for_checkpoint``), per ``options.chat_template``:
     ``"auto"`` uses the template when the folder has one and the plain prompt otherwise,
-    ``"require"`` insists on one, ``"none"`` always uses the plain prompt.
+    ``"require"`` insists on one, ``"none"`` always uses the plain prompt; either way the tags
+    are written as ``options.tags`` says (``TagCodec``: ``"text"`` or ``"tokens"``).
 
     Args:
       options: a ``ModelOptions``.
-      tokenizer: the policy's tokenizer (protocol tags as single ids).
+      tokenizer: the policy's tokenizer (protocol tags as single ids in tokens mode).
       folder: where the tokenizer files and template live (a run folder's saved tokenizer).
 
     Raises:
       FileNotFoundError: ``chat_template = "require"`` and the folder has no template.
+      ValueError: ``tags = "tokens"`` and a tag is not one token of ``tokenizer``, or
+        ``tags = "text"`` and the tokenizer cannot write a tag (names the tag).
     """
     folder = folder or options.checkpoint
     if not folder:
@@ -194,8 +198,8 @@ def policy_format(options, tokenizer, folder=None) -> AgentFormat:
     has_template = (pathlib.Path(folder, "chat_template.jinja").is_file()
                     or "chat_template" in _json_or_empty(pathlib.Path(folder, "tokenizer_config.json")))
     if options.chat_template == "none" or (options.chat_template == "auto" and not has_template):
-        return AgentFormat.plain(tokenizer)
-    return AgentFormat.for_checkpoint(folder, tokenizer, tags="tokens", tool_layout=options.tool_layout,
+        return AgentFormat(tokenizer, TagCodec(tokenizer, options.tags))  # the plain prompt
+    return AgentFormat.for_checkpoint(folder, tokenizer, tags=options.tags, tool_layout=options.tool_layout,
                                       enabled_tools=("search", "access"),
                                       system_prompt_path=options.system_prompt_path or None)
 
@@ -211,24 +215,34 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     """Model and tokenizer of a Hugging Face checkpoint folder (``ModelOptions.checkpoint``).
 
     The weights come from ``load_hf_checkpoint`` (float32 unless ``options.overrides`` binds
-    ``dtype`` / ``param_dtype``); the tokenizer is the folder's ``tokenizer.json`` with the 12
-    protocol tags made single tokens in spare embedding rows or reserved tokens
-    (``HFTokenizer.with_protocol_tags``), untrained until the SFT cold start. ``options.preset``
-    is not used: the architecture is the checkpoint's ``config.json``.
+    ``dtype`` / ``param_dtype``); the tokenizer is the folder's ``tokenizer.json``.
+    ``options.tags`` chooses how the protocol tags are written:
+
+    * ``"text"`` (default): the tokenizer as it is; tags are several tokens (``TagCodec`` text mode).
+    * ``"tokens"``: the 12 tags become single tokens (``HFTokenizer.with_protocol_tags``) in spare
+      embedding rows or reserved specials; where those do not suffice the embedding (and an
+      untied LM head) gets new rows initialised as transformers' ``resize_token_embeddings``
+      (``model.resize.resize_vocab``: the old rows' mean, with its 1e-9-scaled covariance noise),
+      the row count rounded up to ``vocab_row_multiple(mesh)``. The new rows are untrained until
+      the SFT cold start.
+
+    ``options.preset`` is not used: the architecture is the checkpoint's ``config.json``.
 
     Args:
       options: a ``ModelOptions`` with ``checkpoint`` set.
       mesh, rules: as ``load_hf_checkpoint`` (params placed straight into their sharding).
 
     Returns:
-      ``(model_cfg, graphdef, params, tokenizer)``.
+      ``(model_cfg, graphdef, params, tokenizer)``; ``model_cfg.vocab_size`` is the (possibly
+      resized) number of embedding rows.
 
     Raises:
-      ValueError: for an override other than ``dtype`` / ``param_dtype``, or no room for a tag;
+      ValueError: for an override other than ``dtype`` / ``param_dtype``;
         ``CheckpointError`` (a ``ValueError``) / ``FileNotFoundError`` for a bad or missing folder.
     """
     from mempo_jax.hf_tokenizer import HFTokenizer
     from mempo_jax.model.hf_io import load_hf_checkpoint
+    from mempo_jax.model.resize import padded_rows, resize_vocab, vocab_row_multiple
     from mempo_jax.sharding import DEFAULT_RULES
 
     dtypes = dict(options.overrides)
@@ -237,9 +251,33 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
                          f"the architecture of checkpoint {options.checkpoint}; only dtype / param_dtype")
     if not pathlib.Path(options.checkpoint, "config.json").is_file():
         raise FileNotFoundError(f"ModelOptions.checkpoint: no config.json in {options.checkpoint}")
-    model_cfg, graphdef, params = load_hf_checkpoint(options.checkpoint, mesh, rules or DEFAULT_RULES, **dtypes)
-    tokenizer = HFTokenizer(options.checkpoint).with_protocol_tags(model_cfg.vocab_size)
-    return model_cfg, graphdef, params, tokenizer
+    rules = rules or DEFAULT_RULES
+    model_cfg, graphdef, params = load_hf_checkpoint(options.checkpoint, mesh, rules, **dtypes)
+    tokenizer = HFTokenizer(options.checkpoint)
+    if options.tags == "text":
+        return model_cfg, graphdef, params, tokenizer
+    rows = tokenizer.rows_for_protocol_tags(model_cfg.vocab_size)
+    if rows > model_cfg.vocab_size:  # no spare rows / reserved tokens left: grow the embedding
+        rows = padded_rows(rows, vocab_row_multiple(mesh, rules))
+        model_cfg, graphdef, params = resize_vocab(model_cfg, params, rows, mesh=mesh, rules=rules)
+    return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
+
+
+def make_sampler(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
+    """The policy's ``Sampler``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids and, in
+    tokens mode, the closing action tags) and, in text mode, at the first closing action tag of
+    each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding rows).
+
+    Args:
+      graphdef, model_cfg: the policy model.
+      fmt: its ``AgentFormat``.
+      mesh, rules: as ``Sampler`` (``None``: one device).
+    """
+    from mempo_jax.sharding import DEFAULT_RULES
+
+    kw = {} if mesh is None else {"mesh": mesh, "rules": DEFAULT_RULES if rules is None else rules}
+    return Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
+                   stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), **kw)
 
 
 def _train_tokenizer(texts, cache_dir, vocab_size: int):
@@ -296,17 +334,15 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
 
             graphdef, params = init_sharded_params(model_cfg, cfg.seed, mesh, DEFAULT_RULES if rules is None else rules)
     fmt = policy_format(cfg.model, tokenizer)
-    # EOS ∪ (HF) generation-config EOS and end-of-turn ids (<|im_end|>, …) ∪ single-id closing tags
-    stop_ids = list(fmt.codec.stop_ids)
     scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
     if mesh is None:
-        sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id)
+        sampler = make_sampler(graphdef, model_cfg, fmt)
     else:
         from mempo_jax import sharding
 
         rules = sharding.DEFAULT_RULES if rules is None else rules
         params = sharding.shard_params(params, mesh, rules)
-        sampler = Sampler(graphdef, model_cfg, stop_ids, tokenizer.pad_id, mesh=mesh, rules=rules)
+        sampler = make_sampler(graphdef, model_cfg, fmt, mesh=mesh, rules=rules)
         scorer_kw.update(min_rows=max(8, sharding.batch_shards(mesh, rules)),
                          batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
                          param_shardings=sharding.param_shardings(params, mesh, rules))

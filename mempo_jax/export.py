@@ -69,9 +69,8 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     tmp = folder.with_name(folder.name + ".tmp")
     if writer and tmp.exists():
         shutil.rmtree(tmp)
-    save_hf_checkpoint(tmp, model_cfg, params, extra_config=extra)
+    save_hf_checkpoint(tmp, model_cfg, params, extra_config=extra, tokenizer=tokenizer)
     if writer:
-        tokenizer.save(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

@@ -10,9 +10,9 @@ Same surface as ``mempo_jax.tokenizer.SentencePieceTokenizer``: ``encode``, ``de
   ``with_protocol_tags(embedding_rows)``: every tag becomes one added token whose id is a spare
   embedding row (Qwen2.5: 151,936 rows vs 151,665 tokens) or a renamed reserved special token
   (Llama 3: ``<|reserved_special_token_N|>``). Those rows are untrained at first; the SFT cold
-  start trains them. Without the tags, closing tags can still be detected on the sampled ids by
-  decoding (``tag_stop_matcher`` / ``first_tag_stop``), never by re-tokenising text
-  (ARCHITECTURE.md, token-in/token-out).
+  start trains them. Without the tags (``TagCodec`` text mode), closing tags are detected on the
+  sampled ids through their bytes (``token_bytes`` + ``mempo_jax.stop_strings``), never by
+  re-tokenising text (ARCHITECTURE.md, token-in/token-out).
 * The Qwen chat template (``<|im_start|>role\\n…<|im_end|>\\n``) is applied by ``chat_ids``,
   with the special tokens inserted as ids.
 
@@ -27,7 +27,7 @@ import os
 import pathlib
 import re
 import shutil
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
@@ -38,6 +38,8 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # End-of-turn / end-of-text specials of the supported families (Qwen2.5, Llama 3.x).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 # Llama 3 reserves 248 such tokens (ids 128002…128255, minus the named ones); free for the tags.
+# Files of a checkpoint folder that ``save`` copies beside the written ``tokenizer.json``.
+COPIED_FILES = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json")
 RESERVED_TOKEN = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
 
 
@@ -97,6 +99,7 @@ class HFTokenizer:
             extra = [gen] if isinstance(gen, int) else list(gen or [])
         self.extra_eos_ids = tuple(int(i) for i in extra if int(i) != self.eos_id)
         self.tag_ids = {t: int(i) for t in ALL_TAG_PIECES if (i := self._tok.token_to_id(t)) is not None}
+        self._token_bytes: tuple[bytes, ...] | None = None
 
     def encode(self, text: str) -> list[int]:
         """Text → ids, no BOS/EOS added. Special-token strings in ``text`` map to their ids."""
@@ -159,11 +162,7 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {self.path} has ids up to {top - 1} but the model has only "
                              f"{embedding_rows} embedding rows")
         data = json.loads(self._tok.to_str())
-        keep = {self.eos_id, self.pad_id, self.bos_id, *self.extra_eos_ids, *self.end_of_turn_ids}
-        reserved = sorted((int(m.group(1)), entry) for entry in data.get("added_tokens", [])
-                          if (m := RESERVED_TOKEN.match(entry["content"])) and entry["id"] not in keep
-                          and entry["id"] < embedding_rows)
-        reserved_entries = [entry for _, entry in reserved]
+        reserved_entries = self._free_reserved(data, embedding_rows)
         model_vocab = data.get("model", {}).get("vocab")
         added = {entry["content"] for entry in data.get("added_tokens", [])}
         want: dict[str, int] = {}
@@ -197,6 +196,7 @@ class HFTokenizer:
             want[tag] = int(entry["id"])
         out = copy.copy(self)
         out._tok = Tokenizer.from_str(json.dumps(data))
+        out._token_bytes = None
         got = {tag: out._tok.token_to_id(tag) for tag in want}
         if got != want:  # the tokenizers library assigned other ids than planned
             raise ValueError(f"protocol tags got ids {got}, expected {want}")
@@ -204,20 +204,83 @@ class HFTokenizer:
         out.tag_ids = want
         return out
 
+    def _free_reserved(self, data: dict, embedding_rows: int) -> list[dict]:
+        """The ``added_tokens`` entries of ``data`` (``tokenizer.json``) that are unused reserved
+        specials (``<|reserved_special_token_N|>``, lowest N first) below ``embedding_rows``."""
+        keep = {self.eos_id, self.pad_id, self.bos_id, *self.extra_eos_ids, *self.end_of_turn_ids}
+        reserved = sorted((int(m.group(1)), entry) for entry in data.get("added_tokens", [])
+                          if (m := RESERVED_TOKEN.match(entry["content"])) and entry["id"] not in keep
+                          and entry["id"] < embedding_rows)
+        return [entry for _, entry in reserved]
+
+    def rows_for_protocol_tags(self, embedding_rows: int, tags: Sequence[str] = ALL_TAG_PIECES) -> int:
+        """The fewest embedding rows (≥ ``embedding_rows``) with room for every tag as one token:
+        ``embedding_rows`` when spare rows or free reserved tokens suffice, else the tokenizer's
+        ids plus one new row per tag that has neither. ``with_protocol_tags(rows)`` then succeeds
+        (for any ``rows`` at least this; the model's embedding must be resized to it first)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        top = max(vocab.values()) + 1
+        missing = [t for t in dict.fromkeys(tags) if t not in vocab]
+        free = len(self._free_reserved(json.loads(self._tok.to_str()), embedding_rows))
+        spare = max(0, embedding_rows - top)
+        return int(embedding_rows) + max(0, len(missing) - free - spare)
+
     def save(self, folder: str | os.PathLike) -> pathlib.Path:
         """Write ``tokenizer.json`` (incl. added protocol tags) into ``folder`` and copy the
-        source's ``tokenizer_config.json``, ``generation_config.json``, ``special_tokens_map.json``
-        and ``chat_template.jinja`` beside it (those present), so an exported checkpoint folder
-        (``save_hf_checkpoint``) loads with its tags and chat template. Returns the folder."""
+        source's ``tokenizer_config.json``, ``generation_config.json``, ``chat_template.jinja`` and
+        ``special_tokens_map.json`` (``COPIED_FILES``, those present) beside it, so an exported
+        checkpoint folder (``save_hf_checkpoint``) loads with its tags and chat template. Returns
+        the folder."""
         folder = pathlib.Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(folder / "tokenizer.json"))
-        for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                     "chat_template.jinja"):
+        for name in COPIED_FILES:
             src = self.path.parent / name
             if src.is_file() and src.resolve() != (folder / name).resolve():
                 shutil.copyfile(src, folder / name)
         return folder
+
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """The bytes each id ``0 … vocab_size - 1`` decodes to (cached), so that the bytes of a
+        sequence are the concatenation of its tokens' bytes (``stop_strings`` matches stop tags on
+        them).
+
+        * Added tokens: their content in UTF-8; pad, EOS and BOS: ``b""`` (``decode`` drops them).
+        * ``ByteLevel`` decoder (GPT-2, Qwen2, Llama 3, SmolLM): the vocabulary string through the
+          inverse GPT-2 byte map. Exact: ``decode(ids)`` is these bytes decoded as UTF-8 with
+          replacement.
+        * ``Metaspace`` / ``ByteFallback`` decoders (SentencePiece-style ``tokenizer.json``):
+          ``▁`` → space, ``<0xNN>`` → byte NN. Exact up to the leading space ``Strip`` removes.
+        * Any other decoder: ``decode([id])`` per id (exact only for context-free decoders).
+        """
+        if self._token_bytes is not None:
+            return self._token_bytes
+        from mempo_jax.stop_strings import gpt2_unicode_to_bytes
+
+        data = json.loads(self._tok.to_str())
+        decoders = data.get("decoder") or {}
+        kinds = {d.get("type") for d in decoders.get("decoders", [decoders])} if decoders else set()
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        out: list[bytes] = [b""] * self.vocab_size
+        if "ByteLevel" in kinds:
+            table = gpt2_unicode_to_bytes()
+            for piece, i in vocab.items():
+                out[i] = bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode("utf-8")
+        elif kinds & {"Metaspace", "ByteFallback"}:
+            byte_piece = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+            for piece, i in vocab.items():
+                m = byte_piece.match(piece) if "ByteFallback" in kinds else None
+                out[i] = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+        else:
+            for i in range(self.vocab_size):
+                out[i] = self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+        for entry in data.get("added_tokens", []):
+            if entry["id"] < self.vocab_size:
+                out[entry["id"]] = entry["content"].encode("utf-8")
+        for i in {self.pad_id, self.eos_id, self.bos_id} - {None}:
+            out[i] = b""
+        self._token_bytes = tuple(out)
+        return self._token_bytes
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
@@ -227,7 +290,7 @@ class HFTokenizer:
 
     def stop_ids(self, tags: Sequence[str] = STOP_TAGS) -> tuple[int, ...]:
         """The sampler's stop set: EOS ∪ generation-config EOS ids ∪ end-of-turn ids ∪ the ids of
-        those ``tags`` that are single tokens. Multi-token tags need ``tag_stop_matcher``."""
+        those ``tags`` that are single tokens. Multi-token tags need ``stop_strings.StopAutomaton``."""
         ids = {self.eos_id, *self.extra_eos_ids, *self.end_of_turn_ids}
         for tag in tags:
             i = self._tok.token_to_id(tag)
@@ -268,53 +331,3 @@ class HFTokenizer:
         if add_generation_prompt:
             ids += [start] + self.encode("assistant\n")
         return ids
-
-
-def tag_stop_matcher(tokenizer, tags: Sequence[str] = STOP_TAGS) -> Callable[[Sequence[int]], bool]:
-    """Build ``matches(ids) -> bool``: True iff the decoded text of ``ids`` has an occurrence of
-    one of ``tags`` that ends inside the text of the *last* id (so it fires exactly once, at the
-    token that completes the tag, also when that token carries more text, e.g. ``">\\n"``).
-
-    Only the last ``max tag bytes + 1`` ids are decoded (a tag of b bytes spans at most b ids).
-    Works for any tokenizer with ``decode(ids) -> str``.
-
-    Raises:
-      ValueError: if ``tags`` is empty or contains an empty string.
-    """
-    if not tags or any(not t for t in tags):
-        raise ValueError(f"tags must be non-empty strings, got {tags!r}")
-    window = max(len(t.encode("utf-8")) for t in tags) + 1
-    longest = max(len(t) for t in tags)
-
-    def matches(ids: Sequence[int]) -> bool:
-        ids = [int(i) for i in ids]
-        if not ids:
-            return False
-        tail = ids[-window:]
-        text = tokenizer.decode(tail)
-        before = len(tokenizer.decode(tail[:-1]))
-        region = text[max(0, before - longest + 1):]
-        offset = max(0, before - longest + 1)
-        for tag in tags:
-            pos = region.find(tag)
-            while pos >= 0:
-                if offset + pos + len(tag) > before:
-                    return True
-                pos = region.find(tag, pos + 1)
-        return False
-
-    return matches
-
-
-def first_tag_stop(tokenizer, tags: Sequence[str], ids: Sequence[int]) -> int | None:
-    """Length of the shortest prefix of ``ids`` whose decoded text contains one of ``tags``
-    (keep ``ids[:n]``, the turn ends there), or None. Host-side, for sampled rows.
-
-    Raises:
-      ValueError: as ``tag_stop_matcher``.
-    """
-    matches = tag_stop_matcher(tokenizer, tags)
-    for n in range(1, len(ids) + 1):
-        if matches(ids[:n]):
-            return n
-    return None

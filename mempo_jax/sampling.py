@@ -116,20 +116,40 @@ class Sampler:
         ``cache_shardings`` (rows over data × fsdp, kv heads over tensor when they divide).
         Inputs are put on those shardings before the call.
       rules: logical → mesh axis rules.
+      stop_automaton: optional ``mempo_jax.stop_strings.StopAutomaton`` over the model's
+        ``vocab_size`` ids: a row also stops at the first token that completes one of its stop
+        strings in the decoded output (a closing tag written as several tokens, or ending inside
+        a token such as ``>\n``). Each row carries an automaton state (0 at its first generated
+        token, advanced by the prefill's token too); the ``[S, V]`` tables are arguments of the
+        program (not constants), so samplers with equal table shapes share one compilation.
+        ``None`` (default): the program is exactly the one without the option.
 
     Compiles once per (B, P, N, greedy, top_p < 1); temperature and top_p values are traced.
     The jitted program is shared by every ``Sampler`` with equal (graphdef, model_cfg, stop_ids,
-    pad_id, mesh, rules), so building samplers per rollout call costs no recompilation.
+    pad_id, mesh, rules, automaton table shape), so building samplers per rollout call costs no
+    recompilation.
+
+    Raises:
+      ValueError: if ``stop_automaton`` covers another number of ids than ``model_cfg.vocab_size``.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int,
-                 *, mesh=None, rules=DEFAULT_RULES):
+                 *, mesh=None, rules=DEFAULT_RULES, stop_automaton=None):
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
         self.mesh, self.rules = mesh, tuple(rules)
-        self._generate = _compiled_generate(graphdef, model_cfg, self.stop_ids, self.pad_id)
+        self.stop_automaton = stop_automaton
+        self._tables = None
+        if stop_automaton is not None:
+            if stop_automaton.vocab_size != model_cfg.vocab_size:
+                raise ValueError(f"stop_automaton covers {stop_automaton.vocab_size} ids but the model has "
+                                 f"{model_cfg.vocab_size} embedding rows")
+            tables = (np.asarray(stop_automaton.next_state, np.int32), np.asarray(stop_automaton.completes, bool))
+            self._tables = jax.device_put(tables, replicated(mesh)) if mesh is not None else tuple(map(jnp.asarray, tables))
+        self._fsm_shape = None if stop_automaton is None else tuple(stop_automaton.next_state.shape)
+        self._generate = _compiled_generate(graphdef, model_cfg, self.stop_ids, self.pad_id, fsm_shape=self._fsm_shape)
         if mesh is not None:
             self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], mesh, self.rules)
 
@@ -162,22 +182,25 @@ class Sampler:
         temperature = 1.0 if cfg.greedy else cfg.temperature
         if self.mesh is not None:
             return self._call_sharded(params, prompt_ids, prompt_mask, key, temperature, cfg)
+        extra = () if self._tables is None else (self._tables,)
         return self._generate(
             params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool), key,
-            jnp.float32(temperature), jnp.float32(cfg.top_p),
+            jnp.float32(temperature), jnp.float32(cfg.top_p), *extra,
             max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, use_top_p=cfg.top_p < 1.0,
         )
 
     def _call_sharded(self, params, prompt_ids, prompt_mask, key, temperature, cfg: SamplerConfig) -> SampleOutput:
         b, p = prompt_ids.shape
         generate = _compiled_generate(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.mesh,
-                                      self.rules, (b, p, cfg.max_new_tokens, cfg.greedy, cfg.top_p < 1.0))
+                                      self.rules, (b, p, cfg.max_new_tokens, cfg.greedy, cfg.top_p < 1.0),
+                                      fsm_shape=self._fsm_shape)
         rows = logical_to_sharding(("batch", None), self.mesh, self.rules, (b, p))
         rep = replicated(self.mesh)
         params = jax.device_put(params, self.param_shardings)
         ids, mask = jax.device_put((_as(prompt_ids, np.int32), _as(prompt_mask, np.bool_)), rows)
         key, temp, top_p = jax.device_put((key, np.float32(temperature), np.float32(cfg.top_p)), rep)
-        return generate(params, ids, mask, key, temp, top_p)
+        extra = () if self._tables is None else (self._tables,)
+        return generate(params, ids, mask, key, temp, top_p, *extra)
 
 
 # ----------------------------------------------------------------------------------- internals
@@ -189,11 +212,14 @@ def _as(x, dtype):
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh=None, rules=None, static=None):
+def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh=None, rules=None, static=None, fsm_shape=None):
     """The jitted generate program. With ``mesh`` it is built for one ``static = (B, P, N, greedy,
     use_top_p)`` (bound here: jit takes no keyword arguments with in_shardings), declares in/out
-    shardings and constrains the KV cache."""
+    shardings and constrains the KV cache. With ``fsm_shape`` (the ``[S, V]`` stop-automaton
+    tables) it takes the tables as a last argument ``(next_state, completes)``."""
     impl = functools.partial(_generate_impl, graphdef, model_cfg, stop_ids, pad_id)
+    if fsm_shape is not None:
+        impl = functools.partial(_generate_with_automaton, impl)
     if mesh is None:
         return jax.jit(impl, static_argnames=("max_new_tokens", "greedy", "use_top_p"))
     b, p, n, greedy, use_top_p = static
@@ -203,7 +229,15 @@ def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh=None, rules=N
     ids = logical_to_sharding(("batch", None), mesh, rules, (b, p))
     rows = logical_to_sharding(("batch",), mesh, rules, (b,))
     rep = replicated(mesh)
-    return jax.jit(impl, in_shardings=(params, ids, ids, rep, rep, rep), out_shardings=SampleOutput(ids, ids, ids, rows, rows))
+    in_shardings = (params, ids, ids, rep, rep, rep) + (() if fsm_shape is None else ((rep, rep),))
+    return jax.jit(impl, in_shardings=in_shardings, out_shardings=SampleOutput(ids, ids, ids, rows, rows))
+
+
+def _generate_with_automaton(impl, params, prompt_ids, prompt_mask, key, temperature, top_p, tables, *,
+                             max_new_tokens, greedy, use_top_p, cache_sharding=None):
+    """``_generate_impl`` with the stop automaton's tables as one positional argument."""
+    return impl(params, prompt_ids, prompt_mask, key, temperature, top_p, max_new_tokens=max_new_tokens,
+                greedy=greedy, use_top_p=use_top_p, cache_sharding=cache_sharding, fsm_tables=tables)
 
 
 def _pick(logits, step, key, temperature, top_p, greedy, use_top_p):
@@ -229,7 +263,7 @@ def _is_stop(tok, stop_ids):
 
 
 def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, prompt_mask, key, temperature,
-                   top_p, *, max_new_tokens, greedy, use_top_p, cache_sharding=None):
+                   top_p, *, max_new_tokens, greedy, use_top_p, cache_sharding=None, fsm_tables=None):
     model = nnx.merge(graphdef, params)
     b, p = prompt_ids.shape
     n = max_new_tokens
@@ -256,14 +290,19 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
     logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp0)
     valid = jnp.zeros((b, n), bool).at[:, 0].set(True)
     done = _is_stop(tok0, stop_ids)
+    if fsm_tables is not None:  # stop strings: per-row automaton state, advanced by every token
+        next_state, completes = fsm_tables
+        fsm0 = jnp.zeros((b,), jnp.int32)
+        done = done | completes[fsm0, tok0]
+        fsm0 = next_state[fsm0, tok0]
 
     def cond(state):
-        i, _, _, _, done, _ = state
+        i, done = state[0], state[4]
         return (i < n) & ~jnp.all(done)
 
     def body(state):
         # Feed token i-1 (slot P+i-1, position plen+i-1), sample token i.
-        i, tokens, logps, valid, done, cache = state
+        i, tokens, logps, valid, done, cache = state[:6]
         prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
         slot = p + i - 1
         attend = prompt_slots | ((slots[None, :] >= p) & (slots[None, :] <= slot))  # [B, S]
@@ -275,9 +314,15 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok[:, None], i, axis=1)
         logps = jax.lax.dynamic_update_slice_in_dim(logps, lp[:, None], i, axis=1)
         valid = jax.lax.dynamic_update_slice_in_dim(valid, active[:, None], i, axis=1)
-        done = done | (active & _is_stop(tok, stop_ids))
-        return i + 1, tokens, logps, valid, done, cache
+        if fsm_tables is None:
+            done = done | (active & _is_stop(tok, stop_ids))
+            return i + 1, tokens, logps, valid, done, cache
+        fsm = state[6]
+        done = done | (active & (_is_stop(tok, stop_ids) | completes[fsm, tok]))
+        return i + 1, tokens, logps, valid, done, cache, next_state[fsm, tok]
 
     state = (jnp.int32(1), tokens, logps, valid, done, cache)
-    _, tokens, logps, valid, done, _ = jax.lax.while_loop(cond, body, state)
+    if fsm_tables is not None:
+        state = state + (fsm0,)
+    _, tokens, logps, valid, done = jax.lax.while_loop(cond, body, state)[:5]
     return SampleOutput(tokens, logps, valid, jnp.sum(valid, axis=-1).astype(jnp.int32), done)

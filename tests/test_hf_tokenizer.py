@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mempo_jax.agent.protocol import STOP_TAGS
-from mempo_jax.hf_tokenizer import QWEN_DEFAULT_SYSTEM, HFTokenizer, first_tag_stop, tag_stop_matcher
+from mempo_jax.hf_tokenizer import QWEN_DEFAULT_SYSTEM, HFTokenizer
+from mempo_jax.stop_strings import StopAutomaton, token_bytes
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT = [
@@ -72,13 +73,21 @@ def test_chat_ids_equal_encoding_of_the_rendered_template(tok):
     assert tok.decode(own_system) == "<|im_start|>system\nbe brief\n<|im_start|>user\nwho wrote hamlet?\n"
 
 
-def test_tag_stop_matcher_fires_once_at_the_completing_token(tok):
+def _first_stop(tok, ids):
+    return StopAutomaton.build(STOP_TAGS, token_bytes(tok)).first_stop(ids)
+
+
+def _brute(tok, ids):
+    """Shortest prefix whose decoded text contains a closing tag (decode every prefix)."""
+    return next((n for n in range(1, len(ids) + 1) if any(t in tok.decode(ids[:n]) for t in STOP_TAGS)), None)
+
+
+def test_tag_stop_fires_at_the_completing_token(tok):
     ids = tok.encode("<think>need the river</think><search>river paris</search>")
-    matches = tag_stop_matcher(tok, STOP_TAGS)
-    fired = [n for n in range(1, len(ids) + 1) if matches(ids[:n])]
-    assert fired == [len(ids)]
-    assert not matches(tok.encode("<search>river paris</sea"))
-    assert first_tag_stop(tok, STOP_TAGS, ids + tok.encode(" the capital")) == len(ids)
+    assert len(tok.encode("</search>")) > 1
+    assert _first_stop(tok, ids) == len(ids)
+    assert _first_stop(tok, tok.encode("<search>river paris</sea")) is None
+    assert _first_stop(tok, ids + tok.encode(" the capital")) == len(ids)
 
 
 WORDS = ["the", " paris", " river", "?", " 東京", "naïve", "</search>", "</answer>", "<mem>", "</", "search>",
@@ -89,14 +98,20 @@ WORDS = ["the", " paris", " river", "?", " 東京", "naïve", "</search>", "</an
 @given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=14))
 def test_first_tag_stop_equals_brute_force(tok, words):
     ids = tok.encode("".join(words))
-    brute = next((n for n in range(1, len(ids) + 1) if any(t in tok.decode(ids[:n]) for t in STOP_TAGS)), None)
-    assert first_tag_stop(tok, STOP_TAGS, ids) == brute
+    assert _first_stop(tok, ids) == _brute(tok, ids)
+
+
+def test_token_bytes_concatenate_to_the_decoded_text(tok):
+    ids = tok.encode("naïve café — 東京 <mem>x</mem>") + [tok.eos_id, tok.pad_id, 1]
+    table = token_bytes(tok)
+    assert len(table) == tok.vocab_size and table[tok.eos_id] == table[tok.pad_id] == b""
+    assert b"".join(table[i] for i in ids).decode() == tok.decode(ids)
 
 
 def test_tag_ending_inside_a_longer_token(tmp_path):
     merged = HFTokenizer(_train(tmp_path / "merged", added=["h>\n"]))  # "</search>\n" ends in "h>\n"
     ids = merged.encode("river paris</search>\nmore text")
-    n = first_tag_stop(merged, STOP_TAGS, ids)
+    n = _first_stop(merged, ids)
     assert merged._tok.id_to_token(ids[n - 1]) == "h>\n"
     assert merged.decode(ids[:n]).endswith("</search>\n")
-    assert tag_stop_matcher(merged, STOP_TAGS)(ids[:n]) and not tag_stop_matcher(merged, STOP_TAGS)(ids[:n + 1])
+    assert n == _brute(merged, ids)

@@ -111,7 +111,7 @@ def _config(checkpoint_dir, temperature):
                                 temperature=temperature, context_steps=1, min_rows_bucket=4)
     rl = RLConfig(steps=1, questions_per_step=2, group_size=2, num_mini_batches=2, loss=LossConfig(),
                   rollout=rollout_cfg)
-    return ExperimentConfig(seed=0, world=WORLD, model=ModelOptions(checkpoint=str(checkpoint_dir)), rl=rl)
+    return ExperimentConfig(seed=0, world=WORLD, model=ModelOptions(checkpoint=str(checkpoint_dir), tags="tokens"), rl=rl)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
     # Export back to the HF layout (weights + tokenizer with its tags) and re-import.
     save_hf_checkpoint(tmp_path, exp.model_cfg, learner.params)
     exp.tokenizer.save(tmp_path)
-    cfg2, _, params2, tok2 = load_checkpoint_policy(ModelOptions(checkpoint=str(tmp_path)))
+    cfg2, _, params2, tok2 = load_checkpoint_policy(ModelOptions(checkpoint=str(tmp_path), tags="tokens"))
     assert cfg2 == exp.model_cfg and tok2.tag_ids == exp.tokenizer.tag_ids
     for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

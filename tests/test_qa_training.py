@@ -40,6 +40,7 @@ transformers = pytest.importorskip("transformers")
 from mempo_jax import evaluate as ev  # noqa: E402
 from mempo_jax import train  # noqa: E402
 from mempo_jax.agent.protocol import render_turn  # noqa: E402
+from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.agent.rollout import build_prompt  # noqa: E402
 from mempo_jax.checkpoint import read_checkpoint  # noqa: E402
 from mempo_jax.data.qa_questions import load_qa_questions  # noqa: E402
@@ -101,7 +102,7 @@ def scripted_checkpoint(data, tmp_path_factory):
     chain = tok.encode(render_turn(mem_word, think_word, "search", query))
     assert len(chain) == 9 and len(set(chain)) == 9, tok.decode(chain)
     nl, info_close = tok.encode("\n")[-1], tok.piece_id("</information>")
-    assert {build_prompt(tok, q.question)[-1] for q in questions} == {nl}
+    assert {build_prompt(AgentFormat.plain(tok), q.question)[-1] for q in questions} == {nl}
     transitions = [(nl, chain[0]), (info_close, chain[0])] + list(zip(chain[:-1], chain[1:]))
 
     cfg = ModelConfig.tiny(VOCAB + SPARE, embed_dim=D_MODEL, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -178,7 +179,8 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
     rc = _train_in_process(run, [
         'ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
         f'ExperimentConfig.eval_path="{data / BAMBOOGLE}"', f'ExperimentConfig.retriever_url="{retriever}"',
-        f'ModelOptions.checkpoint="{folder}"', "ModelOptions.overrides=()", "SFTConfig.steps=0",
+        f'ModelOptions.checkpoint="{folder}"', 'ModelOptions.tags="tokens"', "ModelOptions.overrides=()",
+        "SFTConfig.steps=0",
         "RLConfig.num_mini_batches=1", "RolloutConfig.temperature=1.0", "rl/OptimConfig.learning_rate=1e-3",
         *SMALL_RUN], tmp)
     assert rc == 0
@@ -298,7 +300,7 @@ def test_evaluate_hf_checkpoint_zero_shot_on_pooled_hotpotqa(scripted_checkpoint
     paragraphs: every question runs two searches and no answer."""
     folder, _, _ = scripted_checkpoint
     out = tmp_path / "out"
-    assert ev.main(["--hf_checkpoint", str(folder), "--dataset",
+    assert ev.main(["--hf_checkpoint", str(folder), "--tags", "tokens", "--dataset",
                     f"hotpotqa={data / 'hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl'}", "--limit", "2",
                     "--modes", "1", "--max_turns", "2", "--max_new_tokens", "12", "--out", str(out)]) == 0
     m = json.loads((out / "eval.json").read_text())["hotpotqa"]["k1"]

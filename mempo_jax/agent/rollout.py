@@ -67,12 +67,15 @@ def encode_observation(fmt: AgentFormat, text: str, max_tokens: int) -> list[int
 
 def make_turn(fmt: AgentFormat, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
     """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids
-    (``fmt.mem_span``: by id in tokens mode, by token offsets in text mode).
+    (``fmt.mem_span``: by id in tokens mode, by token byte offsets in text mode).
 
-    A turn that ran out of its token budget without a stop tag is a format failure.
+    The parser reads ``fmt.codec.turn_text(ids)``: the decoded ids, in text mode cut right after
+    the first closing action tag (a stop token such as ``>.`` carries text past the tag that the
+    policy did not choose to write). The recorded ids are the sampled ones, unchanged. A turn that
+    ran out of its token budget without a stop tag is a format failure.
     """
     ids = [int(i) for i in output_ids]
-    parsed = parse_turn(fmt.tokenizer.decode(ids))
+    parsed = parse_turn(fmt.codec.turn_text(ids))
     if not stopped and parsed.error is None:
         parsed = ParsedTurn(parsed.mem, parsed.think, None, None, "turn ended without a closing action tag")
     span = fmt.mem_span(ids)

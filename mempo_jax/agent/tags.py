@@ -6,9 +6,14 @@ Two modes (``RolloutConfig``/``ModelOptions.tags``):
   SentencePiece tokenizer (user-defined pieces), or an HF tokenizer with the tags added as tokens.
   Spans and stops are found by id comparison.
 * ``"text"`` — the tags are ordinary text, several BPE tokens each (how a checkpoint SFT'd on
-  text trajectories writes them). Spans and stops are found on the sampled ids through their
-  decoded text and each token's character offsets, never by re-tokenising text (ARCHITECTURE.md,
-  token-in/token-out).
+  text trajectories writes them). Spans and stops are found on the sampled ids through the bytes
+  each token decodes to (``HFTokenizer.token_bytes``) and their offsets, never by re-tokenising
+  text (ARCHITECTURE.md, token-in/token-out). The sampler stops a row on the device with the
+  codec's ``stop_automaton`` (``mempo_jax.stop_strings``: a byte automaton over the closing
+  action tags lifted to ``[states, vocab]`` tables), and ``first_stop`` makes the same lookups on
+  the host, so both agree on every row: the first token whose bytes complete ``</search>``,
+  ``</access>`` or ``</answer>`` (a tag split across tokens, or ending inside a token such as
+  ``>\n``), or a stop id.
 
 Every consumer (rollout, scripted agent, SFT reader, memory-reward scorer) goes through a
 ``TagCodec``, so the two modes differ in this module only.
@@ -19,6 +24,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, STOP_TAGS
+from mempo_jax.agent.trajectory import find_span
+from mempo_jax.stop_strings import StopAutomaton, find_text_span, token_bytes
 
 TAG_MODES = ("tokens", "text")
 
@@ -36,8 +43,9 @@ class TagCodec:
         mode, the closing action tags.
 
     Raises:
-      ValueError: unknown mode, or (``tokens`` mode) a tag that is not a single piece of the
-        tokenizer (the message names the tag).
+      ValueError: unknown mode, (``tokens`` mode) a tag that is not a single piece of the
+        tokenizer, or (``text`` mode) a tag the tokenizer cannot write (its ids do not decode back
+        to the tag); the message names the tag.
     """
 
     def __init__(self, tokenizer, mode: str = "tokens"):
@@ -52,6 +60,14 @@ class TagCodec:
                 except KeyError:
                     raise ValueError(f"tags='tokens' needs every protocol tag as one token, but {tag!r} is not a "
                                      f"single piece of this tokenizer (use tags='text', or add the tags)") from None
+        else:
+            for tag in ALL_TAG_PIECES:
+                ids = list(tokenizer.encode(tag))
+                if not ids or tokenizer.decode(ids) != tag:
+                    raise ValueError(f"tags='text': the tokenizer cannot write the protocol tag {tag!r} "
+                                     f"(encodes to {ids}, which decode to {tokenizer.decode(ids)!r})")
+        self._bytes: Optional[list[bytes]] = None
+        self._automata: dict[int, StopAutomaton] = {}
         stop = {int(tokenizer.eos_id)}
         if hasattr(tokenizer, "stop_ids"):  # HF: generation-config EOS ids and end-of-turn specials
             stop |= set(int(i) for i in tokenizer.stop_ids(()))
@@ -72,6 +88,28 @@ class TagCodec:
             return [self._ids[tag]]
         return list(self.tokenizer.encode(tag))
 
+    def token_bytes(self, rows: Optional[int] = None) -> list[bytes]:
+        """Bytes each id ``0 … rows - 1`` decodes to (``stop_strings.token_bytes``; cached, grown on
+        demand; ids beyond the tokenizer, e.g. spare embedding rows, are ``b""``)."""
+        rows = int(self.tokenizer.vocab_size if rows is None else rows)
+        if self._bytes is None or len(self._bytes) < rows:
+            self._bytes = token_bytes(self.tokenizer, max(rows, int(self.tokenizer.vocab_size)))
+        return self._bytes
+
+    def stop_automaton(self, rows: Optional[int] = None) -> Optional[StopAutomaton]:
+        """The sampler's device-side stop for text tags: ``StopAutomaton`` of ``STOP_TAGS`` over
+        ``rows`` ids (the model's embedding rows; default the tokenizer's size), cached per
+        ``rows``. ``None`` in tokens mode (the closing tags are stop ids there)."""
+        if self.mode == "tokens":
+            return None
+        rows = int(self.tokenizer.vocab_size if rows is None else rows)
+        if rows not in self._automata:
+            self._automata[rows] = StopAutomaton.build(STOP_TAGS, self.token_bytes(rows)[:rows])
+        return self._automata[rows]
+
+    def _rows_for(self, ids: Sequence[int]) -> int:
+        return max(int(self.tokenizer.vocab_size), max((int(i) for i in ids), default=-1) + 1)
+
     def find_span(self, ids: Sequence[int], open_tag: str, close_tag: str) -> Optional[tuple[int, int]]:
         """``[start, end)`` token span from the first ``open_tag`` to the first ``close_tag`` after
         it, both included, or ``None`` when either is missing.
@@ -80,21 +118,31 @@ class TagCodec:
         that straddles the block's edge is included).
         """
         if self.mode == "tokens":
-            ids = [int(i) for i in ids]
-            try:
-                start = ids.index(self._ids[open_tag])
-                end = ids.index(self._ids[close_tag], start + 1)
-            except ValueError:
-                return None
-            return start, end + 1
-        raise NotImplementedError("text-mode spans")
+            return find_span([int(i) for i in ids], self._ids[open_tag], self._ids[close_tag])
+        return find_text_span(self.token_bytes(self._rows_for(ids)), ids, open_tag, close_tag)
 
     def first_stop(self, ids: Sequence[int]) -> Optional[int]:
         """Length of the shortest prefix of ``ids`` that ends the turn (a stop id, or in text mode
-        the token that completes a closing action tag), or ``None``."""
-        for n, i in enumerate(ids, start=1):
-            if int(i) in self.stop_ids:
-                return n
+        the token that completes a closing action tag), or ``None``. In text mode these are the
+        lookups of the sampler's ``stop_automaton``, so they agree with the device on every row.
+
+        Raises:
+          IndexError: (text mode) a negative id.
+        """
         if self.mode == "tokens":
+            for n, i in enumerate(ids, start=1):
+                if int(i) in self.stop_ids:
+                    return n
             return None
-        raise NotImplementedError("text-mode stops")
+        ids = [int(i) for i in ids]
+        return self.stop_automaton(self._rows_for(ids)).first_stop(ids, self.stop_ids)
+
+    def turn_text(self, ids: Sequence[int]) -> str:
+        """The text of one generated turn, as the turn parser should read it: ``decode(ids)``; in
+        text mode cut right after the first closing action tag, so the rest of the token that
+        completed it (the ``.`` of ``>.``) is not stray text of the turn. The ids are not changed."""
+        text = self.tokenizer.decode([int(i) for i in ids])
+        if self.mode == "tokens":
+            return text
+        ends = [text.find(t) + len(t) for t in STOP_TAGS if t in text]
+        return text[: min(ends)] if ends else text

@@ -29,6 +29,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mempo_jax.hf_tokenizer import COPIED_FILES
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.hf_config import CheckpointError, config_from_hf, config_to_hf
 from mempo_jax.model.forward import abstract_model, split_model
@@ -36,6 +37,8 @@ from mempo_jax.sharding import DEFAULT_RULES, Rules, param_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# What ``HFTokenizer.save`` writes or copies into an exported folder (those the source has).
+TOKENIZER_FILES = ("tokenizer.json",) + COPIED_FILES
 # Non-parameter buffers some older checkpoints carry; recomputed from the config, never loaded.
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -252,6 +255,7 @@ def save_hf_checkpoint(
     model_type: str | None = None,
     extra_config: dict[str, Any] | None = None,
     max_shard_bytes: int = 4 * 1024**3,
+    tokenizer=None,
 ) -> list[str]:
     """Write ``config.json`` and safetensors in the HF layout, loadable by ``from_pretrained``.
 
@@ -266,15 +270,24 @@ def save_hf_checkpoint(
       params: ``nnx.State`` from ``split_model`` / ``load_hf_checkpoint``.
       model_type, extra_config: see ``config_to_hf``.
       max_shard_bytes: shard size threshold in bytes.
+      tokenizer: optional ``HFTokenizer`` (e.g. with protocol tags added as tokens, the embedding
+        resized by ``model.resize.resize_vocab``): its ``tokenizer.json`` and the source's
+        tokenizer / generation / chat-template files are written beside the weights
+        (``HFTokenizer.save``), and ``config.json`` gets its ``bos_token_id`` / ``eos_token_id`` /
+        ``pad_token_id`` unless ``extra_config`` sets them, so that transformers'
+        ``from_pretrained`` + ``generate`` uses the same ids.
 
     Returns:
-      The file names written (config first).
+      The file names written (config first, then weights, then the tokenizer's files).
 
     Raises:
       CheckpointError: if the config cannot be expressed (``config_to_hf``) or a parameter is
         missing from ``params``.
     """
     path = pathlib.Path(path)
+    if tokenizer is not None:
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+        extra_config = {**ids, **(extra_config or {})}
     hf_config = config_to_hf(cfg, model_type, extra_config)
     flat = {_path_key(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
@@ -308,12 +321,15 @@ def save_hf_checkpoint(
     if not writer:
         return []
     written = ["config.json"] + fnames
-    if n == 1:
-        return written
-    index = {"metadata": {"total_size": int(sum(sizes))},
-             "weight_map": {k: f for f, keys in zip(fnames, plan) for k in keys}}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return written + [INDEX_FILE]
+    if n > 1:
+        index = {"metadata": {"total_size": int(sum(sizes))},
+                 "weight_map": {k: f for f, keys in zip(fnames, plan) for k in keys}}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(INDEX_FILE)
+    if tokenizer is not None:
+        tokenizer.save(path)
+        written += [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    return written
 
 
 def num_checkpoint_bytes(cfg: ModelConfig) -> int:
