@@ -63,7 +63,13 @@ def test_plans_of_the_shared_files(shared_data):
     assert len(hotpot) == 300 and hotpot[0].id == raw["id"] and hotpot[0].kind == "hotpotqa"
     titles = list(dict.fromkeys(raw["supporting_facts"]["title"]))  # 'Tinted Windows (album)', '(band)'
     assert [h[0] for h in hotpot[0].hops] == titles
-    assert hotpot[0].hops[-1][1] == (f"read {titles[-1]}", f"(1) {raw['answer']}")
+    # each hop keeps its title's supporting sentence (the bridge fact), read from the raw context
+    context = dict(zip(raw["context"]["title"], raw["context"]["sentences"]))
+    sent = {t: " ".join(context[t][i].split()) for t, i in zip(raw["supporting_facts"]["title"],
+                                                              raw["supporting_facts"]["sent_id"])}
+    assert [h[1][0] for h in hotpot[0].hops] == [sent[t] for t in titles]
+    assert hotpot[0].hops[-1][1] == (sent[titles[-1]], f"(1) {raw['answer']}")
+    assert "Tinted Windows" in hotpot[0].hops[0][1][0]
     # MuSiQue: one search per decomposition step for its supporting paragraph's title, keeping its answer
     musique = load_qa_questions(shared_data / MUSIQUE)[0]
     assert musique.hops == (("Ken Epp", ("Conservative Party of Canada",)),
