@@ -20,6 +20,7 @@ from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa
 from mempo_jax.model.resize import mean_resized_rows, padded_rows, resize_vocab, vocab_row_multiple  # noqa: E402
 from mempo_jax.sampling import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.sharding import make_mesh  # noqa: E402
+from test_hf_export import hf_smollm2_dir, smollm2_first_layers  # noqa: E402,F401  (SmolLM2 cut to 4 layers)
 
 
 def test_row_multiples():
@@ -103,8 +104,9 @@ def test_old_logits_unchanged_and_mesh_placement(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tagged_smollm2(smollm2_dir):
-    return load_checkpoint_policy(ModelOptions(checkpoint=str(smollm2_dir), tags="tokens"))
+def tagged_smollm2(smollm2_first_layers):
+    """SmolLM2-135M-Instruct (its first layers, for the CPU budget) with the tags as added tokens."""
+    return load_checkpoint_policy(ModelOptions(checkpoint=str(smollm2_first_layers), tags="tokens"))
 
 
 def test_rows_for_tags(tagged_smollm2, smollm2_dir):
