@@ -246,12 +246,18 @@ class HFTokenizer:
         sequence are the concatenation of its tokens' bytes (``stop_strings`` matches stop tags on
         them).
 
-        * Added tokens: their content in UTF-8; pad, EOS and BOS: ``b""`` (``decode`` drops them).
-        * ``ByteLevel`` decoder (GPT-2, Qwen2, Llama 3, SmolLM): the vocabulary string through the
-          inverse GPT-2 byte map. Exact: ``decode(ids)`` is these bytes decoded as UTF-8 with
-          replacement.
+        Each id's string (an added token's content, else the model's vocabulary entry) goes
+        through the per-token step of the ``tokenizer.json`` decoder, as ``tokenizers`` decodes
+        added tokens and vocabulary entries alike; pad, EOS and BOS are ``b""`` (``decode`` drops
+        them).
+
+        * ``ByteLevel`` decoder (GPT-2, Qwen2, Llama 3, SmolLM): every character through the
+          inverse GPT-2 byte map (a character outside it as its UTF-8). Exact: ``decode(ids)`` is
+          these bytes decoded as UTF-8 with replacement.
         * ``Metaspace`` / ``ByteFallback`` decoders (SentencePiece-style ``tokenizer.json``):
-          ``▁`` → space, ``<0xNN>`` → byte NN. Exact up to the leading space ``Strip`` removes.
+          ``<0xNN>`` → byte NN, else ``▁`` → space. Exact up to the leading space ``Strip``
+          removes, where every run of ``<0xNN>`` tokens is valid UTF-8 (on an invalid run
+          ``ByteFallback`` writes one U+FFFD per token, ASCII bytes included; here the bytes stay).
         * Any other decoder: ``decode([id])`` per id (exact only for context-free decoders).
         """
         if self._token_bytes is not None:
@@ -261,23 +267,25 @@ class HFTokenizer:
         data = json.loads(self._tok.to_str())
         decoders = data.get("decoder") or {}
         kinds = {d.get("type") for d in decoders.get("decoders", [decoders])} if decoders else set()
-        vocab = self._tok.get_vocab(with_added_tokens=False)
-        out: list[bytes] = [b""] * self.vocab_size
-        if "ByteLevel" in kinds:
-            table = gpt2_unicode_to_bytes()
-            for piece, i in vocab.items():
-                out[i] = bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode("utf-8")
-        elif kinds & {"Metaspace", "ByteFallback"}:
-            byte_piece = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-            for piece, i in vocab.items():
-                m = byte_piece.match(piece) if "ByteFallback" in kinds else None
-                out[i] = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
-        else:
-            for i in range(self.vocab_size):
-                out[i] = self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+        strings: list[str | None] = [None] * self.vocab_size
+        for piece, i in self._tok.get_vocab(with_added_tokens=False).items():
+            if i < self.vocab_size:
+                strings[i] = piece
         for entry in data.get("added_tokens", []):
             if entry["id"] < self.vocab_size:
-                out[entry["id"]] = entry["content"].encode("utf-8")
+                strings[entry["id"]] = entry["content"]
+        if "ByteLevel" in kinds:
+            table = gpt2_unicode_to_bytes()
+            out = [b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece or "")
+                   for piece in strings]
+        elif kinds & {"Metaspace", "ByteFallback"}:
+            byte_piece = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+            out = []
+            for piece in strings:
+                m = byte_piece.match(piece or "") if "ByteFallback" in kinds else None
+                out.append(bytes([int(m.group(1), 16)]) if m else (piece or "").replace("\u2581", " ").encode("utf-8"))
+        else:
+            out = [self._tok.decode([i], skip_special_tokens=False).encode("utf-8") for i in range(self.vocab_size)]
         for i in {self.pad_id, self.eos_id, self.bos_id} - {None}:
             out[i] = b""
         self._token_bytes = tuple(out)

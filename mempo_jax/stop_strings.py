@@ -23,7 +23,10 @@ invalid UTF-8 replaces only non-ASCII bytes (the Unicode "maximal subpart" pract
 Python and Rust), so an ASCII stop string occurs in the decoded text iff it occurs in the bytes.
 SentencePiece-style ``tokenizer.json`` files (``Metaspace`` / ``ByteFallback`` decoders: Llama 2,
 Mistral, Gemma) are exact up to the one leading space their ``Strip`` decoder removes, which no
-stop string contains. Any other tokenizer falls back to ``decode([id])`` per id, exact only when
+stop string contains, wherever each run of byte-fallback tokens (``<0xNN>``) is valid UTF-8 (on
+an invalid run ``ByteFallback`` decodes every byte token, ASCII ones too, as U+FFFD; the bytes are
+kept here, so a tag spelled with byte tokens next to an invalid byte stops here but is not in the
+decoded text). Any other tokenizer falls back to ``decode([id])`` per id, exact only when
 decoding is context-free.
 """
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mempo_jax.agent.protocol import STOP_TAGS
 from mempo_jax.hf_tokenizer import QWEN_DEFAULT_SYSTEM, HFTokenizer
@@ -115,3 +115,38 @@ def test_tag_ending_inside_a_longer_token(tmp_path):
     assert merged._tok.id_to_token(ids[n - 1]) == "h>\n"
     assert merged.decode(ids[:n]).endswith("</search>\n")
     assert n == _brute(merged, ids)
+
+
+def test_added_tokens_go_through_the_byte_level_decoder(tmp_path):
+    folder = _train(tmp_path / "added", added=["é<x>", "東京"])  # "é" is GPT-2's char for byte 0xE9
+    added = HFTokenizer(folder)
+    ids = [added.piece_id("é<x>"), added.piece_id("東京")]
+    assert added.token_bytes()[ids[0]] == b"\xe9<x>" and added.decode(ids) == "\ufffd<x>東京"
+    assert b"".join(added.token_bytes()[i] for i in ids).decode("utf-8", errors="replace") == added.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def spm_like(tmp_path_factory):
+    """A SentencePiece-style tokenizer.json (Metaspace normaliser, byte-fallback pieces <0xNN>,
+    the Llama 2 / Mistral decoder chain Replace ▁ → space, ByteFallback, Fuse, Strip)."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"] +
+                                  [f"<0x{i:02X}>" for i in range(256)])
+    tok.train_from_iterator(TEXT, trainer)
+    folder = tmp_path_factory.mktemp("spm") / "llama2_like"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return HFTokenizer(folder)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(WORDS + ["🙂", "ß", " <0x41>"]), min_size=1, max_size=10))
+def test_token_bytes_of_a_sentencepiece_style_tokenizer(spm_like, words):
+    ids = spm_like.encode("".join(words))  # unseen characters become <0xNN> byte tokens (valid UTF-8 runs)
+    text = b"".join(spm_like.token_bytes()[i] for i in ids).decode("utf-8", errors="replace")
+    assert spm_like.decode(ids) in (text, text[1:])  # Strip removes one leading space
+    assert _first_stop(spm_like, ids) == _brute(spm_like, ids)
