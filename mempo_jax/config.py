@@ -123,12 +123,15 @@ class EvalConfig:
       temperature: sampling temperature (0 = greedy).
       context_modes: the context modes evaluated (``"k1"``-style names built from ints; ``"full"``).
       bootstrap_samples: resamples for the EM-gain confidence interval.
+      zero_shot: also evaluate the initial policy (a checkpoint before SFT) as stage ``base``
+        (``eval_base.json``), so the summary gives the SFT gain over it too.
     """
 
     num_questions: int = 0
     temperature: float = 0.0
     context_modes: tuple = (1, "full")
     bootstrap_samples: int = 2000
+    zero_shot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,18 @@ from mempo_jax.rewards import outcome_reward
 
 @dataclasses.dataclass
 class EvalResult:
-    """Means over questions, and the per-question values kept for paired statistics."""
+    """Means over questions, and the per-question values kept for paired statistics.
+
+    Attributes:
+      metrics: ``summarize`` of the trajectories.
+      per_question_em, per_question_f1: ``[questions]`` float64, in ``questions`` order.
+      trajectories: the finished trajectories.
+    """
 
     metrics: dict
     per_question_em: np.ndarray
     trajectories: list
+    per_question_f1: Optional[np.ndarray] = None
 
 
 def summarize(trajs: Sequence[Trajectory]) -> dict:
@@ -71,7 +78,8 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
         if progress is not None:
             progress(len(trajs))
     em = np.array([outcome_reward(t.answer, t.golds, "em") for t in trajs], np.float64)
-    return EvalResult(summarize(trajs), em, trajs)
+    f1 = np.array([outcome_reward(t.answer, t.golds, "f1") for t in trajs], np.float64)
+    return EvalResult(summarize(trajs), em, trajs, f1)
 
 
 __all__ = ["EvalResult", "evaluate_policy", "mode_name", "summarize"]

@@ -87,6 +87,30 @@ def bootstrap_ci(values: Sequence[float], samples: int = 2000, level: float = 0.
 EVAL_KEYS = ("em", "f1", "tt", "pt", "turns", "format_fail")
 
 
+def paired_gains(after: Mapping[str, Mapping[str, Sequence[float]]], before: Mapping[str, Mapping[str, Sequence[float]]],
+                 samples: int = 2000, seed: int = 0) -> dict:
+    """Paired per-question gains of one evaluation over another, with bootstrap 95 % CIs.
+
+    Args:
+      after, before: ``{"em": {mode: [questions]}, "f1": {mode: [questions]}}`` on the same
+        questions in the same order (``evaluate_once`` in ``train.py``).
+      samples, seed: as ``bootstrap_ci``.
+
+    Returns:
+      ``{mode: {"em": [mean, lo, hi], "f1": [mean, lo, hi]}}`` for the modes both have (a metric
+      missing from either side, e.g. F1 of an evaluation stored by an older version, is left out).
+    """
+    out: dict = {}
+    for metric in ("em", "f1"):
+        for mode, values in after.get(metric, {}).items():
+            if mode not in before.get(metric, {}):
+                continue
+            gain = np.asarray(values, np.float64) - np.asarray(before[metric][mode], np.float64)
+            lo, hi = bootstrap_ci(gain, samples, seed=seed)
+            out.setdefault(mode, {})[metric] = [float(gain.mean()) if gain.size else float("nan"), lo, hi]
+    return out
+
+
 def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
     """Markdown table: one row per (stage, mode) with EM, F1, TT, PT, turns, format-fail rate."""
     lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |", "|---|---|---|---|---|---|---|---|"]

@@ -29,6 +29,7 @@ from mempo_jax.metrics import MetricsWriter, read_jsonl
 
 EVAL_SFT_FILE = "eval_sft.json"
 EVAL_RL_FILE = "eval_rl.json"
+EVAL_BASE_FILE = "eval_base.json"  # EvalConfig.zero_shot: the initial policy, evaluated once
 
 
 class NumericalFault(RuntimeError):

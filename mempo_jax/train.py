@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import sys
@@ -91,6 +92,14 @@ def _trajectory_record(tr, tokenizer, group_offset: int = 0) -> dict:
         "turns": [{"text": tokenizer.decode(t.output_ids), "information": tokenizer.decode(t.observation_ids),
                    "mem_span": t.mem_span, "context_tokens": t.context_len} for t in tr.turns],
     }
+
+
+def _read_json_or_none(path: pathlib.Path):
+    """The JSON object in ``path``, or None when it is absent or unreadable (then it is redone)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _plain(x):
@@ -321,9 +330,9 @@ def run(args) -> dict:
     from mempo_jax.evaluation import evaluate_policy
     from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
-    from mempo_jax.metrics import bootstrap_ci, format_eval_table, write_json_atomic
+    from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic
     from mempo_jax.preemption import Preempted, Preemption
-    from mempo_jax.resume import (EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks, RunLogs, check_sft_step,
+    from mempo_jax.resume import (EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks, RunLogs, check_sft_step,
                                   find_resume_point)
     from mempo_jax.rl_step import rl_step
     from mempo_jax.sft import copy_rows, iterate_sft_batches, sft_rows
@@ -438,6 +447,64 @@ def run(args) -> dict:
 
         # ---- 2. cold-start SFT ------------------------------------------------------------
         learner = new_learner(exp.params, sft_opt, micro_batch_rows=sft_micro)
+        # ---- evaluation (before SFT when EvalConfig.zero_shot, after SFT, after RL) ----------
+        held = exp.heldout_questions[: cfg.eval.num_questions or None]
+        if multi and len(held) < jax.process_count():
+            raise ValueError(f"EvalConfig.num_questions: {len(held)} held-out questions cannot be split over "
+                             f"{jax.process_count()} processes")
+        held_mine = held[distributed.process_slice(len(held))] if multi else held
+        modes = [parse_context_steps(m) for m in cfg.eval.context_modes]
+
+        def evaluate(stage: str):
+            out, per_q, per_f1 = {}, {}, {}
+            for mode in modes:
+                bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False,
+                           disable=not primary)
+                res = evaluate_policy(sample_fn_all, learner.params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
+                                      mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
+                bar.close()
+                metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
+                if multi:  # every process's questions, in the single-process order (collectives)
+                    em = distributed.concat_processes(em, sync).astype(np.float64)
+                    f1 = distributed.concat_processes(f1, sync).astype(np.float64)
+                    means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
+                                                     weight=float(len(held_mine)), sync=sync)
+                    metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+                out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
+                logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
+                say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
+                    f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
+            return out, per_q, per_f1
+
+        def evaluate_once(stage: str, stored, ckpt, name: str, step_key: str, step: int):
+            """The stage's evaluation, or its stored result; stored after the stage's checkpoint is complete.
+
+            Returns ``(metrics by mode, {"em": {mode: [questions]}, "f1": {mode: [questions]}})``."""
+            if stored:
+                return stored["evals"], {key: {k: np.asarray(v, np.float64) for k, v in stored.get(f"per_question_{key}", {}).items()}
+                                         for key in ("em", "f1")}
+            with interruptible():
+                out, per_q, per_f1 = evaluate(stage)
+            if ckpt is not None:
+                ckpt.wait()
+            per = {"em": {k: np.asarray(v, np.float64) for k, v in per_q.items()},
+                   "f1": {k: np.asarray(v, np.float64) for k, v in per_f1.items()}}
+            if primary:
+                write_json_atomic(run_dir / name, {step_key: step, "evals": out,
+                                                   **{f"per_question_{key}": {k: v.tolist() for k, v in d.items()}
+                                                      for key, d in per.items()},
+                                                   **meta(f"eval_{stage}", step, learner)})
+            return out, per
+
+        evals, per_q = {}, {}
+        if cfg.eval.zero_shot:  # the initial policy (a checkpoint before any training), stored once
+            stored = _read_json_or_none(run_dir / EVAL_BASE_FILE)
+            if stored or point.fresh or (point.sft_step is None and point.rl_step is None):
+                evals["base"], per_q["base"] = evaluate_once("base", stored, None, EVAL_BASE_FILE, "base_step", 0)
+            else:
+                say(f"[mempo] EvalConfig.zero_shot: no {EVAL_BASE_FILE} in this resumed run folder; "
+                    "the initial policy is gone, so the zero-shot evaluation is skipped", flush=True)
+
         sft_saved = point.sft_step
         if point.sft_done:
             learner.params, learner.num_updates = sft_state[0], int(sft_state[2]["updates"])
@@ -485,49 +552,6 @@ def run(args) -> dict:
                 sft_ckpt.save(0, learner.params, learner.opt_state, meta("sft", 0, learner, final=True))
         ref_params = jax.tree.map(lambda x: x.copy(), learner.params)  # frozen reference: the SFT result
 
-        # ---- 3./5. evaluation -------------------------------------------------------------
-        held = exp.heldout_questions[: cfg.eval.num_questions or None]
-        if multi and len(held) < jax.process_count():
-            raise ValueError(f"EvalConfig.num_questions: {len(held)} held-out questions cannot be split over "
-                             f"{jax.process_count()} processes")
-        held_mine = held[distributed.process_slice(len(held))] if multi else held
-        modes = [parse_context_steps(m) for m in cfg.eval.context_modes]
-
-        def evaluate(stage: str):
-            out, per_q = {}, {}
-            for mode in modes:
-                bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False,
-                           disable=not primary)
-                res = evaluate_policy(sample_fn_all, learner.params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
-                                      mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
-                bar.close()
-                metrics, em = res.metrics, res.per_question_em
-                if multi:  # every process's questions, in the single-process order (collectives)
-                    em = distributed.concat_processes(em, sync).astype(np.float64)
-                    means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
-                                                     weight=float(len(held_mine)), sync=sync)
-                    metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
-                out[mode_name(mode)], per_q[mode_name(mode)] = metrics, em
-                logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
-                say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
-                    f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
-            return out, per_q
-
-        def evaluate_once(stage: str, stored, ckpt, name: str, step_key: str, step: int):
-            """The stage's evaluation, or its stored result; stored after the stage's checkpoint is complete."""
-            if stored:
-                return stored["evals"], {k: np.asarray(v, np.float64) for k, v in stored["per_question_em"].items()}
-            with interruptible():
-                out, per_q = evaluate(stage)
-            ckpt.wait()
-            per_q = {k: np.asarray(v, np.float64) for k, v in per_q.items()}
-            if primary:
-                write_json_atomic(run_dir / name, {step_key: step, "evals": out,
-                                                   "per_question_em": {k: v.tolist() for k, v in per_q.items()},
-                                                   **meta(f"eval_{stage}", step, learner)})
-            return out, per_q
-
-        evals, per_q = {}, {}
         evals["sft"], per_q["sft"] = evaluate_once("sft", point.eval_sft, sft_ckpt, EVAL_SFT_FILE, "sft_step",
                                                    cfg.sft.steps)
 
@@ -636,17 +660,24 @@ def run(args) -> dict:
 
         # ---- summary ----------------------------------------------------------------------
         k1 = mode_name(modes[0])
-        gain = per_q["rl"][k1] - per_q["sft"][k1]
-        lo, hi = bootstrap_ci(gain, cfg.eval.bootstrap_samples, seed=cfg.seed)
+        gains = {f"{after}_vs_{before}": paired_gains(per_q[after], per_q[before], cfg.eval.bootstrap_samples, cfg.seed)
+                 for before, after in (("base", "sft"), ("sft", "rl")) if before in per_q}
+        gain_mean, lo, hi = gains["rl_vs_sft"][k1]["em"]
         summary = {
-            "eval": evals, "em_gain": float(gain.mean()), "em_gain_ci95": [lo, hi], "em_gain_mode": k1,
+            "eval": evals, "em_gain": gain_mean, "em_gain_ci95": [lo, hi], "em_gain_mode": k1, "gains": gains,
             "wall_s": time.time() - t_start, "params": exp.model_cfg.num_params(), "dataset": cfg.dataset,
             "heldout_questions": len(held), "hf_export": exported,
         }
         if primary:
             write_json_atomic(run_dir / "summary.json", summary)
     say("\n" + format_eval_table(evals))
-    say(f"\n[mempo] {k1} EM gain RL - SFT: {gain.mean():+.3f}  95% CI [{lo:+.3f}, {hi:+.3f}]  "
+    for name, by_mode in summary["gains"].items():
+        for mode, g in by_mode.items():
+            say(f"[mempo] {mode} gain {name.replace('_vs_', ' - ').upper()}: EM {g['em'][0]:+.3f} "
+                f"[{g['em'][1]:+.3f}, {g['em'][2]:+.3f}]  F1 {g['f1'][0]:+.3f} [{g['f1'][1]:+.3f}, {g['f1'][2]:+.3f}]",
+                flush=True)
+    say(f"\n[mempo] {summary['em_gain_mode']} EM gain RL - SFT: {summary['em_gain']:+.3f}  95% CI "
+        f"[{summary['em_gain_ci95'][0]:+.3f}, {summary['em_gain_ci95'][1]:+.3f}]  "
         f"wall {summary['wall_s'] / 60:.1f} min  -> {run_dir / 'summary.json'}", flush=True)
     return summary
 
