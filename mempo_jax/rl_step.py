@@ -26,10 +26,12 @@ import numpy as np
 from mempo_jax.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.agent.protocol import ANSWER
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
-from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows, find_span
+from mempo_jax.agent.tags import TagCodec
+from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.batching import bucket_length, length_buckets
 from mempo_jax.losses import LossConfig
 from mempo_jax.rewards import outcome_reward
+from mempo_jax.stop_strings import byte_offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +158,32 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     return out
 
 
-def answer_ids_of(turn: Turn, tokenizer) -> Optional[list[int]]:
-    """The sampled ids strictly between the first ``<answer>`` and the next ``</answer>`` of
-    ``turn.output_ids`` (token-in/token-out, MEMPO_SPEC §2: the ids that were sampled are the ids
-    that are scored), or ``None`` without a closed, non-empty answer block.
+def answer_ids_of(turn: Turn, codec) -> Optional[list[int]]:
+    """The sampled ids inside the first ``<answer> … </answer>`` block of ``turn.output_ids``
+    (token-in/token-out, MEMPO_SPEC §2: the ids that were sampled are the ids that are scored),
+    or ``None`` without a closed, non-empty block.
 
-    The one place that finds the answer span on ids (with the tags' piece ids); a tokenizer
-    whose tags are several ids needs only this function changed.
+    The one place that cuts the answer out of a turn's ids. ``codec`` is the policy's
+    ``TagCodec``: in ``tokens`` mode the ids strictly between the two tag ids; in ``text`` mode
+    the tokens whose bytes lie wholly between the end of ``<answer>`` and the start of
+    ``</answer>`` (found on the tokens' byte offsets, never by re-tokenising; a token that
+    straddles a tag edge, such as ``>Paris``, holds tag bytes and is left out).
     """
-    span = find_span(turn.output_ids, tokenizer.piece_id(ANSWER[0]), tokenizer.piece_id(ANSWER[1]))
-    if span is None:
-        return None
-    ids = [int(i) for i in turn.output_ids[span[0] + 1 : span[1] - 1]]
-    return ids or None
+    ids = [int(i) for i in turn.output_ids]
+    if codec.mode == "tokens":
+        span = codec.find_span(ids, ANSWER[0], ANSWER[1])
+        inner = [] if span is None else ids[span[0] + 1 : span[1] - 1]
+    else:
+        vocab = codec.token_bytes(max(int(codec.tokenizer.vocab_size), max(ids, default=-1) + 1))
+        data = b"".join(vocab[i] for i in ids)
+        op, cl = (t.encode("utf-8") for t in ANSWER)
+        lo = data.find(op)
+        hi = -1 if lo < 0 else data.find(cl, lo + len(op))
+        if hi < 0:
+            return None
+        off = byte_offsets(vocab, ids)
+        inner = [i for k, i in enumerate(ids) if off[k] >= lo + len(op) and off[k + 1] <= hi and off[k + 1] > off[k]]
+    return inner or None
 
 
 def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]],
@@ -181,25 +196,29 @@ def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[in
     return np.asarray([trajs[i].turns[t].parsed.error is None for i, t in mem_turn], bool).reshape(-1)
 
 
-def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str):
+def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
+                    *, codec=None):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
     ``full_traj[t]`` / ``mem_traj[t]`` views and Z: the gold answer (default; aliases' first
     entries joined by ``"; "``, encoded with a leading space as rendered in turns) or, with
     ``"generated"``, the sampled ids of the trajectory's final ``<answer>`` block
-    (``answer_ids_of``; never decoded and re-encoded), gold when the trajectory gave no answer.
+    (``answer_ids_of`` with ``codec``, the policy's ``TagCodec``; default: ``tokenizer``'s tags
+    as single ids), gold when the trajectory gave no answer. Never decoded and re-encoded.
 
     Raises:
       ValueError: for an unknown ``answer_source``.
     """
     if answer_source not in ("gold", "generated"):
         raise ValueError(f"memory_answer must be 'gold' or 'generated', got {answer_source!r}")
+    if answer_source == "generated" and codec is None:
+        codec = TagCodec(tokenizer, "tokens")
     full, mem, answers = [], [], []
     for tr_i, t in mem_turn:
         tr = trajs[tr_i]
         full.append(tr.full_traj(t))
         mem.append(tr.mem_traj(t))
-        z = answer_ids_of(tr.turns[-1], tokenizer) if answer_source == "generated" and tr.answer else None
+        z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
         answers.append(z if z is not None else tokenizer.encode(" " + "; ".join(g[0] for g in tr.golds)))
     return full, mem, answers
 
@@ -314,7 +333,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
                        tokenizer.pad_id)
     scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed)
     full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
-                                         cfg.memory_answer)
+                                         cfg.memory_answer, codec=fmt.codec)
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
     r_mem[scored] = mem_out.r_mem

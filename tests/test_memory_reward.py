@@ -6,13 +6,16 @@ import jax
 import numpy as np
 import pytest
 
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig, make_turn
+from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import Trajectory, build_training_rows
 from mempo_jax.rl_step import (RLConfig, answer_ids_of, compute_advantages, memory_contexts, rl_step,
                                scored_memory_turns)
 from toy_agent import WordTokenizer, toy_model, toy_world
 
 TOK = WordTokenizer()
+FMT = AgentFormat.plain(TOK)
 MALFORMED = {
     "mem not first": "<think> search</think><mem> alice</mem><search> alice</search>",
     "nested tag": "<mem> alice<think> x</think> bob</mem><search> alice</search>",
@@ -23,7 +26,7 @@ ANSWER = "<mem> paris</mem><answer> paris</answer>"
 
 
 def _turn(text, tok=TOK):
-    turn = make_turn(tok, tok.encode(text), None, True)
+    turn = make_turn(AgentFormat.plain(tok), tok.encode(text), None, True)
     turn.observation_ids = tok.encode("<information> alice was born in paris</information>")
     return turn
 
@@ -131,7 +134,8 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
                    rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    m, trajs = rl_step(learner, ref, _scripted_sample_fn([first, [ANSWER]]), scorer, questions[:2], tok, env, cfg,
+    m, trajs = rl_step(learner, ref, _scripted_sample_fn([first, [ANSWER]]), scorer, questions[:2],
+                       AgentFormat.plain(tok), env, cfg,
                        jax.random.PRNGKey(0), np.random.default_rng(0))
     assert [tr.turns[0].parsed.error is not None for tr in trajs] == [True, True, False, True, False, False]
     assert m["mem/turns"] == 12.0
@@ -157,22 +161,44 @@ def test_generated_answer_is_scored_as_its_sampled_ids(spm):
     sampled = [tok.piece_id(p) for p in ("▁", "P", "a", "r", "i", "s")]  # a valid, non-canonical spelling
     assert tok.decode(sampled) == " Paris" and sampled != canonical  # re-encoding would change the ids
     ids = tok.encode("<mem> x</mem><think> answer</think><answer>") + sampled + tok.encode("</answer>")
+    fmt = AgentFormat.plain(tok)
     answered = Trajectory("q", 0, (("Rome",),), tok.encode("Q: where?\n"))
-    answered.turns = [make_turn(tok, tok.encode("<mem> y</mem><search> Paris</search>"), None, True),
-                      make_turn(tok, ids, None, True)]
+    answered.turns = [make_turn(fmt, tok.encode("<mem> y</mem><search> Paris</search>"), None, True),
+                      make_turn(fmt, ids, None, True)]
     answered.answer = answered.turns[-1].parsed.argument.strip()
     unanswered = Trajectory("q", 0, (("Rome",), ("Oslo",)), tok.encode("Q: where?\n"))
-    unanswered.turns = [make_turn(tok, tok.encode("<mem> y</mem><search> Paris</search>"), None, True)]
-    assert answer_ids_of(answered.turns[-1], tok) == sampled
-    assert answer_ids_of(unanswered.turns[-1], tok) is None
+    unanswered.turns = [make_turn(fmt, tok.encode("<mem> y</mem><search> Paris</search>"), None, True)]
+    assert answer_ids_of(answered.turns[-1], fmt.codec) == sampled
+    assert answer_ids_of(unanswered.turns[-1], fmt.codec) is None
     mem_turn = [(0, 0), (0, 1), (1, 0)]
-    _, _, answers = memory_contexts([answered, unanswered], mem_turn, tok, "generated")
+    _, _, answers = memory_contexts([answered, unanswered], mem_turn, tok, "generated", codec=fmt.codec)
     assert answers == [sampled, sampled, tok.encode(" Rome; Oslo")]  # no answer given: the gold
+    assert memory_contexts([answered, unanswered], mem_turn, tok, "generated")[2] == answers  # default codec
     _, _, gold = memory_contexts([answered, unanswered], mem_turn, tok, "gold")
     assert gold == [tok.encode(" Rome"), tok.encode(" Rome"), tok.encode(" Rome; Oslo")]
 
 
 def test_answer_ids_of_needs_a_closed_non_empty_block():
-    assert answer_ids_of(_turn("<mem> a</mem><answer></answer>"), TOK) is None
-    assert answer_ids_of(_turn("<mem> a</mem><answer> paris"), TOK) is None
-    assert answer_ids_of(_turn("<mem> a</mem><answer> paris rome</answer>"), TOK) == TOK.encode("paris rome")
+    assert answer_ids_of(_turn("<mem> a</mem><answer></answer>"), FMT.codec) is None
+    assert answer_ids_of(_turn("<mem> a</mem><answer> paris"), FMT.codec) is None
+    assert answer_ids_of(_turn("<mem> a</mem><answer> paris rome</answer>"), FMT.codec) == TOK.encode("paris rome")
+
+
+def test_answer_ids_of_text_tags_on_smollm2(smollm2_dir):
+    """Text mode: every tag is several SmolLM2 tokens; the answer is cut on the tokens' bytes."""
+    from mempo_jax.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(smollm2_dir)
+    codec = TagCodec(tok, "text")
+    head, tail = tok.encode("<mem> x</mem><answer>"), tok.encode("</answer>")
+    sampled = tok.encode(" P") + tok.encode("aris")  # non-canonical: encode(" Paris") is one id
+    assert tok.decode(sampled) == " Paris" and sampled != tok.encode(" Paris")
+    turn = make_turn(AgentFormat(tok, codec), head + sampled + tail, None, True)
+    assert turn.parsed.valid and answer_ids_of(turn, codec) == sampled
+    # a token straddling the opening tag's edge ("><": the ">" of <answer> and the "<" of <b>) holds
+    # tag bytes and is left out; the reference is the decoded text of the kept ids
+    straddle = [tok.encode("<")[0], tok.encode("answer")[0]] + tok.encode("><") + tok.encode("b> Paris")
+    assert tok.decode(straddle + tail) == "<answer><b> Paris</answer>"
+    inner = answer_ids_of(make_turn(AgentFormat(tok, codec), straddle + tail, None, True), codec)
+    assert tok.decode(inner) == "b> Paris" and inner == tok.encode("b> Paris")
+    assert answer_ids_of(make_turn(AgentFormat(tok, codec), head + sampled, None, False), codec) is None
