@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import render_turn
+from mempo_jax.agent.protocol import ANSWER, MEM, THINK, render_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_questions import load_qa_questions
@@ -156,12 +156,44 @@ def _tokenizer_texts(documents, questions) -> list[str]:
     return texts
 
 
-def answer_prefix_ids(tokenizer) -> list[int]:
-    """The ids placed between a scoring context and Z: the answer turn's own opening,
-    ``<think> answer</think><answer>``, as the scripted agent renders it. It keeps
-    ``P(Z | mem_traj[t])`` in distribution (a ``<mem>`` block is followed by ``<think>``) and is the
-    same for both contexts, so ``R_M = P_mem − P_full`` compares the contexts alone."""
-    return tokenizer.encode("<think> answer</think><answer>")
+MEMORY_PREFIXES = ("empty_mem", "think", "none")  # the values of RLConfig.memory_prefix
+
+
+def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], list[int]]:
+    """``(full_prefix, answer_prefix)``: the never-scored ids between a memory-reward context and
+    Z (``MemoryRewardScorer``), chosen by ``RLConfig.memory_prefix``.
+
+    Built from the protocol's tags only (encoded as text, so it holds for single-token and text
+    tags alike); no think wording is assumed. The answer turn's opening is
+    ``T = <think></think><answer>`` (an empty think: MEMPO_SPEC §1's optional think block).
+
+    * ``"empty_mem"`` (default): full view ``full_traj[t] + <mem></mem> + T + Z``, memory view
+      ``mem_traj[t] + T + Z``. Both views then end in a closed ``<mem>`` block before ``T``, as
+      every policy turn does. Measured on a 300-step SFT tiny-world policy (256 rollouts, 686
+      well-formed ``<mem>`` turns): P(``<think>`` next) is 1.0000 after ``full_traj[t] <mem></mem>``
+      and 1.0000 after ``mem_traj[t]``.
+    * ``"think"``: ``T`` on both views (the earlier layout, then with a `` answer`` think). After
+      ``full_traj[t]`` (ends in ``</information>`` or the prompt) the policy's next token is
+      ``<mem>`` (P 0.9994) and P(``<think>``) is 0.0000, so ``P_full`` is measured off-distribution:
+      mean R_M 0.0025 with 78 % of turns positive, against 0.0010 and 62 % for ``"empty_mem"``
+      (A_M correlation 0.80, same sign on 82 % of turns).
+    * ``"none"``: Z straight after both contexts (the reference's plain continuation): off
+      the policy's distribution on both views (P(Z) ~1e-4, A_M correlation 0.43 with the default).
+
+    The think block is left empty rather than worded (``<think> answer</think>`` is how the
+    scripted agent opens an answer turn, and a checkpoint's policy need not write it); an empty
+    think is equally unlikely on both views (P(``</think>`` right after ``<think>``) 0.0000 and 0.0001).
+
+    Raises:
+      ValueError: for an unknown ``mode`` (names ``RLConfig.memory_prefix``).
+    """
+    if mode not in MEMORY_PREFIXES:
+        raise ValueError(f"RLConfig.memory_prefix must be one of {MEMORY_PREFIXES}, got {mode!r}")
+    if mode == "none":
+        return [], []
+    opening = tokenizer.encode(THINK[0] + THINK[1] + ANSWER[0])
+    full = tokenizer.encode(MEM[0] + MEM[1]) if mode == "empty_mem" else []
+    return full, opening
 
 
 def entity_token_ids(tokenizer, documents) -> list[int]:
@@ -351,7 +383,8 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
 
     logits_fn = make_logits_fn(graphdef)
-    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix_ids(tokenizer),
+    full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
+    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
                       sample_fn, logits_fn, scorer, mesh, corpus, fmt)

@@ -306,14 +306,15 @@ class Learner:
                    rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
         """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
 
-        Rows are shuffled, padded to ``bucket_length(R, max(num_mini_batches, micro_batch_rows))``
-        all-invalid rows and cut into ``num_mini_batches`` contiguous mini-batches (this fixes which
-        rows share an update). Each mini-batch is then padded with all-invalid rows to the plan's
-        fixed row count (``ppo_plan``) and split into micro-batches of ``micro_batch_rows``;
-        micro-batches without loss tokens are skipped inside the program, and a mini-batch
-        without loss tokens is not run at all (no optimizer step: Adam's momentum would otherwise
-        move the parameters on a zero gradient); ``num_updates`` still counts it, as it counts an
-        update skipped for a non-finite gradient.
+        Rows are shuffled and split evenly into ``num_mini_batches`` contiguous mini-batches of
+        the shuffled order (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in
+        2 → [65, 65], 1,100 in 4 → [275] · 4; this fixes which rows share an update). Each
+        mini-batch is then padded with all-invalid rows to the plan's fixed row count
+        (``ppo_plan``) and split into micro-batches of ``micro_batch_rows``; micro-batches without
+        loss tokens are skipped inside the program, and a mini-batch without loss tokens is not
+        run at all (no optimizer step: Adam's momentum would otherwise move the parameters on a
+        zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
+        non-finite gradient.
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
@@ -330,13 +331,16 @@ class Learner:
           Metrics averaged over the mini-batches that ran (``actor/pg_loss``, ``actor/ppo_kl``,
           ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ``actor/grad_norm``,
           ``actor/update_skipped``, ...); ``{}`` when no row has a loss token.
+
+        Raises:
+          ValueError: as ``ppo_plan``.
         """
         n = rows["input_ids"].shape[0]
         order = rng.permutation(n)
         plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
         out: dict[str, list[float]] = {}
-        for i in range(num_mini_batches):
-            idx = order[i * plan.per_mb : (i + 1) * plan.per_mb]  # rows past n are padding
+        for start, stop in mini_batch_slices(n, num_mini_batches):
+            idx = order[start:stop]
             if not np.any(rows["loss_mask"][idx] > 0):
                 self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
                 continue
@@ -352,12 +356,36 @@ class Learner:
         return {k: float(np.mean(v)) for k, v in out.items()}
 
 
+def mini_batch_slices(n: int, num_mini_batches: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``num_mini_batches`` contiguous, near-equal parts of ``n`` rows.
+
+    The first ``n mod k`` parts hold ``ceil(n / k)`` rows, the others ``floor(n / k)`` (the
+    ``numpy.array_split`` rule; verl's ``DataProto.split`` / ``make_iterator`` uses equal
+    mini-batches), so sizes differ by at most one: 130 in 2 → [65, 65], 257 in 2 → [129, 128],
+    1,100 in 4 → [275] · 4; with ``n < k`` some parts are empty.
+
+    Raises:
+      ValueError: if ``num_mini_batches < 1`` or ``n < 0``.
+    """
+    if num_mini_batches < 1 or n < 0:
+        raise ValueError(f"need num_mini_batches >= 1 and n >= 0, got {num_mini_batches}, {n}")
+    base, extra = divmod(int(n), int(num_mini_batches))
+    out, start = [], 0
+    for i in range(num_mini_batches):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 class PPOPlan(NamedTuple):
     """Row layout of one PPO epoch (see ``ppo_plan``).
 
     Attributes:
-      total: rows after the shuffle padding (``bucket_length(R, max(num_mini_batches, micro))``).
-      per_mb: real-or-padding rows of the epoch per mini-batch (``total // num_mini_batches``).
+      total: ``num_mini_batches · bucket_length(ceil(R / k), floor)`` — the epoch's rows once
+        every mini-batch is padded to its natural bucket (``R`` padded as a whole before).
+      per_mb: the most real rows of one mini-batch, ``ceil(R / num_mini_batches)``
+        (``mini_batch_slices``).
       rows: rows of every ``_ppo_step`` call (``>= per_mb``).
       micro: rows per micro-batch (divides ``rows``).
     """
@@ -371,9 +399,12 @@ class PPOPlan(NamedTuple):
 def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int | None = None) -> PPOPlan:
     """Mini-batch shapes of a PPO epoch over ``n`` rows.
 
-    Which rows form a mini-batch depends on ``n`` (as always); the shape of the update program
-    depends on ``max_rows`` only when it is given and ``n <= max_rows``: ``rows =
-    bucket_length(max_rows, max(num_mini_batches, micro_batch_rows)) // num_mini_batches``.
+    Mini-batches hold ``mini_batch_slices(n, k)`` real rows (at most ``per_mb = ceil(n / k)``)
+    and are padded to ``rows = bucket_length(ceil(B / k), max(1, max(k, micro_batch_rows) // k))``
+    with ``B = max_rows`` when it is given and ``n <= max_rows``, else ``B = n``: the shape of the
+    update program depends on the config only when a bound is given. For powers of two ``k`` and
+    ``micro_batch_rows`` this equals ``bucket_length(B, max(k, micro)) // k`` (the shapes before
+    mini-batches were split evenly).
 
     Raises:
       ValueError: if ``num_mini_batches`` or ``micro_batch_rows`` is < 1, or ``n`` < 0.
@@ -381,16 +412,19 @@ def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int
     if num_mini_batches < 1 or micro_batch_rows < 1:
         raise ValueError(f"num_mini_batches and micro_batch_rows must be >= 1, got {num_mini_batches}, "
                          f"{micro_batch_rows}")
-    floor = max(num_mini_batches, micro_batch_rows)
-    total = bucket_length(n, floor)
-    per_mb = total // num_mini_batches
-    rows = per_mb
+    if n < 0:
+        raise ValueError(f"the row count must be >= 0, got {n}")
+    k = int(num_mini_batches)
+    floor = max(1, max(k, micro_batch_rows) // k)
+    per_mb = -(-int(n) // k)
+    natural = bucket_length(per_mb, floor)
+    rows = natural
     if max_rows is not None and n <= max_rows:
-        rows = max(per_mb, bucket_length(max_rows, floor) // num_mini_batches)
+        rows = max(natural, bucket_length(-(-int(max_rows) // k), floor))
     micro = min(micro_batch_rows, rows)
     while rows % micro:  # powers of two in practice; stay correct otherwise
         micro -= 1
-    return PPOPlan(total, per_mb, rows, micro)
+    return PPOPlan(k * natural, per_mb, rows, micro)
 
 
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
@@ -403,4 +437,4 @@ def _denominator(loss_mask: jax.Array, mode: str) -> jax.Array:
     return (loss_mask.sum(-1) > 0).sum().astype(jnp.float32)
 
 
-__all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "ppo_plan"]
+__all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "mini_batch_slices", "ppo_plan"]

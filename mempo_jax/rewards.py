@@ -2,7 +2,8 @@
 
 Host-side, pure Python (strings in, floats out). Formulas follow the official SQuAD v2.0
 evaluation script (``normalize_answer``, ``compute_exact``, ``compute_f1``) as used by FlashRAG's
-``ExactMatch`` / ``F1_Score`` metrics: max over gold aliases.
+``ExactMatch`` / ``F1_Score`` metrics (``flashrag/evaluator/metrics.py``), including FlashRAG's
+yes/no/noanswer rule in F1: max over gold aliases.
 
 Conventions worth knowing:
 
@@ -80,9 +81,17 @@ def _exact_one(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
+# FlashRAG ``F1_Score.token_level_scores``: when either normalised side is one of these and the two
+# differ, the pair scores 0 (a "no, it is not" does not half-match a "no").
+_CLOSED_ANSWERS = frozenset({"yes", "no", "noanswer"})
+
+
 def _f1_one(prediction: str, gold: str) -> float:
-    pred_toks = normalize_answer(prediction).split()
-    gold_toks = normalize_answer(gold).split()
+    pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
+    if (pred_norm in _CLOSED_ANSWERS or gold_norm in _CLOSED_ANSWERS) and pred_norm != gold_norm:
+        return 0.0
+    pred_toks = pred_norm.split()
+    gold_toks = gold_norm.split()
     if not pred_toks or not gold_toks:  # SQuAD v2: 1 iff both empty
         return float(pred_toks == gold_toks)
     num_same = sum((collections.Counter(pred_toks) & collections.Counter(gold_toks)).values())
@@ -114,8 +123,11 @@ def f1_score(prediction: str, golds: Sequence[str]) -> float:
     Tokens are ``normalize_answer(x).split()``; overlap counts repeated tokens at most
     ``min(count_pred, count_gold)`` times (multiset intersection). F1 = 2PR / (P + R) with
     P = overlap / len(pred), R = overlap / len(gold). When either side normalises to no tokens the
-    score is 1.0 iff both do (SQuAD v2 convention). FlashRAG's extra rule that a yes/no/noanswer
-    prediction different from the gold scores 0 is not applied.
+    score is 1.0 iff both do (SQuAD v2 convention; FlashRAG scores that pair 0). FlashRAG's
+    closed-answer rule is applied per alias: when the normalised prediction or the normalised
+    alias is ``"yes"``, ``"no"`` or ``"noanswer"`` and the two differ, that alias scores 0
+    (``f1("no, it is not", ["no"]) == 0``, ``f1("yes", ["yes sir"]) == 0``; HotpotQA has many
+    yes/no golds). ``"Yes."`` against ``"yes"`` normalises equal and scores 1.
 
     Args:
       prediction: predicted answer text.

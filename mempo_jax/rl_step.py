@@ -24,11 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mempo_jax.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
+from mempo_jax.agent.protocol import ANSWER
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
-from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, build_training_rows
+from mempo_jax.agent.tags import TagCodec
+from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.batching import bucket_length, length_buckets
 from mempo_jax.losses import LossConfig
 from mempo_jax.rewards import outcome_reward
+from mempo_jax.stop_strings import byte_offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,14 @@ class RLConfig:
       precompile: compile every program shape the config can produce (``precompile_rl_step``)
         before the first step, so that no step compiles; off by default (it builds shapes a
         short run may never use).
+      memory_reward_malformed: also score the ``<mem>`` span of a turn with a format error (mem
+        not first, a nested tag, a second ``<mem>``, no closing action, …) and give it A_M.
+        ``False`` (default): such turns get no R_M / A_M and stay out of the group's R_M mean and
+        std (their tokens keep A_T); ``mem/excluded_malformed`` counts them.
+      memory_prefix: the never-scored ids between a memory-reward context and Z
+        (``experiment.answer_prefix_ids``): ``"empty_mem"`` (default; the full view gets an
+        empty ``<mem></mem>`` so both views are followed by their natural continuation),
+        ``"think"`` or ``"none"``.
     """
 
     steps: int = 40
@@ -62,6 +73,8 @@ class RLConfig:
     loss: LossConfig = LossConfig()
     rollout: RolloutConfig = RolloutConfig()
     precompile: bool = False
+    memory_reward_malformed: bool = False
+    memory_prefix: str = "empty_mem"
 
 
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)
@@ -145,25 +158,68 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     return out
 
 
-def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str):
+def answer_ids_of(turn: Turn, codec) -> Optional[list[int]]:
+    """The sampled ids inside the first ``<answer> … </answer>`` block of ``turn.output_ids``
+    (token-in/token-out, MEMPO_SPEC §2: the ids that were sampled are the ids that are scored),
+    or ``None`` without a closed, non-empty block.
+
+    The one place that cuts the answer out of a turn's ids. ``codec`` is the policy's
+    ``TagCodec``: in ``tokens`` mode the ids strictly between the two tag ids; in ``text`` mode
+    the tokens whose bytes lie wholly between the end of ``<answer>`` and the start of
+    ``</answer>`` (found on the tokens' byte offsets, never by re-tokenising; a token that
+    straddles a tag edge, such as ``>Paris``, holds tag bytes and is left out).
+    """
+    ids = [int(i) for i in turn.output_ids]
+    if codec.mode == "tokens":
+        span = codec.find_span(ids, ANSWER[0], ANSWER[1])
+        inner = [] if span is None else ids[span[0] + 1 : span[1] - 1]
+    else:
+        vocab = codec.token_bytes(max(int(codec.tokenizer.vocab_size), max(ids, default=-1) + 1))
+        data = b"".join(vocab[i] for i in ids)
+        op, cl = (t.encode("utf-8") for t in ANSWER)
+        lo = data.find(op)
+        hi = -1 if lo < 0 else data.find(cl, lo + len(op))
+        if hi < 0:
+            return None
+        off = byte_offsets(vocab, ids)
+        inner = [i for k, i in enumerate(ids) if off[k] >= lo + len(op) and off[k + 1] <= hi and off[k + 1] > off[k]]
+    return inner or None
+
+
+def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]],
+                        include_malformed: bool) -> np.ndarray:
+    """``[M]`` bool: which recorded ``<mem>`` turns get a memory reward. With
+    ``include_malformed`` every one; else only turns without a format error
+    (``turn.parsed.error is None``; ``RLConfig.memory_reward_malformed``)."""
+    if include_malformed:
+        return np.ones((len(mem_turn),), bool)
+    return np.asarray([trajs[i].turns[t].parsed.error is None for i, t in mem_turn], bool).reshape(-1)
+
+
+def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
+                    *, codec=None):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
-    ``full_traj[t]`` / ``mem_traj[t]`` views and Z = the gold answer (default) or the trajectory's
-    generated answer (gold when it gave none), encoded with a leading space as rendered in turns.
+    ``full_traj[t]`` / ``mem_traj[t]`` views and Z: the gold answer (default; aliases' first
+    entries joined by ``"; "``, encoded with a leading space as rendered in turns) or, with
+    ``"generated"``, the sampled ids of the trajectory's final ``<answer>`` block
+    (``answer_ids_of`` with ``codec``, the policy's ``TagCodec``; default: ``tokenizer``'s tags
+    as single ids), gold when the trajectory gave no answer. Never decoded and re-encoded.
 
     Raises:
       ValueError: for an unknown ``answer_source``.
     """
     if answer_source not in ("gold", "generated"):
         raise ValueError(f"memory_answer must be 'gold' or 'generated', got {answer_source!r}")
+    if answer_source == "generated" and codec is None:
+        codec = TagCodec(tokenizer, "tokens")
     full, mem, answers = [], [], []
     for tr_i, t in mem_turn:
         tr = trajs[tr_i]
         full.append(tr.full_traj(t))
         mem.append(tr.mem_traj(t))
-        gold = "; ".join(g[0] for g in tr.golds)
-        text = tr.answer if (answer_source == "generated" and tr.answer) else gold
-        answers.append(tokenizer.encode(" " + text))
+        z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
+        answers.append(z if z is not None else tokenizer.encode(" " + "; ".join(g[0] for g in tr.golds)))
     return full, mem, answers
 
 
@@ -184,7 +240,8 @@ def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
 
 
 def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
-                       *, max_rows: int | None = None, max_mem: int | None = None):
+                       *, max_rows: int | None = None, max_mem: int | None = None,
+                       mem_valid: np.ndarray | None = None):
     """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
@@ -202,6 +259,9 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
       memory_coef: scale of A_M.
       max_rows, max_mem: optional config bounds on rows and on ``<mem>`` turns (a count above
         its bound falls back to the unpadded shape).
+      mem_valid: optional ``[M]`` bool, False on turns without a memory reward
+        (``scored_memory_turns``): their A_M is 0 and their R_M enters no group statistic.
+        Default all True.
 
     Returns:
       ``(advantages [R, L], a_t [N], a_m [M])`` float32 numpy arrays.
@@ -212,11 +272,14 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
     mb = bucket_length(max_mem, 1) if max_mem is not None and m <= max_mem else max(m, 1)
     pad = lambda x, n, v=0: np.pad(np.asarray(x), [(0, n - len(x))] + [(0, 0)] * (np.ndim(x) - 1),  # noqa: E731
                                    constant_values=v)
+    keep = np.ones((m,), bool) if mem_valid is None else np.asarray(mem_valid, bool).reshape(-1)
+    if keep.shape != (m,):
+        raise ValueError(f"mem_valid has {keep.shape[0]} entries for {m} <mem> turns")
     group_ids = np.asarray([tr.group_id for tr in trajs], np.int32)
     mem_groups = np.asarray([trajs[i].group_id for i, _ in rows.mem_turn], np.int32).reshape(-1)
     adv, a_t, a_m = _advantages(
         np.asarray(rewards, np.float32), group_ids, pad(np.asarray(r_mem, np.float32).reshape(-1), mb),
-        pad(mem_groups, mb), pad(np.ones((m,), bool), mb, False), pad(rows.mem_rows.astype(np.int32), mb),
+        pad(mem_groups, mb), pad(keep, mb, False), pad(rows.mem_rows.astype(np.int32), mb),
         pad(rows.mem_starts.astype(np.int32), mb), pad(rows.mem_ends.astype(np.int32), mb),
         pad(rows.traj_index.astype(np.int32), rb), pad(rows.loss_mask, rb), np.float32(memory_coef),
         num_groups=int(num_groups))
@@ -268,11 +331,16 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     rewards = score_trajectories(trajs, cfg.outcome_metric)
     rows = pad_columns(build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id), TRAIN_MIN_LENGTH,
                        tokenizer.pad_id)
-    full, mem, answers = memory_contexts(trajs, rows.mem_turn, tokenizer, cfg.memory_answer)
+    scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed)
+    full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
+                                         cfg.memory_answer, codec=fmt.codec)
     mem_out = scorer(learner.params, full, mem, answers)
+    r_mem = np.zeros((len(rows.mem_turn),), np.float32)
+    r_mem[scored] = mem_out.r_mem
     ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
-    adv, a_t, a_m = compute_advantages(trajs, rows, rewards, mem_out.r_mem, len(questions), cfg.memory_coef,
-                                       max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg))
+    adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
+                                       max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
+                                       mem_valid=scored)
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -296,8 +364,9 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
         "mem/reward/mean": float(mem_out.r_mem.mean()) if len(mem_out.r_mem) else 0.0,
         "mem/p_full/mean": float(mem_out.p_full.mean()) if len(mem_out.p_full) else 0.0,
         "mem/p_mem/mean": float(mem_out.p_mem.mean()) if len(mem_out.p_mem) else 0.0,
-        "mem/advantage/std": float(a_m.std()) if a_m.size else 0.0,
+        "mem/advantage/std": float(a_m[scored].std()) if scored.any() else 0.0,
         "mem/turns": float(len(rows.mem_turn)),
+        "mem/excluded_malformed": float(len(rows.mem_turn) - scored.sum()),
         "train/rows": float(rows.input_ids.shape[0]),
         "train/seq_len": float(rows.input_ids.shape[1]),
     }

@@ -1,5 +1,8 @@
 """Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (MEMPO_SPEC §3).
 
+Z is scored after a fixed, never-scored prefix (``answer_prefix``, and ``full_prefix`` on the
+full view only): ``RLConfig.memory_prefix`` picks it (``experiment.answer_prefix_ids``).
+
 A detached extra forward pass: nothing is generated; the answer Z is re-scored under the full
 history snapshot and under the compressed memory view of every ``<mem>`` turn. All 2M contexts
 are stacked into one batch ``[full_0 .. full_{M-1}; mem_0 .. mem_{M-1}]`` with Z repeated twice
@@ -50,11 +53,12 @@ def build_scoring_batch(
     *,
     pad_rows_to_bucket: bool = False,
     min_rows: int = 1,
+    full_prefix: Sequence[int] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stack ``[full_i + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` into one padded batch.
+    """Stack ``[full_i + full_prefix + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` into one padded batch.
 
-    Row ``i < M`` is ``full_contexts[i] + answer_prefix + answers[i]``, row ``M + i`` is
-    ``mem_contexts[i] + answer_prefix + answers[i]``; right-padded with ``pad_id`` to
+    Row ``i < M`` is ``full_contexts[i] + full_prefix + answer_prefix + answers[i]``, row
+    ``M + i`` is ``mem_contexts[i] + answer_prefix + answers[i]``; right-padded with ``pad_id`` to
     ``L = bucket_length(longest row)``. With ``pad_rows_to_bucket`` the row count is padded to
     ``bucket_length(2M, min_rows)`` with all-invalid rows (callers drop them from outputs).
 
@@ -66,6 +70,9 @@ def build_scoring_batch(
       pad_id: padding id.
       pad_rows_to_bucket: pad the row count to a power of two (jit sees few shapes).
       min_rows: smallest row bucket (a power of two, e.g. the data-parallel device count).
+      full_prefix: ids placed on the full view only, before ``answer_prefix`` (e.g. an empty
+        ``<mem></mem>``: ``full_traj[t]`` then ends in a closed memory block as ``mem_traj[t]``
+        does, so the shared prefix is the policy's own continuation on both views); never scored.
 
     Returns:
       ``(input_ids [R, L] int32, valid [R, L] bool, answer_mask [R, L] bool)``, ``R = 2M``
@@ -75,7 +82,7 @@ def build_scoring_batch(
       ValueError: if the three lists differ in length, or a non-empty Z would sit at position 0
         (context and prefix both empty: nothing predicts the first token).
     """
-    rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix)
+    rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix, full_prefix)
     ids, valid = pad_sequences(rows, pad_id)
     answer_mask = _answer_mask(valid.shape, spans)
     m = len(full_contexts)
@@ -95,15 +102,16 @@ def _answer_mask(shape: tuple[int, int], spans) -> np.ndarray:
     return mask
 
 
-def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """The 2M rows ``[full_i + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` and Z's ``[start, end)``
-    in each (see ``build_scoring_batch``; same errors)."""
+def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix,
+                  full_prefix=()) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The 2M rows ``[full_i + full_prefix + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` and
+    Z's ``[start, end)`` in each (see ``build_scoring_batch``; same errors)."""
     m = len(full_contexts)
     if len(mem_contexts) != m or len(answers) != m:
         raise ValueError(f"need as many contexts as answers: {m} full, {len(mem_contexts)} mem, {len(answers)} answers")
-    prefix = list(answer_prefix)
+    views = [list(full_prefix) + list(answer_prefix)] * m + [list(answer_prefix)] * m
     rows, spans = [], []
-    for ctx, z in list(zip(full_contexts, answers)) + list(zip(mem_contexts, answers)):
+    for (ctx, z), prefix in zip(list(zip(full_contexts, answers)) + list(zip(mem_contexts, answers)), views):
         start = len(ctx) + len(prefix)
         if start == 0 and len(z) > 0:
             raise ValueError("an empty context with an empty answer_prefix leaves Z's first token unscored")
@@ -131,7 +139,10 @@ class MemoryRewardScorer:
       logits_fn: ``logits_fn(params, input_ids [B, L] int32, valid_mask [B, L] bool) -> logits
         [B, L, V]`` (the policy's uniform call contract; ``logits[:, t]`` predicts token t + 1).
       pad_id: padding id.
-      answer_prefix: ids placed between context and Z (e.g. ``[id("<answer>")]``).
+      answer_prefix: ids placed between context and Z on both views (e.g. ``[id("<answer>")]``).
+      full_prefix: ids placed on the full view only, before ``answer_prefix`` (see
+        ``build_scoring_batch``; ``experiment.answer_prefix_ids`` builds both from
+        ``RLConfig.memory_prefix``).
       temperature: the sampler's softmax temperature (> 0), as for the trainer's log-probs.
       min_rows: smallest row bucket; use a multiple of the data-parallel device count.
       batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.
@@ -164,6 +175,7 @@ class MemoryRewardScorer:
         param_shardings: Any = None,
         chunk_rows: int | None = None,
         min_length: int = DEFAULT_MIN_LENGTH,
+        full_prefix: Sequence[int] = (),
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -172,6 +184,7 @@ class MemoryRewardScorer:
         self.logits_fn = logits_fn
         self.pad_id = int(pad_id)
         self.answer_prefix = [int(t) for t in answer_prefix]
+        self.full_prefix = [int(t) for t in full_prefix]
         self.temperature = float(temperature)
         self.min_rows = int(min_rows)
         self.batch_sharding = batch_sharding
@@ -218,7 +231,7 @@ class MemoryRewardScorer:
         if m == 0 and len(mem_contexts) == 0 and len(answers) == 0:
             empty = np.zeros((0,), np.float32)
             return MemoryRewardOutput(empty, empty.copy(), empty.copy())
-        rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix)
+        rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix, self.full_prefix)
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
         c = self.rows_per_call

@@ -80,7 +80,7 @@ def test_rl_steps_compile_nothing_after_precompile():
 def test_ppo_plan_shapes_depend_on_the_bound_only():
     shapes = {ppo_plan(n, 2, 32, max_rows=96)[2:] for n in range(1, 97)}
     assert shapes == {(64, 32)}
-    assert ppo_plan(20, 2, 32) == (32, 16, 16, 16)  # without a bound: as before
+    assert ppo_plan(20, 2, 32) == (32, 10, 16, 16)  # without a bound: 10 real rows (at most) in 16
 
 
 def _rows(rng, n, length, vocab):

@@ -208,3 +208,29 @@ def test_property_render_round_trip(mem, think, action, argument):
     assert parse_turn(text) == ParsedTurn(mem, think, action, argument, None)
     # generation stops at the closing action tag, which render_turn emits last
     assert text.endswith(f"</{action}>") and f"</{action}>" in STOP_TAGS
+
+
+def _megabyte_turns():
+    n = 50_000
+    distinct = "<mem>m</mem>" + "".join(f"w{i}<think>x</think>" for i in range(n))  # ~10⁵ distinct errors
+    nested = "<mem>" + "<think>" * (n // 2) + "</search>" * (n // 2) + "</mem><answer>a</answer>"
+    return {"distinct": distinct[:1_000_000], "nested": nested + " " * (1_000_000 - len(nested))}
+
+
+@pytest.mark.parametrize("kind", ["distinct", "nested"])
+def test_megabyte_malformed_turn_parses_in_linear_time(kind):
+    import time
+
+    text = _megabyte_turns()[kind]
+    assert len(text) == 1_000_000
+    t0 = time.perf_counter()
+    parsed = parse_turn(text)
+    seconds = time.perf_counter() - t0
+    # 0.2-0.3 s measured after the fix on a busy 2-core box; before, the de-duplication (and the
+    # nested-tag list) were quadratic: ~12 s (distinct) and ~40 s (nested) for this megabyte
+    assert seconds < 5.0, seconds
+    assert parsed.error is not None and parsed.error.count("; ") <= 2  # still at most three problems
+    if kind == "distinct":
+        assert parsed.error.startswith("text outside blocks between tags: 'w0'; text outside blocks between tags: 'w1'")
+    else:
+        assert parsed.error == "nested <think> inside <mem>; stray </search> inside <mem>"

@@ -98,6 +98,26 @@ def test_counter_f1_repeated_tokens(pred, gold, expected):
     assert f1_score(pred, [gold]) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("pred, golds, expected", [
+    ("no, it is not", ["no"], 0.0),  # token F1 would be 0.4 (P 1/4, R 1)
+    ("noanswer found", ["noanswer"], 0.0),  # token F1 would be 2/3
+    ("yes", ["yes sir"], 0.0),  # a closed prediction against an open gold: 2/3 without the rule
+    ("yes", ["no"], 0.0),
+    ("Yes.", ["yes"], 1.0),  # equal after normalisation: the rule does not apply
+    ("NO!", ["no"], 1.0),
+    ("yes and no", ["yes and no"], 1.0),  # neither side is exactly a closed answer
+    ("yes and no", ["yes"], 0.0),
+    ("no, it is not", ["no", "it is not"], 6 / 7),  # per alias: the open alias keeps its F1
+])
+def test_f1_closed_answer_rule_follows_flashrag(pred, golds, expected):
+    assert f1_score(pred, golds) == pytest.approx(expected, abs=1e-12)
+
+
+def test_closed_answer_rule_per_objective_and_not_in_em():
+    assert outcome_reward("no, it is not; Paris", [["no"], ["Paris"]], metric="f1") == pytest.approx(0.5)
+    assert exact_match("no, it is not", ["no"]) == 0.0 and exact_match("No.", ["no"]) == 1.0
+
+
 def test_split_objectives():
     assert split_objectives(" Paris ;Berlin; Rome ") == ["Paris", "Berlin", "Rome"]
     assert split_objectives("a;; b") == ["a", "", "b"]

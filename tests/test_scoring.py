@@ -133,6 +133,33 @@ def test_build_scoring_batch_layout():
     assert not valid[6:].any() and not am[6:].any() and am[:6].sum() == 6
 
 
+def test_full_prefix_goes_on_the_full_view_only():
+    ids, valid, am = build_scoring_batch([[8, 9]], [[12]], [[5, 6]], [2], pad_id=0, full_prefix=[3, 4])
+    np.testing.assert_array_equal(ids[0, :7], [8, 9, 3, 4, 2, 5, 6])  # full + full_prefix + prefix + Z
+    np.testing.assert_array_equal(ids[1, :4], [12, 2, 5, 6])  # mem + prefix + Z
+    np.testing.assert_array_equal(np.flatnonzero(am[0]), [5, 6])
+    np.testing.assert_array_equal(np.flatnonzero(am[1]), [2, 3])
+    # through the scorer: a full_prefix holding MARKER changes P_full only (0.68 → 0.72)
+    table = make_table(UNIFORM, UNIFORM_MEM)
+    plain = MemoryRewardScorer(bigram_logits, PAD, [PREFIX])(table, [[9]], [[9]], [Z])
+    marked = MemoryRewardScorer(bigram_logits, PAD, [PREFIX], full_prefix=[MARKER])(table, [[9]], [[9]], [Z])
+    np.testing.assert_allclose([plain.p_full[0], plain.p_mem[0]], [0.68, 0.68], atol=1e-6)
+    np.testing.assert_allclose([marked.p_full[0], marked.p_mem[0], marked.r_mem[0]], [0.72, 0.68, -0.04], atol=1e-6)
+
+
+def test_answer_prefix_ids_per_memory_prefix_mode():
+    from mempo_jax.experiment import answer_prefix_ids
+    from toy_agent import WordTokenizer
+
+    tok = WordTokenizer()
+    t = [tok.piece_id(p) for p in ("<think>", "</think>", "<answer>")]
+    assert answer_prefix_ids(tok) == ([tok.piece_id("<mem>"), tok.piece_id("</mem>")], t)  # default empty_mem
+    assert answer_prefix_ids(tok, "think") == ([], t)
+    assert answer_prefix_ids(tok, "none") == ([], [])
+    with pytest.raises(ValueError, match="RLConfig.memory_prefix"):
+        answer_prefix_ids(tok, "mem")
+
+
 def test_build_scoring_batch_errors():
     with pytest.raises(ValueError):
         build_scoring_batch([[1]], [[1], [2]], [[5]], [2], 0)
