@@ -24,6 +24,7 @@ import numpy as np
 from mempo_jax.agent.protocol import MEM, parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig, build_prompt, encode_observation
 from mempo_jax.agent.trajectory import Trajectory, Turn, find_span
+from mempo_jax.validation import check
 
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 
@@ -39,6 +40,10 @@ class ScriptedAgentConfig:
 
     lazy_prob: float = 0.6
     duplicate_prob: float = 0.15
+
+    def __post_init__(self):
+        for name in ("lazy_prob", "duplicate_prob"):
+            check(self, name, float, lo=0.0, hi=1.0)
 
 
 def _answer(question, facts: Sequence[str]) -> str:
