@@ -23,8 +23,9 @@ Retrieval (MEMPO_SPEC §7), per dataset:
 
 ``--checkpoint`` takes a step (with ``--run_dir``) or, as issue #5 writes it, a run folder
 (``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). Bad input (missing run
-folder or checkpoint, ``--dataset`` without ``=``, a missing or malformed file) prints one line on
-stderr and exits with status 2.
+folder or checkpoint, ``--dataset`` without ``=``, a missing, empty, malformed or non-UTF-8 file,
+an ``--out`` that names an existing file or a folder that cannot be written) prints one line on
+stderr and exits with status 2, before the model is loaded.
 """
 
 from __future__ import annotations
@@ -373,6 +374,9 @@ def run(args) -> dict:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+    from mempo_jax.resume import check_output_folder
+
+    check_output_folder(args.out, "--out")  # an existing file or a read-only folder fails now, not after the work
     run_dir, step = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
     for name, qs in questions.items():

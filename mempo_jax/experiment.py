@@ -56,20 +56,21 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     Raises:
       ValueError: naming the file, line and field of a malformed record.
     """
+    from mempo_jax.data.qa_formats import hotpotqa_example, hotpotqa_supporting_titles
     from mempo_jax.tools.corpus import pool_hotpotqa_contexts
-    from mempo_jax.tools.records import field_error, iter_records
+    from mempo_jax.tools.records import iter_records
 
     docs = pool_hotpotqa_contexts(path)
     questions = []
     for where, rec in iter_records(path):
-        try:
-            titles = list(dict.fromkeys(rec["supporting_facts"]["title"]))
-            qid, text, answer = str(rec["id"]), rec["question"], rec["answer"]
-        except (KeyError, TypeError) as e:
-            raise field_error(path, where, str(e).strip("'"), "missing or malformed HotpotQA field") from None
+        ex = hotpotqa_example(rec, path, where)  # question, answer, id and context checked
+        titles = hotpotqa_supporting_titles(rec, path, where)
+        qid, text, answer = ex.id, ex.question, ex.golds[0][0]
         hops = [(t, (f"read {t}",)) for t in titles] or [(text, ())]
         hops[-1] = (hops[-1][0], hops[-1][1] + (f"(1) {answer}",))
         questions.append(Question(qid, "hotpotqa", text, ((answer,),), tuple(hops)))
+    if len(questions) < 2:
+        raise ValueError(f"{path}: {len(questions)} HotpotQA questions; a run needs at least 2 (held-out and training)")
     return questions, docs
 
 
