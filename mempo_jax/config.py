@@ -14,11 +14,14 @@ Every runnable recipe is a ``configs/*.gin`` file that binds fields of these dat
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
+import tokenize
 from typing import Sequence
 
 import gin
 
+from mempo_jax.agent.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
@@ -26,6 +29,12 @@ from mempo_jax.learner import OptimConfig
 from mempo_jax.losses import LossConfig
 from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.rl_step import RLConfig
+from mempo_jax.validation import check, require
+
+
+# SentencePiece's fixed pieces: pad/unk/bos/eos, the protocol tags and the 256 byte-fallback pieces
+# (the trainer also needs one piece per distinct character of its text; ``train_sentencepiece``).
+MIN_VOCAB_SIZE = 4 + len(ALL_TAG_PIECES) + 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +62,10 @@ class ModelOptions:
         filled in); "" = the shipped one.
 
     Raises:
-      ValueError: an unknown ``tags``, ``chat_template`` or ``tool_layout`` value.
+      ValueError: from ``__post_init__``: an unknown preset, ``tags``, ``chat_template`` or
+        ``tool_layout``, an override that is not a ``(ModelConfig field, value)`` pair or whose
+        value the preset rejects (e.g. ``num_heads`` not a multiple of ``num_kv_heads``), or with
+        ``checkpoint`` an override other than ``dtype`` / ``param_dtype`` (names the field).
     """
 
     preset: str = "tiny"
@@ -65,12 +77,34 @@ class ModelOptions:
     system_prompt_path: str = ""
 
     def __post_init__(self):
-        if self.tags not in ("text", "tokens"):
-            raise ValueError(f"ModelOptions.tags must be 'text' or 'tokens', got {self.tags!r}")
-        if self.chat_template not in ("auto", "require", "none"):
-            raise ValueError(f"ModelOptions.chat_template must be 'auto', 'require' or 'none', got {self.chat_template!r}")
-        if self.tool_layout not in ("assistant", "user", "tool"):
-            raise ValueError(f"ModelOptions.tool_layout must be 'assistant', 'user' or 'tool', got {self.tool_layout!r}")
+        from mempo_jax.model.config import ModelConfig
+
+        presets = sorted(k for k, v in vars(ModelConfig).items() if isinstance(v, classmethod))
+        check(self, "preset", str, choices=presets)
+        check(self, "overrides", tuple)
+        check(self, "checkpoint", str)
+        check(self, "tags", str, choices=("text", "tokens"))
+        check(self, "chat_template", str, choices=("auto", "require", "none"))
+        check(self, "tool_layout", str, choices=("assistant", "user", "tool"))
+        check(self, "system_prompt_path", str)
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        for i, item in enumerate(self.overrides):
+            require(isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str),
+                    f"ModelOptions.overrides[{i}] must be a (field, value) pair, got {item!r}")
+            require(item[0] in fields, f"ModelOptions.overrides: unknown ModelConfig field {item[0]!r} "
+                                       f"(known: {', '.join(sorted(fields))})")
+        names = [k for k, _ in self.overrides]
+        require(len(set(names)) == len(names), f"ModelOptions.overrides names a field twice: {names}")
+        if self.checkpoint:
+            extra = sorted(set(names) - {"dtype", "param_dtype"})
+            require(not extra, f"ModelOptions.overrides {extra} cannot change the architecture of checkpoint "
+                               f"{self.checkpoint}; only dtype / param_dtype")
+            return
+        base = ModelConfig.tiny(1024) if self.preset == "tiny" else getattr(ModelConfig, self.preset)()
+        try:  # the preset with the overrides, validated now (the tiny preset's vocabulary is a placeholder)
+            base.replace(**dict(self.overrides))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"ModelOptions.overrides: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +142,17 @@ class SFTConfig:
     data_path: str = ""
 
     def __post_init__(self):
-        rows, micro = int(self.batch_rows), int(self.micro_batch_rows)
-        if micro < 0 or (micro and rows % micro):
-            raise ValueError(f"SFTConfig.micro_batch_rows must be 0 or divide SFTConfig.batch_rows = {rows}, "
-                             f"got {micro}")
+        check(self, "steps", int, lo=0)
+        check(self, "batch_rows", int, lo=1)
+        check(self, "full_fraction", float, lo=0.0, hi=1.0)
+        check(self, "copy_fraction", float, lo=0.0)
+        check(self, "agent", ScriptedAgentConfig)
+        check(self, "optim", OptimConfig)
+        check(self, "micro_batch_rows", int, lo=0)
+        check(self, "data_path", str)
+        rows, micro = self.batch_rows, self.micro_batch_rows
+        require(not (micro and rows % micro),
+                f"SFTConfig.micro_batch_rows must be 0 or divide SFTConfig.batch_rows = {rows}, got {micro}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +166,10 @@ class EvalConfig:
       bootstrap_samples: resamples for the EM-gain confidence interval.
       zero_shot: also evaluate the initial policy (a checkpoint before SFT) as stage ``base``
         (``eval_base.json``), so the summary gives the SFT gain over it too.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range or a context mode that is not
+        ``"full"`` or an integer k >= 1 (names the field).
     """
 
     num_questions: int = 0
@@ -132,6 +177,22 @@ class EvalConfig:
     context_modes: tuple = (1, "full")
     bootstrap_samples: int = 2000
     zero_shot: bool = False
+
+    def __post_init__(self):
+        from mempo_jax.agent.trajectory import parse_context_steps
+
+        check(self, "num_questions", int, lo=0)
+        check(self, "temperature", float, lo=0.0)
+        check(self, "context_modes", tuple)
+        require(len(self.context_modes) > 0, "EvalConfig.context_modes must name at least one mode")
+        for i, mode in enumerate(self.context_modes):
+            try:
+                require(not isinstance(mode, (bool, float)), f"not an int or 'full': {mode!r}")
+                parse_context_steps(mode)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"EvalConfig.context_modes[{i}]: {e}") from None
+        check(self, "bootstrap_samples", int, lo=1)
+        check(self, "zero_shot", bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +221,9 @@ class CheckpointConfig:
 
     def __post_init__(self):
         for name in ("every_steps", "max_to_keep", "max_consecutive_nonfinite"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"CheckpointConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.grace_s > 0:
-            raise ValueError(f"CheckpointConfig.grace_s must be > 0, got {self.grace_s}")
+            check(self, name, int, lo=1)
+        check(self, "grace_s", float, gt=0.0)
+        check(self, "async_save", bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +262,10 @@ class ExperimentConfig:
       eval: held-out evaluation.
       log_rollouts: sample trajectories written per logging step to ``rollouts.jsonl``.
       checkpoint: checkpoint cadence, preemption grace and numerical-fault limit.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range or of the wrong type (names the
+        field); the nested configs check their own fields.
     """
 
     seed: int = 0
@@ -224,8 +288,10 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
-        if self.dataset not in ("tiny_world", "hotpotqa", "qa"):
-            raise ValueError(f"ExperimentConfig.dataset must be 'tiny_world', 'qa' or 'hotpotqa', got {self.dataset!r}")
+        check(self, "seed", int, lo=0)
+        check(self, "dataset", str, choices=("tiny_world", "hotpotqa", "qa"))
+        for name in ("data_path", "train_path", "eval_path", "corpus_path", "retriever_url"):
+            check(self, name, str)
         qa_fields = ("data_path", "train_path", "eval_path", "corpus_path", "retriever_url")
         if self.dataset == "tiny_world":
             for name in qa_fields:
@@ -242,8 +308,12 @@ class ExperimentConfig:
         if self.pool_contexts and self.retriever_url:
             raise ValueError("ExperimentConfig.pool_contexts cannot add passages to a retriever_url's index; "
                              "use corpus_path, or set pool_contexts = False")
-        if self.topk < 1:
-            raise ValueError(f"ExperimentConfig.topk must be >= 1, got {self.topk}")
+        check(self, "vocab_size", int, lo=MIN_VOCAB_SIZE)
+        check(self, "topk", int, lo=1)
+        check(self, "log_rollouts", int, lo=0)
+        for name, kind in (("world", WorldConfig), ("model", ModelOptions), ("sft", SFTConfig), ("rl", RLConfig),
+                           ("optim", OptimConfig), ("eval", EvalConfig), ("checkpoint", CheckpointConfig)):
+            check(self, name, kind)
 
     @property
     def qa_train_path(self) -> str:
@@ -275,20 +345,67 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
     """Parse gin files and bindings into a validated ``ExperimentConfig``.
 
     Raises:
-      ValueError: one line naming the unknown binding, bad value or missing file.
+      ValueError: one line naming the unknown binding, the unparsable ``--gin_param``, the bad
+        value (with the binding that set it) or the missing file.
     """
     _register()
     gin.clear_config()
+    for param in gin_params:  # a syntax error names its --gin_param (gin's message says "line N")
+        problem = _syntax_error(param)
+        if problem:
+            raise ValueError(f"config error: cannot parse --gin_param {param!r}: "
+                             f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}")
     try:
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
         with gin.config_scope(None):
             cfg = gin.get_configurable(ExperimentConfig)()
             if not _is_bound("ExperimentConfig.checkpoint"):  # CheckpointConfig.* bindings apply anyway
                 cfg = dataclasses.replace(cfg, checkpoint=gin.get_configurable(CheckpointConfig)())
-    except (ValueError, TypeError, KeyError, OSError, SyntaxError) as e:
-        raise ValueError(f"config error: {_one_line_gin_error(e, gin_params)}") from None
+    except (ValueError, TypeError, KeyError, OSError, SyntaxError, tokenize.TokenError) as e:
+        if isinstance(e, tokenize.TokenError):  # gin's message names no file: find the one that does not parse
+            for path in gin_files:
+                problem = _syntax_error(pathlib.Path(path).read_text(encoding="utf-8"))
+                if problem:
+                    raise ValueError(f"config error: cannot parse {path}: {problem}") from None
+        msg = _one_line_gin_error(e, gin_params)
+        raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}") from None
     _check_types(cfg, "ExperimentConfig")
     return cfg
+
+
+def _syntax_error(text: str) -> str:
+    """gin's first message line for a bindings text that does not parse, else "" (nothing is bound)."""
+    try:
+        for _ in gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)):
+            pass
+    except (SyntaxError, tokenize.TokenError, ValueError) as e:
+        if isinstance(e, tokenize.TokenError) and e.args:
+            line = e.args[1][0] if len(e.args) > 1 and isinstance(e.args[1], tuple) else "?"
+            return f"{e.args[0]} (line {line})"
+        lines = str(e).strip().splitlines()
+        return lines[0] if lines else type(e).__name__
+    return ""
+
+
+def _binding_source(msg: str, gin_files: Sequence[str], gin_params: Sequence[str]) -> str:
+    """`` (--gin_param B)`` or `` (FILE:LINE: B)`` for the binding of the field a field check
+    names (``"RLConfig.steps must be ..."``), else ""; the last binding wins, as in gin."""
+    m = re.match(r"([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", msg)
+    if not m or "(--gin_param" in msg or re.search(r"\(\S+:\d+: ", msg):
+        return ""
+    lhs = re.compile(rf"^\s*(?:[\w/]+/)?{m.group(1)}\.{m.group(2)}\s*=")
+    for param in reversed(list(gin_params)):
+        if lhs.match(param):
+            return f" (--gin_param {param})"
+    for path in reversed(list(gin_files)):
+        try:
+            lines = pathlib.Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for i in range(len(lines) - 1, -1, -1):
+            if lhs.match(lines[i]):
+                return f" ({path}:{i + 1}: {lines[i].strip()})"
+    return ""
 
 
 def _one_line_gin_error(e: BaseException, gin_params: Sequence[str]) -> str:

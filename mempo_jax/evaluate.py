@@ -34,8 +34,9 @@ Retrieval (MEMPO_SPEC §7), per dataset:
 ``--checkpoint`` takes a step (with ``--run_dir``) or, as issue #5 writes it, a run folder
 (``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). A run folder trained from
 a Hugging Face checkpoint holds ``hf_tokenizer/`` instead of ``tokenizer.model``; both load. Bad
-input (missing run folder, checkpoint or HF folder files, ``--dataset`` without ``=``, a missing
-or malformed file) prints one line on stderr and exits with status 2.
+input (missing run folder, checkpoint or HF folder files, ``--dataset`` without ``=``, a missing, empty,
+malformed or non-UTF-8 file, an ``--out`` that names an existing file or a folder that cannot be
+written) prints one line on stderr and exits with status 2, before the model is loaded.
 """
 
 from __future__ import annotations
@@ -341,6 +342,9 @@ def run(args) -> dict:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+    from mempo_jax.resume import check_output_folder
+
+    check_output_folder(args.out, "--out")  # an existing file or a read-only folder fails now, not after the work
     if args.hf_checkpoint:
         if args.run_dir or args.checkpoint:
             raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")

@@ -61,6 +61,7 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     Raises:
       ValueError: naming the file, line and field of a malformed record.
     """
+    from mempo_jax.data.qa_formats import hotpotqa_example, hotpotqa_supporting_titles
     from mempo_jax.tools.corpus import pool_hotpotqa_contexts
 
     return load_qa_questions(path), pool_hotpotqa_contexts(path)

@@ -22,6 +22,7 @@ from mempo_jax.logprobs import token_entropy, token_logprobs
 from mempo_jax.losses import LossConfig, mempo_loss
 from mempo_jax.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, opt_state_shardings,
                                 param_shardings, replicated)
+from mempo_jax.validation import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class OptimConfig:
       decay_steps: optimizer steps of a cosine decay after the warm-up, from ``learning_rate``
         to ``final_lr_fraction * learning_rate`` (then held); 0 keeps the rate constant.
       final_lr_fraction: the rate at the end of the decay, as a share of the peak.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
     """
 
     learning_rate: float = 1e-3
@@ -47,6 +51,16 @@ class OptimConfig:
     b2: float = 0.98
     decay_steps: int = 0
     final_lr_fraction: float = 0.1
+
+    def __post_init__(self):
+        check(self, "learning_rate", float, lo=0.0)
+        for name in ("warmup_steps", "decay_steps"):
+            check(self, name, int, lo=0)
+        check(self, "weight_decay", float, lo=0.0)
+        check(self, "grad_clip", float, gt=0.0)
+        for name in ("b1", "b2"):
+            check(self, name, float, lo=0.0, lt=1.0)
+        check(self, "final_lr_fraction", float, lo=0.0, hi=1.0)
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -18,6 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from mempo_jax.validation import check
+
 Array = jax.Array
 KLFn = Callable[[Array, Array], Array]
 AggFn = Callable[[Array, Array, "int | None"], "tuple[Array, Array]"]
@@ -59,7 +61,9 @@ class LossConfig:
       loss_agg_mode: a registered aggregation mode (see ``aggregate_loss``).
 
     Raises:
-      ValueError: on an unknown ``kl_type`` / ``loss_agg_mode`` or ``clip_ratio_c <= 1``.
+      ValueError: one line naming the field: an unknown ``kl_type`` / ``loss_agg_mode``,
+        ``clip_ratio_c <= 1``, a clip ratio or ``kl_coef`` below 0, ``clip_ratio_low >= 1``, a
+        non-finite value.
     """
 
     clip_ratio_low: float = 0.2
@@ -71,12 +75,13 @@ class LossConfig:
     loss_agg_mode: str = "token-mean"
 
     def __post_init__(self):
-        if self.kl_type not in _KL:
-            raise ValueError(f"unknown kl_type {self.kl_type!r}; known: {sorted(_KL)}")
-        if self.loss_agg_mode not in _AGG:
-            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {sorted(_AGG)}")
-        if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
+        check(self, "kl_type", str, choices=sorted(_KL))
+        check(self, "loss_agg_mode", str, choices=sorted(_AGG))
+        check(self, "clip_ratio_c", float, gt=1.0)  # dual clip
+        for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
+            check(self, name, float, lo=0.0)
+        check(self, "clip_ratio_low", float, lt=1.0)  # the ratio's lower clip 1 - low stays > 0
+        check(self, "entropy_coef", float)
 
 
 @register_kl_estimator("k1", "kl")

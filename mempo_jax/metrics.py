@@ -8,27 +8,154 @@ Metric names follow verl where one exists (``critic/score/mean``, ``actor/pg_los
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
-from typing import Mapping, Optional, Sequence
+import sys
+import zlib
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 
+@contextlib.contextmanager
+def naming_file(path: str | os.PathLike):
+    """Re-raise an ``OSError`` without a file name (a failed ``write``/``flush``/``fsync``, e.g.
+    ``ENOSPC``) with ``path`` as its ``filename``, so the one-line error names the file."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
+
+
+class LogChanged(ValueError):
+    """A log file was changed on disk by someone else during the run (truncated or appended to in
+    place), so what it holds is no longer what the run wrote; the run stops (exit status 2)."""
+
+
+class AppendLog:
+    """An append-only log file (JSON lines) that notices when it is deleted, replaced or changed
+    on disk while the run writes it.
+
+    Each ``append`` (and ``check``) compares the open handle with the file at ``path``: the same
+    device and inode, and the size this writer accounts for. Then:
+
+    * the file was deleted (or renamed away): it is recreated at ``path`` from the open handle,
+      which still holds every byte written (nothing is lost), and writing goes on;
+    * another file was put at ``path``: that file is kept as ``PATH.replaced`` (``.replaced-1``…)
+      and ours is recreated at ``path`` as above;
+    * the same file is shorter or longer than written (truncated or appended to by another
+      program): ``LogChanged`` (the bytes are gone or foreign; nothing can be recreated).
+
+    Appends are flushed and fsynced. ``size``, ``lines`` and ``crc32`` (of the whole file) are
+    those of the bytes this writer knows the file holds, the values a checkpoint records.
+
+    Args:
+      path: the file, created when absent; its current content is kept and counted.
+      warn: receives the one-line notice of a recreated file (default: stderr).
+    """
+
+    def __init__(self, path: str | os.PathLike, warn: Optional[Callable[[str], None]] = None):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._f = open(self.path, "a+b", buffering=0)  # unbuffered: a failed write leaves nothing pending
+        data = self._read_all(os.fstat(self._f.fileno()).st_size)
+        self.size, self.lines, self.crc32 = len(data), data.count(b"\n"), zlib.crc32(data)
+
+    def _read_all(self, size: int) -> bytes:
+        chunks, pos, fd = [], 0, self._f.fileno()
+        while pos < size:
+            chunk = os.pread(fd, min(1 << 24, size - pos), pos)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            pos += len(chunk)
+        return b"".join(chunks)
+
+    def append(self, text: str) -> None:
+        """Append ``text`` (whole lines), after ``check``; flushed and fsynced.
+
+        Raises:
+          LogChanged: see the class doc.
+          OSError: the write failed (e.g. ``ENOSPC``: disk full).
+        """
+        self.check()
+        data = text.encode("utf-8")
+        try:
+            with naming_file(self.path):
+                view = memoryview(data)
+                while view:
+                    view = view[self._f.write(view):]
+                os.fsync(self._f.fileno())
+        except OSError:  # a partial write (disk full): cut it off, so the file holds whole lines only
+            with contextlib.suppress(OSError):
+                self._f.truncate(self.size)
+            raise
+        self.size += len(data)
+        self.lines += data.count(b"\n")
+        self.crc32 = zlib.crc32(data, self.crc32)
+
+    def check(self) -> None:
+        """Compare the open file with the one at ``path``; recreate it or raise (class doc)."""
+        mine = os.fstat(self._f.fileno())
+        try:
+            disk = os.stat(self.path)
+        except FileNotFoundError:
+            disk = None
+        if disk is not None and (disk.st_dev, disk.st_ino) == (mine.st_dev, mine.st_ino):
+            if disk.st_size != self.size:
+                raise LogChanged(f"{self.path}: {disk.st_size} bytes on disk, but this run wrote {self.size}: the file "
+                                 "was truncated or appended to by another program during the run; stopped (resume "
+                                 "checks it against the last checkpoint)")
+            return
+        if mine.st_size != self.size:
+            raise LogChanged(f"{self.path}: the open file holds {mine.st_size} bytes, but this run wrote {self.size}")
+        data = self._read_all(self.size)
+        kept = ""
+        if disk is not None:  # someone else's file at our path: keep it beside ours
+            aside = self.path.with_name(self.path.name + ".replaced")
+            n = 0
+            while aside.exists():
+                n += 1
+                aside = self.path.with_name(f"{self.path.name}.replaced-{n}")
+            os.replace(self.path, aside)
+            kept = f"; the file found there is kept as {aside}"
+        tmp = self.path.with_name(self.path.name + ".recreate.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._f.close()
+        self._f = open(self.path, "a+b", buffering=0)
+        what = "replaced by another file" if disk is not None else "deleted"
+        self._warn(f"[mempo] warning: {self.path} was {what} during the run; recreated from the open file "
+                   f"({self.lines} lines, {self.size} bytes, nothing lost){kept}")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
 class MetricsWriter:
-    """Appends one JSON line per step to ``metrics.jsonl`` (flushed and fsynced, so a kill never
-    loses a written line) and mirrors scalars to TensorBoard event files under ``tb/``.
+    """Appends one JSON line per step to ``metrics.jsonl`` (an ``AppendLog``: flushed and
+    fsynced, so a kill never loses a written line, and recreated if deleted during the run) and
+    mirrors scalars to TensorBoard event files under ``tb/``.
 
     Args:
       run_dir: the run folder.
       tensorboard: also write TensorBoard events.
+      warn: receives the notice of a recreated ``metrics.jsonl`` (default: stderr).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
+                 warn: Optional[Callable[[str], None]] = None):
         self.path = pathlib.Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self.log = AppendLog(self.path, warn)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -36,11 +163,13 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(pathlib.Path(run_dir) / "tb"))
 
     def write(self, step: int, stage: str, metrics: Mapping[str, float]) -> None:
-        """Write ``{"step", "stage", **metrics}``; non-finite values are written as null."""
+        """Write ``{"step", "stage", **metrics}``; non-finite values are written as null.
+
+        Raises:
+          LogChanged / OSError: from ``AppendLog.append``.
+        """
         clean = {k: (float(v) if np.isfinite(v) else None) for k, v in metrics.items()}
-        self._f.write(json.dumps({"step": int(step), "stage": stage, **clean}, sort_keys=True) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        self.log.append(json.dumps({"step": int(step), "stage": stage, **clean}, sort_keys=True) + "\n")
         self._mirror(step, stage, clean)
 
     def mirror(self, records: Sequence[Mapping]) -> None:
@@ -58,7 +187,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Flush and close both sinks."""
-        self._f.close()
+        self.log.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -124,11 +253,32 @@ def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) ->
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never half-written).
+
+    Raises:
+      OSError: naming the file (e.g. ``ENOSPC``).
+    """
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file, fsynced, and ``os.replace``.
+
+    Raises:
+      OSError: naming the file (e.g. ``ENOSPC``); the temporary file is removed.
+    """
     path = pathlib.Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with naming_file(path), open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

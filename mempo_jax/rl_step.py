@@ -30,8 +30,9 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.batching import bucket_length, length_buckets
 from mempo_jax.losses import LossConfig
-from mempo_jax.rewards import outcome_reward
+from mempo_jax.rewards import get_metric, outcome_reward
 from mempo_jax.stop_strings import byte_offsets
+from mempo_jax.validation import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,23 @@ class RLConfig:
     precompile: bool = False
     memory_reward_malformed: bool = False
     memory_prefix: str = "empty_mem"
+
+    def __post_init__(self):
+        check(self, "steps", int, lo=0)
+        for name in ("questions_per_step", "group_size", "num_mini_batches", "ppo_epochs"):
+            check(self, name, int, lo=1)
+        check(self, "outcome_metric", str)
+        try:
+            get_metric(self.outcome_metric)
+        except ValueError as e:
+            raise ValueError(f"RLConfig.outcome_metric: {e}") from None
+        check(self, "memory_answer", str, choices=("gold", "generated"))
+        check(self, "memory_coef", float)
+        check(self, "loss", LossConfig)
+        check(self, "rollout", RolloutConfig)
+        check(self, "precompile", bool)
+        check(self, "memory_reward_malformed", bool)
+        check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
 
 
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)

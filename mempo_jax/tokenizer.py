@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import pathlib
+import re
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
@@ -22,6 +23,10 @@ import sentencepiece as spm
 from mempo_jax.agent.protocol import ALL_TAG_PIECES
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class NotATokenizer(ValueError):
+    """A file that SentencePiece cannot load (garbage, truncated, another format)."""
 
 
 class SentencePieceTokenizer:
@@ -37,13 +42,17 @@ class SentencePieceTokenizer:
 
         Raises:
           FileNotFoundError: if the file does not exist.
-          ValueError: if the model lacks a protocol tag as a single piece (names the tag).
+          ValueError: if the file is not a SentencePiece model (names it), or the model lacks a
+            protocol tag as a single piece (names the tag).
         """
         path = pathlib.Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {path}")
         self.path = path
-        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise NotATokenizer(f"tokenizer {path} is not a SentencePiece model ({_spm_message(e)})") from None
         self.vocab_size = int(self._sp.get_piece_size())
         self.pad_id = int(self._sp.pad_id())
         self.bos_id = int(self._sp.bos_id())
@@ -97,7 +106,10 @@ def train_sentencepiece(
       The loaded tokenizer. Byte fallback is on, so unseen characters never map to ``<unk>``.
 
     Raises:
-      ValueError: if ``texts`` is empty.
+      ValueError: if ``texts`` is empty; if ``vocab_size`` does not fit the text (too small for
+        its distinct characters plus the fixed pieces, or too large for it), naming the size
+        SentencePiece needs; if the cached model is not a SentencePiece model (names the file:
+        delete it to retrain). Nothing is written to ``cache_dir`` before training succeeds.
     """
     if not texts:
         raise ValueError("train_sentencepiece needs at least one text")
@@ -106,10 +118,14 @@ def train_sentencepiece(
         digest.update(t.encode("utf-8"))
         digest.update(b"\0")
     cache = pathlib.Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
     model_path = cache / f"spm-{digest.hexdigest()[:16]}.model"
-    if not model_path.is_file():
-        buf = io.BytesIO()
+    if model_path.is_file():
+        try:
+            return SentencePieceTokenizer(model_path)
+        except NotATokenizer as e:
+            raise NotATokenizer(f"cached {e}: delete it to retrain") from None
+    buf = io.BytesIO()
+    try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(t.replace("\n", " ") for t in texts),
             model_writer=buf,
@@ -126,7 +142,30 @@ def train_sentencepiece(
             num_threads=2,
             minloglevel=2,
         )
-        tmp = model_path.with_suffix(".tmp")
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, model_path)  # atomic: a killed run never leaves a half-written model
+    except RuntimeError as e:
+        msg = _spm_message(e)
+        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            raise ValueError(f"vocabulary size {vocab_size} (ExperimentConfig.vocab_size) is too small for the "
+                             f"tokenizer's training text: SentencePiece needs at least {m.group(2)} pieces (its "
+                             "distinct characters, 256 byte pieces, the special ids and the protocol tags)") from None
+        raise ValueError(f"SentencePiece cannot train a {vocab_size}-piece vocabulary (ExperimentConfig.vocab_size) "
+                         f"on this text: {msg}") from None
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = model_path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # e.g. ENOSPC: name the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(tmp)) from None
+    os.replace(tmp, model_path)  # atomic: a killed run never leaves a half-written model
     return SentencePieceTokenizer(model_path)
+
+
+def _spm_message(e: BaseException) -> str:
+    """SentencePiece's error without its source location (``Internal: src/x.cc(12) [cond] msg``)."""
+    text = " ".join(str(e).split())
+    return re.sub(r"^(INTERNAL|Internal|internal)?:?\s*\S+\.cc\(\d+\)\s*(\[[^\]]*\]\s*)?", "", text) or text

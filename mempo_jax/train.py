@@ -248,6 +248,12 @@ def _global_rollout_records(records: list, n: int, sync) -> list:
     return [json.loads(bytes(b).decode("utf-8")) for b in blobs][:n]
 
 
+def _checkpoint_bytes(*trees) -> int:
+    """Bytes of the arrays of ``trees`` (arrays or ``jax.ShapeDtypeStruct``): one checkpoint's size."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize
+                   for t in trees for x in jax.tree.leaves(t)))
+
+
 def _check_mesh_sizes(cfg, mesh, rules) -> None:
     """Batch sizes that a sharded or multi-process run needs, checked before anything runs.
 
@@ -330,10 +336,11 @@ def run(args) -> dict:
     from mempo_jax.evaluation import evaluate_policy
     from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
-    from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic
+    from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
     from mempo_jax.preemption import Preempted, Preemption
-    from mempo_jax.resume import (EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks, RunLogs, check_sft_step,
-                                  find_resume_point)
+    from mempo_jax.resume import (CORRUPT_DIR, EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, FaultHooks,
+                                  RunLogs, check_free_space, check_logs, check_run_folder, check_sft_step,
+                                  find_resume_point, restore_newest)
     from mempo_jax.rl_step import rl_step
     from mempo_jax.sft import copy_rows, iterate_sft_batches, sft_rows
 
@@ -357,7 +364,7 @@ def run(args) -> dict:
     sft_file = read_messages(cfg.sft.data_path) if cfg.sft.steps > 0 and cfg.sft.data_path else None
     interruptible = contextlib.nullcontext if multi else None  # see preemption below
     say = print if primary else (lambda *a, **k: None)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_folder(run_dir)  # writable; a fresh one is created only once every check has passed
     stack = contextlib.ExitStack()
     with stack:
         pre = stack.enter_context(Preemption(ck.grace_s))  # exits last: after the saves are complete
@@ -369,12 +376,13 @@ def run(args) -> dict:
             if multi and not pre.requested and distributed.allgather(np.asarray([pre.requested], np.int32)).any():
                 pre.requested, pre.received_at = True, time.monotonic()
 
-        sft_ckpt = Checkpointer(run_dir / "sft_checkpoint", ck.max_to_keep, ck.async_save)
+        # Nothing in the run folder changes (a fresh one is not even created) until every check,
+        # down to the restore of the checkpoints resumed from, has passed.
+        sft_ckpt = Checkpointer(run_dir / "sft_checkpoint", ck.max_to_keep, ck.async_save, prepare=False)
         stack.callback(sft_ckpt.close)
-        rl_ckpt = Checkpointer(run_dir / "checkpoints", ck.max_to_keep, ck.async_save)
+        rl_ckpt = Checkpointer(run_dir / "checkpoints", ck.max_to_keep, ck.async_save, prepare=False)
         stack.callback(rl_ckpt.close)
-        point = find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps)
-        if args.resume and point.fresh:
+        if args.resume and not (sft_ckpt.steps() or rl_ckpt.steps()):
             raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'sft_checkpoint'} or "
                                     f"{run_dir / 'checkpoints'}")
         cache = args.cache_dir or os.environ.get("MEMPO_CACHE") or str(run_dir / ".cache")
@@ -383,8 +391,6 @@ def run(args) -> dict:
             exp = build_experiment(cfg, cache, mesh=mesh, rules=rules,
                                    scoring_chunk_rows=run_cfg.plan.scoring_chunk_rows or None)
         tok = exp.tokenizer
-        if multi:
-            _check_processes_agree(point, tok, len(exp.train_questions), len(exp.heldout_questions))
         # Host-side work runs per process on its share; device programs on the global batch.
         sync, sample_fn_all, scorer = lockstep.distribute(exp.sample_fn, exp.scorer, tok.pad_id)
         if not multi:
@@ -410,24 +416,52 @@ def run(args) -> dict:
                 return Learner(exp.logits_fn, params, opt, **kw)
             return Learner(exp.logits_fn, params, opt, mesh=mesh, rules=rules, **kw)
 
-        # Everything a resume needs is read and checked before the run folder changes.
-        sft_state = rl_state = None
-        if not point.fresh:
+        key = jax.random.PRNGKey(cfg.seed)
+        rl_key, eval_key = jax.random.fold_in(key, _RL_STREAM), jax.random.fold_in(key, _EVAL_STREAM)
+
+        def restore(point):
+            """Everything a resume needs, read and checked (a corrupt checkpoint: ``CorruptCheckpoint``)."""
+            if multi:
+                _check_processes_agree(point, tok, len(exp.train_questions), len(exp.heldout_questions))
+            if point.fresh:
+                return None, None
             check_run_artifacts(run_dir, tok, exp.model_cfg)
-            sft_state = sft_ckpt.restore(point.sft_step, exp.params, None if point.sft_done else opt_target(sft_opt))
-        if point.rl_step is not None:
-            rl_state = rl_ckpt.restore(point.rl_step, exp.params, opt_target(rl_opt))
+            sft = sft_ckpt.restore(point.sft_step, exp.params, None if point.sft_done else opt_target(sft_opt))
+            rl = None
+            if point.rl_step is not None:
+                rl = rl_ckpt.restore(point.rl_step, exp.params, opt_target(rl_opt))
+                if rl[2]["rng"]["step_key"] != jax.random.key_data(jax.random.fold_in(rl_key, point.rl_step)).tolist():
+                    raise ValueError(f"{point.source}: the checkpoint's RNG stream is not this config's "
+                                     f"(seed {cfg.seed}); use another --run_dir")
+            check_logs(run_dir, point.newest(), point.source)
+            return sft, rl
+
+        point, (sft_state, rl_state) = restore_newest(
+            lambda skip: find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps, skip),
+            restore)
+        check_free_space(run_dir, _checkpoint_bytes(exp.params, opt_target(rl_opt)))
+
+        # ---- every check has passed: the run folder changes from here on -----------------
         newest = point.newest()
         if primary:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for where, why in point.skipped.items():  # kept, out of orbax's way (its step is saved again)
+                ckpt = sft_ckpt if pathlib.Path(where).parent == sft_ckpt.directory else rl_ckpt
+                kept = ckpt.set_aside(int(pathlib.Path(where).name), run_dir / CORRUPT_DIR)
+                print(f"[mempo] skipped checkpoint {where}: {why}; resuming from {point.source}; the skipped "
+                      f"one is kept as {kept}", file=sys.stderr, flush=True)
             for name, keep in ((EVAL_SFT_FILE, point.eval_sft), (EVAL_RL_FILE, point.eval_rl)):
                 if not keep:
                     (run_dir / name).unlink(missing_ok=True)
-            (run_dir / "config.gin").write_text(config_lib.operative_config(), encoding="utf-8")
+            write_text_atomic(run_dir / "config.gin", config_lib.operative_config())
             save_run_artifacts(run_dir, tok, exp.model_cfg)
-            logs = RunLogs(run_dir, newest, point.source)
+            logs = RunLogs(run_dir, newest, point.source, warn=lambda msg: tqdm.write(msg, file=sys.stderr))
         else:
             logs = _NoLogs(newest)
         stack.callback(logs.close)
+        sync.barrier()  # several processes: process 0 has created the folders, moved skipped checkpoints
+        sft_ckpt.prepare()
+        rl_ckpt.prepare()
         t_start -= float(newest.get("elapsed_s", 0.0)) if newest else 0.0
         say(f"[mempo] {cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
             f"questions, search {exp.corpus}, vocab {tok.vocab_size}, "
@@ -437,8 +471,6 @@ def run(args) -> dict:
                 f"process(es)", flush=True)
         if not point.fresh:
             say(f"[mempo] {point.describe()}", flush=True)
-        key = jax.random.PRNGKey(cfg.seed)
-        rl_key, eval_key = jax.random.fold_in(key, _RL_STREAM), jax.random.fold_in(key, _EVAL_STREAM)
         train_steps = cfg.rl.rollout.context_steps
 
         def meta(stage, step, learner, **extra):
@@ -570,9 +602,6 @@ def run(args) -> dict:
             learner.num_updates, start = int(m["updates"]), point.rl_step
             order.set_state(m["data_iterator"])
             faults.load(m["faults"])
-            if m["rng"]["step_key"] != jax.random.key_data(jax.random.fold_in(rl_key, start)).tolist():
-                raise ValueError(f"{point.source}: the checkpoint's RNG stream is not this config's "
-                                 f"(seed {cfg.seed}); use another --run_dir")
         rl_saved = point.rl_step
         current = {"step": start}
         ppo_update, sample_fn = learner.ppo_update, sample_fn_all
@@ -686,8 +715,9 @@ def main(argv=None) -> int:
     """CLI entry point.
 
     Returns:
-      0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error
-      (one line on stderr), 3 when non-finite steps stopped the run (one line on stderr).
+      0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error or a
+      failed write (disk full, read-only folder; one line on stderr), 3 when non-finite steps
+      stopped the run (one line on stderr).
     """
     from mempo_jax.preemption import Preempted
     from mempo_jax.resume import NumericalFault
@@ -702,10 +732,18 @@ def main(argv=None) -> int:
     except NumericalFault as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad config, data or run folder; a full disk, a read-only folder
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line: an ``OSError`` as ``FILE: reason`` (e.g. ``No space left on device``)."""
+    if isinstance(e, OSError) and e.strerror and not isinstance(e, FileNotFoundError):
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror} [errno {e.errno}]"
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

@@ -253,9 +253,16 @@ def test_checkpoint_accepts_step_or_run_folder(run_dir):
     ("no_corpus", "pass --corpus FILE"),
     ("bad_mode", "context_steps must be 'full'"),
     ("no_server", "the retrieval server does not answer"),
+    ("out_is_file", "exists and is not a folder"),
+    ("empty_corpus", "empty corpus (no rows)"),
+    ("utf8_corpus", "corpus.jsonl:2: not UTF-8 text (byte 0xff"),
+    ("utf8_dataset", "qa.jsonl:2: not UTF-8 text (byte 0xfe"),
 ])
 def test_bad_input_exits_2_with_one_line(case, message, run_dir, shared_data, tmp_path, capsys):
     bamboogle = f"bamboogle={shared_data / BAMBOOGLE}"
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "corpus.jsonl").write_bytes(b'{"id": "0", "contents": "\\"A\\"\\nx"}\n{"id": "1", "contents": "\xff"}\n')
+    (tmp_path / "qa.jsonl").write_bytes(b'{"question": "q?", "answer": "a"}\n{"question": "\xfe", "answer": "b"}\n')
     argv = {
         "no_run": ["--run_dir", str(tmp_path / "nope"), "--dataset", bamboogle],
         "no_step": ["--run_dir", str(run_dir), "--checkpoint", "99", "--dataset", bamboogle],
@@ -264,8 +271,21 @@ def test_bad_input_exits_2_with_one_line(case, message, run_dir, shared_data, tm
         "no_corpus": ["--run_dir", str(run_dir), "--dataset", bamboogle],
         "bad_mode": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--modes", "1,everything"],
         "no_server": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--retriever_url", "http://127.0.0.1:9"],
+        "out_is_file": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--corpus", str(shared_data / CORPUS)],
+        "empty_corpus": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--corpus", str(tmp_path / "empty.jsonl")],
+        "utf8_corpus": ["--run_dir", str(run_dir), "--dataset", bamboogle, "--corpus", str(tmp_path / "corpus.jsonl")],
+        "utf8_dataset": ["--run_dir", str(run_dir), "--dataset", f"x={tmp_path / 'qa.jsonl'}",
+                         "--corpus", str(shared_data / CORPUS)],
     }[case]
-    assert ev.main(argv + ["--out", str(tmp_path / "out")]) == 2
+    out = tmp_path / "out"
+    if case == "out_is_file":  # --out naming an existing file used to fail after the whole evaluation
+        out.write_text("keep me")
+    assert ev.main(argv + ["--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out" / "eval.json").exists()
+    if case == "out_is_file":
+        assert err == f"error: --out {out}: exists and is not a folder\n" and out.read_text() == "keep me"
+    elif case.startswith("utf8"):
+        assert str(tmp_path) in err  # the file is named
+    else:
+        assert not (out / "eval.json").exists()

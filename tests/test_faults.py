@@ -149,7 +149,7 @@ def test_unknown_gin_binding(tmp_path, capsys):
 
 def test_wrongly_typed_binding(tmp_path, capsys):
     rc, err = _main(capsys, tmp_path / "r", 'RLConfig.steps="ten"')
-    assert rc == 2 and err == "error: config error: RLConfig.steps must be int, got 'ten' (ExperimentConfig.rl)"
+    assert rc == 2 and err == "error: config error: RLConfig.steps must be an int, got 'ten' (--gin_param RLConfig.steps=\"ten\")"
 
 
 def test_missing_and_malformed_data_files(tmp_path, capsys):

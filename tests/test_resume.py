@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zlib
 
 import pytest
 
@@ -68,15 +70,15 @@ def test_uninterrupted_run_leaves_resume_points(reference):
 
     sft = _meta(reference, "sft_checkpoint", 6)
     assert sft["final"] is True and sft["updates"] == 6
-    assert sft["metrics"] == {"bytes": sum(map(len, lines[:6])), "lines": 6}
+    assert sft["metrics"] == {"bytes": sum(map(len, lines[:6])), "lines": 6, "crc32": zlib.crc32(b"".join(lines[:6]))}
     rl4 = _meta(reference, "checkpoints", 4)
     # after RL step index 3: 4 batches drawn, 7 + 4 lines logged, 4 x 2 rollout records
     assert rl4["data_iterator"] == {"next_index": 4}
-    assert rl4["metrics"] == {"bytes": sum(map(len, lines[:11])), "lines": 11}
+    assert rl4["metrics"] == {"bytes": sum(map(len, lines[:11])), "lines": 11, "crc32": zlib.crc32(b"".join(lines[:11]))}
     assert rl4["updates"] == 4 * 2  # num_mini_batches = 2
     rollouts = (reference / "rollouts.jsonl").read_bytes().splitlines(keepends=True)
     assert len(rollouts) == 6 * 2 * 2  # min(log_rollouts, 2 questions x 2 samples) per step
-    assert rl4["rollouts"] == {"bytes": sum(map(len, rollouts[:16]))}
+    assert rl4["rollouts"] == {"bytes": sum(map(len, rollouts[:16])), "crc32": zlib.crc32(b"".join(rollouts[:16]))}
     assert rl4["rng"]["next_step"] == 4 and len(rl4["rng"]["step_key"]) == 2
     eval_sft = json.loads((reference / "eval_sft.json").read_text())
     assert eval_sft["sft_step"] == 6 and eval_sft["metrics"]["lines"] == 7
@@ -200,3 +202,113 @@ def test_a_save_killed_midway_is_never_taken_for_a_complete_one(tmp_path):
     if names[1:] != ["2"]:  # the usual case: the kill beat the write
         assert steps == [1]
         assert read_checkpoint(tmp_path / "ck")[1]["params"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# ---- issue 12: nothing changes before every check has passed; logs deleted mid-run; corrupt checkpoints ----
+def _snapshot(run):
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _one_error(stderr: str) -> str:
+    errs = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert len(errs) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errs[0]
+
+
+def test_a_resume_that_fails_changes_nothing(reference, tmp_path):
+    """Raising ``RLConfig.steps`` on a finished run with a bad value elsewhere used to delete
+    ``eval_rl.json`` and rewrite ``config.gin`` before failing (after a whole RL step)."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    before = _snapshot(run)
+    proc, wall = _train(run, ("RLConfig.steps=8", "RLConfig.group_size=0"))
+    assert proc.returncode == 2
+    assert _one_error(proc.stderr) == ("error: config error: RLConfig.group_size must be >= 1, got 0 "
+                                       "(--gin_param RLConfig.group_size=0)")
+    assert _snapshot(run) == before
+
+
+def test_a_log_changed_after_the_checkpoint_is_refused_before_anything_changes(reference, tmp_path):
+    """The resume point's checks (here: ``metrics.jsonl`` has another line count in the part the
+    checkpoint recorded) run before the run folder changes; the logs used to be cut back, and
+    ``eval_rl.json`` and ``config.gin`` deleted / rewritten, before the check failed."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    data = (run / "metrics.jsonl").read_bytes()
+    first = data.index(b"\n")
+    space = data.index(b", ", first + 1) + 1
+    (run / "metrics.jsonl").write_bytes(data[:space] + b"\n" + data[space + 1:])  # same size, one line more
+    before = _snapshot(run)
+    proc, _ = _train(run, ("RLConfig.steps=8",))
+    assert proc.returncode == 2
+    rl6 = run / "checkpoints" / "6"
+    assert _one_error(proc.stderr).startswith(f"error: {run / 'metrics.jsonl'}: 14 lines in the first ")
+    assert f"but {rl6.absolute()} recorded 13: the file was changed after the checkpoint" in proc.stderr
+    assert _snapshot(run) == before
+
+
+def test_logs_deleted_or_replaced_during_a_run_are_recreated(reference, tmp_path):
+    """``metrics.jsonl`` deleted during SFT and replaced during RL, ``rollouts.jsonl`` deleted
+    during RL: the run used to exit 0 with every later line lost and record ``{"bytes": 0}`` in its
+    checkpoints. Now each is recreated from the open file: nothing is lost, the offsets are
+    true, the foreign file is kept, and the folder resumes."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_command(run, (), SPM_CACHE), env=small_env(XLA_CACHE), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = []
+
+    def meddle():
+        actions = [("metrics.jsonl", 3, "delete"), ("rollouts.jsonl", 1, "delete"), ("metrics.jsonl", 10, "replace")]
+        while actions and proc.poll() is None:
+            name, lines, what = actions[0]
+            if count_lines(run / name) >= lines:
+                if what == "delete":
+                    (run / name).unlink()
+                else:
+                    (run / "foreign").write_text("not the run's\n")
+                    os.replace(run / "foreign", run / name)
+                done.append(actions.pop(0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=meddle)
+    watcher.start()
+    out, err = proc.communicate(timeout=600)
+    watcher.join()
+    assert proc.returncode == 0 and len(done) == 3, err[-3000:]
+    notes = [x for x in err.splitlines() if "[mempo] warning:" in x]
+    assert len(notes) == 3 and all("recreated from the open file" in x and "nothing lost" in x for x in notes), notes
+    assert (run / "metrics.jsonl.replaced").read_text() == "not the run's\n"
+    diff = compare_runs(reference, run)
+    assert diff == {"lost": 0, "duplicated": 0, "changed": 0, "order_ok": True, "params_equal": True,
+                    "opt_state_equal": True, "rollouts_equal": True, "summary_equal": True, "final_step": 6}
+    metrics, rollouts = (run / "metrics.jsonl").read_bytes(), (run / "rollouts.jsonl").read_bytes()
+    meta = _meta(run, "checkpoints", 6)
+    assert meta["metrics"] == {"bytes": len(metrics) - len(metrics.splitlines(keepends=True)[-1]), "lines": LINES - 1,
+                               "crc32": zlib.crc32(b"".join(metrics.splitlines(keepends=True)[:-1]))}
+    assert meta["rollouts"] == {"bytes": len(rollouts), "crc32": zlib.crc32(rollouts)}
+    proc2, _ = _train(run)
+    assert proc2.returncode == 0 and "resuming a finished run" in proc2.stdout, proc2.stderr[-3000:]
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_in_one_line_and_kept(reference, tmp_path):
+    """``checkpoints/6`` without its array manifest used to stop the run ("does not match this
+    model: NOT_FOUND…", several KB, and an asyncio "Event loop is closed" traceback) although
+    ``checkpoints/4`` was complete. Now the run resumes from 4, says so in one line, keeps 6 under
+    ``corrupt_checkpoints/`` and ends bitwise where the uninterrupted run did."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "checkpoints" / "6" / "params" / "manifest.ocdbt").unlink()
+    corrupt = _snapshot(run / "checkpoints" / "6")
+    proc, _ = _train(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+    skipped = [x for x in proc.stderr.splitlines() if "skipped checkpoint" in x]
+    kept = run / "corrupt_checkpoints" / "checkpoints-6"
+    assert len(skipped) == 1 and len(skipped[0]) - 3 * len(str(run.absolute())) < 400, skipped  # not KBs
+    assert skipped[0].startswith(f"[mempo] skipped checkpoint {(run / 'checkpoints').absolute()}/6: NOT_FOUND")
+    assert skipped[0].endswith(f"resuming from {(run / 'checkpoints').absolute()}/4; the skipped one is kept as {kept}")
+    assert "resuming RL after step 4" in proc.stdout
+    assert _snapshot(kept) == corrupt  # never deleted
+    assert compare_runs(reference, run) == {
+        "lost": 0, "duplicated": 0, "changed": 0, "order_ok": True, "params_equal": True, "opt_state_equal": True,
+        "rollouts_equal": True, "summary_equal": True, "final_step": 6}

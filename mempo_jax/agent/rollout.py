@@ -19,6 +19,7 @@ from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFo
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, ParsedTurn, format_error_observation, parse_turn
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, parse_context_steps
 from mempo_jax.batching import bucket_length, pad_sequences
+from mempo_jax.validation import check, require
 
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
 
@@ -48,10 +49,17 @@ class RolloutConfig:
     min_rows_bucket: int = 64
 
     def __post_init__(self):
-        object.__setattr__(self, "context_steps", parse_context_steps(self.context_steps))
-        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "max_observation_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            object.__setattr__(self, "context_steps", parse_context_steps(self.context_steps))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"RolloutConfig.{e}") from None
+        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "max_observation_tokens", "min_rows_bucket"):
+            check(self, name, int, lo=1)
+        check(self, "temperature", float, lo=0.0)
+        check(self, "top_p", float, gt=0.0, hi=1.0)
+        require(self.max_new_tokens < self.max_context_tokens,
+                f"RolloutConfig.max_new_tokens = {self.max_new_tokens} must be < RolloutConfig.max_context_tokens = "
+                f"{self.max_context_tokens} (no turn would fit the context budget)")
 
 
 def build_prompt(fmt: AgentFormat, question: str) -> list[int]:

@@ -167,6 +167,49 @@ def _hotpot_like(row: dict[str, Any], path: PathLike, where: str, source: str) -
     return QAExample(_id(row, path, where, ("_id", "id")), _question(row, path, where), golds, source)
 
 
+def hotpotqa_example(row: dict[str, Any], path: PathLike, where: str, source: str = "hotpotqa") -> QAExample:
+    """One HotpotQA / 2WikiMultihopQA row as a ``QAExample``, every field it uses checked.
+
+    Args:
+      row: the record (HF or official layout).
+      path, where: its file and location (``records.iter_records``), for messages.
+      source: ``QAExample.source``.
+
+    Raises:
+      ValueError: ``"{path}:{where}: field '{field}': ..."``: a malformed ``context``, an
+        ``answer`` that is not a non-empty string (``42``), a ``question`` that is not a
+        non-empty string (a list), a bad id.
+    """
+    return _hotpot_like(row, path, where, source)
+
+
+def hotpotqa_supporting_titles(row: dict[str, Any], path: PathLike, where: str) -> list[str]:
+    """The distinct titles of a HotpotQA row's ``supporting_facts``, in order (HF layout
+    ``{"title": [...], "sent_id": [...]}`` or official ``[[title, sent_id], ...]``).
+
+    Raises:
+      ValueError: ``"{path}:{where}: field 'supporting_facts…': ..."`` for a missing or
+        malformed field.
+    """
+    facts = _require(row, path, where, "supporting_facts")
+    if isinstance(facts, dict):
+        titles = facts.get("title")
+        if not isinstance(titles, list):
+            raise field_error(path, where, "supporting_facts.title", "missing or not a list")
+    elif isinstance(facts, list):
+        titles = []
+        for i, item in enumerate(facts):
+            if not isinstance(item, (list, tuple)) or not item:
+                raise field_error(path, where, f"supporting_facts[{i}]", "must be [title, sent_id]")
+            titles.append(item[0])
+    else:
+        raise field_error(path, where, "supporting_facts", f"must be a dict or list, got {type(facts).__name__}")
+    for i, title in enumerate(titles):
+        if not isinstance(title, str):
+            raise field_error(path, where, f"supporting_facts.title[{i}]", f"must be a string, got {title!r}")
+    return list(dict.fromkeys(titles))
+
+
 def _musique(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
     answer = _require(row, path, where, "answer")
     if not isinstance(answer, str):

@@ -31,6 +31,7 @@ from mempo_jax.agent.protocol import parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import Trajectory
 from mempo_jax.data.messages import Conversation, conversation_trajectory
+from mempo_jax.validation import check
 
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 
@@ -46,6 +47,10 @@ class ScriptedAgentConfig:
 
     lazy_prob: float = 0.6
     duplicate_prob: float = 0.15
+
+    def __post_init__(self):
+        for name in ("lazy_prob", "duplicate_prob"):
+            check(self, name, float, lo=0.0, hi=1.0)
 
 
 def _answer(question, facts: Sequence[str]) -> str:

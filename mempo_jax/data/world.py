@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from mempo_jax.tools.corpus import Document
+from mempo_jax.validation import check, require
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
@@ -41,6 +42,9 @@ class WorldConfig:
       multi_min, multi_max: sub-questions per multi-objective question (inclusive).
       num_single, num_bridge, num_multi: questions generated per kind (before the split).
       heldout_fraction: share of each kind's questions kept out of training.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
     """
 
     seed: int = 0
@@ -55,6 +59,20 @@ class WorldConfig:
     num_bridge: int = 600
     num_multi: int = 600
     heldout_fraction: float = 0.2
+
+    def __post_init__(self):
+        check(self, "seed", int, lo=0)
+        for name in ("num_countries", "num_cities", "num_companies", "num_people", "multi_min"):
+            check(self, name, int, lo=1)
+        check(self, "offices_per_company", int, lo=2)  # bridge questions need two offices
+        for name in ("num_single", "num_bridge", "num_multi"):
+            check(self, name, int, lo=0)
+        check(self, "multi_max", int, lo=self.multi_min)
+        check(self, "heldout_fraction", float, lo=0.0, hi=1.0)
+        for name in ("num_cities", "num_people"):  # the offices of a company, and their heads, are distinct
+            require(getattr(self, name) >= self.offices_per_company,
+                    f"WorldConfig.{name} = {getattr(self, name)} must be >= WorldConfig.offices_per_company = "
+                    f"{self.offices_per_company}")
 
 
 @dataclasses.dataclass(frozen=True)

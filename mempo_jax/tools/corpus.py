@@ -88,7 +88,8 @@ def load_corpus_jsonl(path: PathLike) -> list[Document]:
 
     Raises:
       ValueError: ``"{path}:{line}: field 'id'|'contents': ..."`` for a missing/mistyped field or a
-        duplicate id; invalid JSON names the file and line.
+        duplicate id; invalid JSON or bytes that are not UTF-8 name the file and line; a file
+        without rows (0 bytes, or blank lines only) names the file.
     """
     docs: list[Document] = []
     seen: dict[str, int] = {}
@@ -108,6 +109,8 @@ def load_corpus_jsonl(path: PathLike) -> list[Document]:
             raise field_error(path, lineno, "contents", f"must be a string, got {type(row['contents']).__name__}")
         seen[doc_id] = lineno
         docs.append(Document.from_contents(doc_id, row["contents"]))
+    if not docs:
+        raise ValueError(f"{path}: empty corpus (no rows)")
     return docs
 
 

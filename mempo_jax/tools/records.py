@@ -27,35 +27,51 @@ def field_error(path: PathLike, where: int | str, field: str, problem: str) -> V
     return ValueError(f"{path}:{where}: field {field!r}: {problem}")
 
 
+def _utf8_error(path: PathLike, where: str, e: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{path}:{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}"
+                      f"{' of the line' if where else ''}: {e.reason})")
+
+
+def _lines(path: PathLike) -> Iterator[tuple[int, str]]:
+    """``(line_number, text)`` of a UTF-8 file, read as bytes so a bad byte names its line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _utf8_error(path, str(lineno), e) from None
+
+
 def iter_jsonl(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, row)`` for every non-blank line of a JSONL file (1-based lines).
 
     Raises:
-      ValueError: ``"{path}:{line}: invalid JSON (...)"`` or a row that is not a JSON object.
+      ValueError: ``"{path}:{line}: invalid JSON (...)"``, ``"{path}:{line}: not UTF-8 text
+        (...)"`` or a row that is not a JSON object.
       OSError: the file cannot be opened.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: row must be a JSON object, got {type(row).__name__}")
-            yield lineno, row
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: row must be a JSON object, got {type(row).__name__}")
+        yield lineno, row
 
 
 def _first_char(path: PathLike) -> str:
-    with open(path, encoding="utf-8") as f:
+    """The first non-blank byte of the file, as a character ("" for a blank file)."""
+    with open(path, "rb") as f:
         while True:
             chunk = f.read(4096)
             if not chunk:
                 return ""
             stripped = chunk.lstrip()
             if stripped:
-                return stripped[0]
+                return chr(stripped[0])
 
 
 def csv_columns(path: PathLike) -> list[str]:
@@ -96,7 +112,7 @@ def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
       an iterator of ``("12", row)`` (JSONL or CSV line), ``("record 7", row)`` or ``("row 7", row)``.
 
     Raises:
-      ValueError: invalid JSON or CSV, a non-object row, or a CSV row whose number of values is
+      ValueError: invalid JSON or CSV, bytes that are not UTF-8, a non-object row, or a CSV row whose number of values is
         not the header's (naming the file and location).
       ImportError: a parquet file without ``pyarrow`` installed.
       OSError: the file cannot be opened.
@@ -114,8 +130,12 @@ def iter_records(path: PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
         yield from _iter_csv(path)
         return
     if _first_char(path) == "[":
+        raw = path.read_bytes()
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}: {exc.reason})") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
         for i, row in enumerate(rows, 1):
