@@ -20,7 +20,7 @@ from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.forward import create_model, make_logits_fn, split_model
+from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.sampling import Sampler, SamplerConfig
 from mempo_jax.scoring import MemoryRewardScorer
 from mempo_jax.tokenizer import train_sentencepiece
@@ -304,13 +304,29 @@ def make_sampler(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
     Args:
       graphdef, model_cfg: the policy model.
       fmt: its ``AgentFormat``.
-      mesh, rules: as ``Sampler`` (``None``: one device).
+      mesh, rules: as ``Sampler`` (default: ``sharding.local_mesh()``, ``DEFAULT_RULES``).
     """
-    from mempo_jax.sharding import DEFAULT_RULES
+    from mempo_jax.sharding import DEFAULT_RULES, mesh_or_local
 
-    kw = {} if mesh is None else {"mesh": mesh, "rules": DEFAULT_RULES if rules is None else rules}
     return Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
-                   stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), **kw)
+                   stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
+                   rules=rules or DEFAULT_RULES)
+
+
+def make_sample_fn(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
+    """The rollout's ``sample_fn`` ``(params, ids [B, P] int32, mask [B, P] bool, key, max_new_tokens,
+    temperature, top_p) -> SampleOutput`` over ``make_sampler``'s jitted KV-cache sampler: the one
+    adapter of the package (the trainer, the evaluation command and the benchmarks use it).
+
+    Args:
+      graphdef, model_cfg, fmt, mesh, rules: as ``make_sampler``.
+    """
+    sampler = make_sampler(graphdef, model_cfg, fmt, mesh=mesh, rules=rules)
+
+    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
+
+    return sample_fn
 
 
 def _train_tokenizer(texts, cache_dir, vocab_size: int):
@@ -325,6 +341,59 @@ def _train_tokenizer(texts, cache_dir, vocab_size: int):
     return train_sentencepiece(texts, cache_dir, vocab_size) if tokenizer is None else tokenizer
 
 
+@dataclasses.dataclass
+class Policy:
+    """A policy ready to roll out: its model, parameters on the mesh, format and jitted callables.
+
+    Attributes:
+      model_cfg, graphdef, params: the model (``params`` placed by ``sharding.param_shardings``).
+      tokenizer, fmt: its tokenizer and ``AgentFormat``.
+      sample_fn: ``make_sample_fn`` of it (the rollout's sampler adapter).
+      logits_fn: ``(params, ids [B, L] int32, valid [B, L] bool) -> logits [B, L, V] float32``.
+      mesh, rules: where it lives.
+    """
+
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    fmt: Any
+    sample_fn: Any
+    logits_fn: Any
+    mesh: Any
+    rules: Any
+
+
+def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None) -> Policy:
+    """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
+    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_sample_fn`` and
+    ``make_logits_fn`` of the model.
+
+    Args:
+      model_cfg, graphdef, params: the model (params in any placement).
+      tokenizer, fmt: its tokenizer and ``AgentFormat`` (``policy_format``).
+      mesh, rules: default ``sharding.local_mesh()`` and ``DEFAULT_RULES``.
+    """
+    from mempo_jax import sharding
+
+    mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
+    params = sharding.shard_params(params, mesh, rules)
+    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_sample_fn(graphdef, model_cfg, fmt, mesh=mesh,
+                                                                              rules=rules),
+                  make_logits_fn(graphdef), mesh, rules)
+
+
+def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
+    """``(model_cfg, graphdef, params)`` of a fresh ``ModelOptions.preset`` model (with its overrides)."""
+    from mempo_jax.model.placement import init_params
+
+    model_cfg = getattr(ModelConfig, cfg.model.preset)
+    model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
+    if cfg.model.overrides:
+        model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
+    return (model_cfg, *init_params(model_cfg, cfg.seed, mesh, rules))
+
+
 def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
@@ -334,17 +403,20 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
       cache_dir: folder for cached artefacts (the SentencePiece model). With
         ``cfg.model.checkpoint`` set, the model and tokenizer come from that Hugging Face folder
         instead (``load_checkpoint_policy``) and no SentencePiece model is trained.
-      mesh: optional device mesh: params are created in (or loaded into) the shardings of their
-        logical-axis rules (``sharding.init_sharded_params``: equal to the one-device init up to
-        float rounding), the sampler (and its KV cache) and the memory-reward scorer declare
-        shardings on it (``None``: one device, as before). It may span several processes (each
-        builds the same questions, corpus and tools; process 0 trains the cached tokenizer first).
+      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh):
+        params are created in (or loaded into) the shardings of their logical-axis rules
+        (``model.placement.init_params``), the sampler (and its KV cache) and the memory-reward
+        scorer declare shardings on it. It may span several processes (each builds the same
+        questions, corpus and tools; process 0 trains the cached tokenizer first).
       rules: logical → mesh axis rules (default ``mempo_jax.sharding.DEFAULT_RULES``).
-      scoring_chunk_rows: rows per memory-reward scorer call (``None``: one call).
+      scoring_chunk_rows: rows per memory-reward scorer call (``None``: the scorer's default).
 
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
     """
+    from mempo_jax import sharding
+
+    mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
     if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
         raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
@@ -353,39 +425,15 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
-    tool_env = ToolEnvironment(backend, topk=cfg.topk)
-
-    if not cfg.model.checkpoint:
-        model_cfg = getattr(ModelConfig, cfg.model.preset)
-        model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
-        if cfg.model.overrides:
-            model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
-        if mesh is None:
-            graphdef, params = split_model(create_model(model_cfg, seed=cfg.seed))
-        else:  # every parameter created in its sharding (no full copy on one device)
-            from mempo_jax.sharding import DEFAULT_RULES, init_sharded_params
-
-            graphdef, params = init_sharded_params(model_cfg, cfg.seed, mesh, DEFAULT_RULES if rules is None else rules)
-    fmt = policy_format(cfg.model, tokenizer)
-    scorer_kw: dict = {"chunk_rows": scoring_chunk_rows}
-    if mesh is None:
-        sampler = make_sampler(graphdef, model_cfg, fmt)
-    else:
-        from mempo_jax import sharding
-
-        rules = sharding.DEFAULT_RULES if rules is None else rules
-        params = sharding.shard_params(params, mesh, rules)
-        sampler = make_sampler(graphdef, model_cfg, fmt, mesh=mesh, rules=rules)
-        scorer_kw.update(min_rows=max(8, sharding.batch_shards(mesh, rules)),
-                         batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
-                         param_shardings=sharding.param_shardings(params, mesh, rules))
-
-    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
-
-    logits_fn = make_logits_fn(graphdef)
+        model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
+    policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
+                         rules=rules)
     full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
-    scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
-                                temperature=cfg.rl.rollout.temperature or 1.0, **scorer_kw)
-    return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, tool_env, model_cfg, graphdef, params,
-                      sample_fn, logits_fn, scorer, mesh, corpus, fmt)
+    scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
+                                temperature=cfg.rl.rollout.temperature or 1.0, chunk_rows=scoring_chunk_rows,
+                                min_rows=max(8, sharding.batch_shards(mesh, rules)),
+                                batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
+                                param_shardings=sharding.param_shardings(policy.params, mesh, rules))
+    return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, ToolEnvironment(backend, topk=cfg.topk),
+                      model_cfg, graphdef, policy.params, policy.sample_fn, policy.logits_fn, scorer, mesh, corpus,
+                      policy.fmt)

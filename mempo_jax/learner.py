@@ -20,7 +20,7 @@ import optax
 from mempo_jax.batching import bucket_length
 from mempo_jax.logprobs import token_entropy, token_logprobs
 from mempo_jax.losses import LossConfig, mempo_loss
-from mempo_jax.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, opt_state_shardings,
+from mempo_jax.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
                                 param_shardings, replicated)
 from mempo_jax.validation import check
 
@@ -107,11 +107,11 @@ class Learner:
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       micro_batch_rows: rows per micro-batch in gradient accumulation.
-      mesh: optional device mesh. ``None`` (default): plain ``jax.jit``, arrays where JAX puts them
-        (one device). With a mesh, ``params`` (an ``nnx.State``) are placed by their logical-axis
-        rules, the optimizer state by ``opt_state_shardings``, batches ``[B, L]`` over the
-        ``batch`` rule, and every jitted step declares these in/out shardings (metrics and
-        log-probs come back replicated). Batch rows must then divide by ``batch_shards(mesh)``.
+      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh).
+        ``params`` (an ``nnx.State``) are placed by their logical-axis rules, the optimizer state
+        by ``opt_state_shardings``, batches ``[B, L]`` over the ``batch`` rule, and every jitted
+        step declares these in/out shardings (metrics and log-probs come back replicated). Batch
+        rows must divide by ``batch_shards(mesh)``.
       rules: logical → mesh axis rules (``mempo_jax.sharding.DEFAULT_RULES``).
     """
 
@@ -124,14 +124,8 @@ class Learner:
         self.micro_batch_rows = int(micro_batch_rows)
         self.logprob_chunk_rows = int(logprob_chunk_rows)
         self.num_updates = 0
-        self.mesh, self.rules = mesh, rules
-
-        if mesh is None:
-            self.opt_state = optimizer.init(params)
-            self._logprobs = jax.jit(self._logprobs_impl)
-            self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1))
-            self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1))
-            return
+        self.mesh = mesh = mesh_or_local(mesh)
+        self.rules = rules
         ps = self.param_shardings = param_shardings(params, mesh, rules)
         opt = self.opt_shardings = opt_state_shardings(optimizer, params, mesh, rules)
         bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
@@ -145,9 +139,11 @@ class Learner:
                                  in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
 
     def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
-        """With a mesh: ``batch`` put on the ``batch`` sharding (rows must divide); else as is."""
-        if self.mesh is None:
-            return dict(batch)
+        """``batch`` put on the ``batch`` sharding.
+
+        Raises:
+          ValueError: its rows do not divide over the mesh's batch shards.
+        """
         rows = next(iter(batch.values())).shape[0]
         shards = batch_shards(self.mesh, self.rules)
         if rows % shards:
@@ -156,12 +152,10 @@ class Learner:
         return jax.device_put(dict(batch), self.batch_sharding)
 
     def _split_micro_sharded(self, batch, n_micro):
-        """``[B, ...]`` → ``[n_micro, B / n_micro, ...]``; with a mesh the micro-batch rows stay on
-        the ``batch`` axes (constraint with the shape-aware rule, so an indivisible micro-batch is
+        """``[B, ...]`` → ``[n_micro, B / n_micro, ...]``; the micro-batch rows stay on the
+        ``batch`` axes (constraint with the shape-aware rule, so an indivisible micro-batch is
         replicated rather than failing)."""
         micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
-        if self.mesh is None:
-            return micro
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
 
@@ -189,16 +183,14 @@ class Learner:
         """
         out = []
         target = self._logprob_call_rows(chunk_rows)
-        if self.mesh is not None:
-            params = jax.device_put(params, self.param_shardings)
+        params = jax.device_put(params, self.param_shardings)
         for s in range(0, input_ids.shape[0], target):
             ids, v = input_ids[s : s + target], valid[s : s + target]
             n = ids.shape[0]
             if n < target:
                 ids = np.pad(ids, ((0, target - n), (0, 0)))
                 v = np.pad(v, ((0, target - n), (0, 0)))
-            if self.mesh is not None:
-                ids, v = jax.device_put((ids, v), self.batch_sharding)
+            ids, v = jax.device_put((ids, v), self.batch_sharding)
             lp, _ = self._logprobs(params, ids, v)
             out.append(np.asarray(lp)[:n])
         return np.concatenate(out, axis=0)
@@ -206,7 +198,7 @@ class Learner:
     def _logprob_call_rows(self, chunk_rows: int | None) -> int:
         """Rows of one ``logprobs`` device call: ``chunk_rows`` (default ``logprob_chunk_rows``)
         rounded up to a multiple of the mesh's batch shards."""
-        shards = 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
+        shards = batch_shards(self.mesh, self.rules)
         rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
         return -(-int(rows) // shards) * shards
 
@@ -227,8 +219,7 @@ class Learner:
           The number of programs built.
         """
         lp_rows = self._logprob_call_rows(logprob_rows)
-        kw = {} if self.mesh is None else {"sharding": self.batch_sharding}
-        sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, **kw)  # noqa: E731
+        sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, sharding=self.batch_sharding)  # noqa: E731
         for length in lengths:
             self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32), sds(lp_rows, length, jnp.bool_)).compile()
             batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}

@@ -207,7 +207,8 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     from mempo_jax.learner import make_optimizer
     from mempo_jax.model.decoder import init_cache
     from mempo_jax.model.forward import abstract_model, split_model
-    from mempo_jax.sharding import cache_shardings, opt_state_shardings, param_shardings
+    from mempo_jax.model.placement import cache_shardings
+    from mempo_jax.sharding import opt_state_shardings, param_shardings
 
     model_cfg = model_config(cfg)
     mesh = mesh_cfg.abstract(tpu.num_devices)

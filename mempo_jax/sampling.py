@@ -22,7 +22,8 @@ from flax import nnx
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
-from mempo_jax.sharding import DEFAULT_RULES, cache_shardings, logical_to_sharding, param_shardings, replicated
+from mempo_jax.model.placement import cache_shardings
+from mempo_jax.sharding import DEFAULT_RULES, logical_to_sharding, mesh_or_local, param_shardings, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,8 @@ class Sampler:
       stop_ids: ids that end a row (EOS, end-of-turn, single-token closing tags); the stop id
         itself is emitted and masked in.
       pad_id: id written after a row stopped.
-      mesh: optional device mesh. ``None`` (default): one plain ``jax.jit`` program, shardings
-        propagated from the inputs. With a mesh, the program declares its shardings: params by
-        their logical-axis rules, prompts ``[B, P]`` and outputs ``[B, N]`` / ``[B]`` over the
+      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh).
+        The program declares its shardings: params by their logical-axis rules, prompts ``[B, P]`` and outputs ``[B, N]`` / ``[B]`` over the
         ``batch`` rule, key and scalars replicated, and the KV cache is constrained to
         ``cache_shardings`` (rows over data × fsdp, kv heads over tensor when they divide).
         Inputs are put on those shardings before the call.
@@ -124,8 +124,8 @@ class Sampler:
         program (not constants), so samplers with equal table shapes share one compilation.
         ``None`` (default): the program is exactly the one without the option.
 
-    Compiles once per (B, P, N, greedy, top_p < 1); temperature and top_p values are traced.
-    The jitted program is shared by every ``Sampler`` with equal (graphdef, model_cfg, stop_ids,
+    Compiles once per (B, P, N, greedy, top_p < 1) (``program``); temperature and top_p values are
+    traced. The jitted program is shared by every ``Sampler`` with equal (graphdef, model_cfg, stop_ids,
     pad_id, mesh, rules, automaton table shape), so building samplers per rollout call costs no
     recompilation.
 
@@ -139,7 +139,7 @@ class Sampler:
         self.model_cfg = model_cfg
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
-        self.mesh, self.rules = mesh, tuple(rules)
+        self.mesh, self.rules = mesh_or_local(mesh), tuple(rules)
         self.stop_automaton = stop_automaton
         self._tables = None
         if stop_automaton is not None:
@@ -147,11 +147,9 @@ class Sampler:
                 raise ValueError(f"stop_automaton covers {stop_automaton.vocab_size} ids but the model has "
                                  f"{model_cfg.vocab_size} embedding rows")
             tables = (np.asarray(stop_automaton.next_state, np.int32), np.asarray(stop_automaton.completes, bool))
-            self._tables = jax.device_put(tables, replicated(mesh)) if mesh is not None else tuple(map(jnp.asarray, tables))
+            self._tables = jax.device_put(tables, replicated(self.mesh))
         self._fsm_shape = None if stop_automaton is None else tuple(stop_automaton.next_state.shape)
-        self._generate = _compiled_generate(graphdef, model_cfg, self.stop_ids, self.pad_id, fsm_shape=self._fsm_shape)
-        if mesh is not None:
-            self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], mesh, self.rules)
+        self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], self.mesh, self.rules)
 
     def __call__(
         self,
@@ -180,20 +178,8 @@ class Sampler:
         if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
             raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
         temperature = 1.0 if cfg.greedy else cfg.temperature
-        if self.mesh is not None:
-            return self._call_sharded(params, prompt_ids, prompt_mask, key, temperature, cfg)
-        extra = () if self._tables is None else (self._tables,)
-        return self._generate(
-            params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool), key,
-            jnp.float32(temperature), jnp.float32(cfg.top_p), *extra,
-            max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, use_top_p=cfg.top_p < 1.0,
-        )
-
-    def _call_sharded(self, params, prompt_ids, prompt_mask, key, temperature, cfg: SamplerConfig) -> SampleOutput:
         b, p = prompt_ids.shape
-        generate = _compiled_generate(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.mesh,
-                                      self.rules, (b, p, cfg.max_new_tokens, cfg.greedy, cfg.top_p < 1.0),
-                                      fsm_shape=self._fsm_shape)
+        generate = self.program(b, p, cfg)
         rows = logical_to_sharding(("batch", None), self.mesh, self.rules, (b, p))
         rep = replicated(self.mesh)
         params = jax.device_put(params, self.param_shardings)
@@ -201,6 +187,13 @@ class Sampler:
         key, temp, top_p = jax.device_put((key, np.float32(temperature), np.float32(cfg.top_p)), rep)
         extra = () if self._tables is None else (self._tables,)
         return generate(params, ids, mask, key, temp, top_p, *extra)
+
+    def program(self, batch: int, prompt_len: int, cfg: SamplerConfig):
+        """The jitted program of a ``[batch, prompt_len]`` call with ``cfg`` (shared by every equal
+        sampler; ``_compiled_generate``)."""
+        return _compiled_generate(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.mesh, self.rules,
+                                  (batch, prompt_len, cfg.max_new_tokens, cfg.greedy, cfg.top_p < 1.0),
+                                  fsm_shape=self._fsm_shape)
 
 
 # ----------------------------------------------------------------------------------- internals
@@ -212,16 +205,14 @@ def _as(x, dtype):
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh=None, rules=None, static=None, fsm_shape=None):
-    """The jitted generate program. With ``mesh`` it is built for one ``static = (B, P, N, greedy,
-    use_top_p)`` (bound here: jit takes no keyword arguments with in_shardings), declares in/out
+def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh, rules, static, fsm_shape=None):
+    """The jitted generate program on ``mesh``, built for one ``static = (B, P, N, greedy,
+    use_top_p)`` (bound here: jit takes no keyword arguments with in_shardings); it declares in/out
     shardings and constrains the KV cache. With ``fsm_shape`` (the ``[S, V]`` stop-automaton
     tables) it takes the tables as a last argument ``(next_state, completes)``."""
     impl = functools.partial(_generate_impl, graphdef, model_cfg, stop_ids, pad_id)
     if fsm_shape is not None:
         impl = functools.partial(_generate_with_automaton, impl)
-    if mesh is None:
-        return jax.jit(impl, static_argnames=("max_new_tokens", "greedy", "use_top_p"))
     b, p, n, greedy, use_top_p = static
     impl = functools.partial(impl, max_new_tokens=n, greedy=greedy, use_top_p=use_top_p,
                              cache_sharding=cache_shardings(model_cfg, b, p + n, mesh, rules))

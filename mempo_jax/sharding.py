@@ -162,29 +162,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> N
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
-def init_sharded_params(cfg, seed: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[nnx.GraphDef, nnx.State]:
-    """Initialise a ``Decoder`` with every parameter created directly in its sharding
-    (one jitted init with ``out_shardings``; no full copy on one device).
-
-    Args:
-      cfg: ``ModelConfig``.
-      seed: params RNG seed (the values of ``create_model(cfg, seed)`` up to float rounding).
-
-    Returns:
-      ``(graphdef, params)`` as ``split_model``.
-    """
-    from mempo_jax.model.forward import abstract_model, create_model, split_model
-
-    graphdef, abstract = split_model(abstract_model(cfg))
-    shardings = param_shardings(abstract, mesh, rules)
-    params = jax.jit(lambda: split_model(create_model(cfg, seed))[1], out_shardings=shardings)()
-    return graphdef, params
-
-
 # ------------------------------------------------------------ optimizer state, KV cache, helpers
-
-CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v dimensions
-
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """``NamedSharding(mesh, PartitionSpec())``: a full copy on every device of ``mesh``."""
@@ -228,15 +206,16 @@ def opt_state_shardings(optimizer, params, mesh: Mesh, rules: Rules = DEFAULT_RU
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def cache_shardings(cfg, batch: int, size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """Shardings of ``init_cache(cfg, batch, size)``: ``KVCache`` of two ``NamedSharding``.
+def local_mesh() -> Mesh:
+    """The smallest mesh: ``(1, 1, 1)`` over this process's first device (``jax.local_devices()[0]``).
 
-    Cache arrays are ``[layers, batch, kv_heads, size, head_dim]`` (heads-major) with logical axes
-    ``CACHE_AXES``: rows over the ``batch`` rule (data × fsdp), kv heads over ``tensor`` when
-    they divide (else replicated, as the ``k``/``v`` projections).
+    What every mesh-taking function of the package runs on when it is given no mesh: one device
+    is not a separate code path, only the smallest mesh (the programs then declare one-device
+    shardings; their values are those of plain ``jax.jit`` on that device).
     """
-    from mempo_jax.model.decoder import KVCache
+    return make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
 
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
-    sharding = logical_to_sharding(CACHE_AXES, mesh, rules, shape)
-    return KVCache(sharding, sharding)
+
+def mesh_or_local(mesh: Mesh | None) -> Mesh:
+    """``mesh``, or ``local_mesh()`` when it is ``None`` (the default of every mesh argument)."""
+    return local_mesh() if mesh is None else mesh

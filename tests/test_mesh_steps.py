@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from mempo_jax.learner import Learner, OptimConfig, make_optimizer
 from mempo_jax.losses import LossConfig
 from mempo_jax.model.forward import make_logits_fn
-from mempo_jax.sharding import batch_shards, cache_shardings, make_mesh, opt_state_shardings
+from mempo_jax.model.placement import cache_shardings
+from mempo_jax.sharding import batch_shards, make_mesh, opt_state_shardings
 from toy_agent import toy_model, toy_world
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2)]

@@ -21,7 +21,8 @@ from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.sampling import _compiled_generate
 from mempo_jax.scoring import MemoryRewardScorer
-from mempo_jax.sharding import cache_shardings, init_sharded_params, logical_to_sharding, make_mesh
+from mempo_jax.model.placement import cache_shardings, init_sharded_params
+from mempo_jax.sharding import logical_to_sharding, make_mesh
 
 SMALL = [
     "ExperimentConfig.model = @ModelOptions()", "ExperimentConfig.rl = @RLConfig()", "RLConfig.rollout = @RolloutConfig()",

@@ -120,10 +120,12 @@ def test_same_key_same_samples_and_no_recompile_per_temperature(setup):
     d = sampler(params, ids, mask, jax.random.key(8), c)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert np.any(np.asarray(a.tokens) != np.asarray(d.tokens))
-    compiled = sampler._generate._cache_size()
+    program = sampler.program(*ids.shape, c)
+    assert program._cache_size() == 1
     again = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)  # a new instance shares the program
-    again(params, ids, mask, jax.random.key(7), SamplerConfig(max_new_tokens=N, temperature=0.9))
-    assert again._generate._cache_size() == compiled
+    c9 = SamplerConfig(max_new_tokens=N, temperature=0.9)
+    again(params, ids, mask, jax.random.key(7), c9)
+    assert again.program(*ids.shape, c9) is program and program._cache_size() == 1
 
 
 FIXED_PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02])

@@ -8,10 +8,10 @@ from jax.sharding import PartitionSpec as P
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
+from mempo_jax.model.placement import init_sharded_params
 from mempo_jax.sharding import (
     DEFAULT_RULES,
     batch_sharding,
-    init_sharded_params,
     logical_to_spec,
     make_mesh,
     param_shardings,

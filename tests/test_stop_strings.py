@@ -169,4 +169,4 @@ def test_device_stop_equals_host_first_stop_on_any_sequence(forced, frags):
     assert n == _brute_first([SEQ_FRAGMENTS[f] for f in frags], [t.encode() for t in STOP_TAGS], stop_ids, ids)
     assert int(out.lengths[0]) == (n or L) and bool(out.stopped[0]) == (n is not None)
     assert got[: n or L] == ids[: n or L] and all(t == 0 for t in got[n or L:])
-    assert sampler._generate._cache_size() == 1  # one compiled program for every sequence
+    assert sampler.program(1, 2, SamplerConfig(L, 0.0))._cache_size() == 1  # one compiled program for every sequence

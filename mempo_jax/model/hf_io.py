@@ -33,7 +33,7 @@ from mempo_jax.hf_tokenizer import COPIED_FILES
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.hf_config import CheckpointError, config_from_hf, config_to_hf
 from mempo_jax.model.forward import abstract_model, split_model
-from mempo_jax.sharding import DEFAULT_RULES, Rules, param_shardings
+from mempo_jax.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -163,8 +163,8 @@ def load_hf_checkpoint(
 
     Args:
       path: folder with ``config.json`` and ``*.safetensors`` (+ optional index).
-      mesh: target mesh; params are placed by ``param_shardings(…, mesh, rules)``. Default: the
-        default device.
+      mesh: target mesh; params are placed by ``param_shardings(…, mesh, rules)`` (default
+        ``sharding.local_mesh()``, one device).
       rules: logical-axis rules.
       dtype, param_dtype: activation / parameter dtype names of the returned config; tensors
         are cast to ``param_dtype`` on the host before placement.
@@ -183,6 +183,29 @@ def load_hf_checkpoint(
     names = hf_name_map(cfg)
     key_file = _checkpoint_files(path)
     tied_head = cfg.tie_embeddings and "lm_head.weight" in key_file
+    _check_keys(names, key_file, tied_head)
+    graphdef, abstract = split_model(abstract_model(cfg))
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    targets = {_path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh_or_local(mesh), rules), is_leaf=is_var)[0]
+    shardings = {_path_key(p): v.get_value() for p, v in flat}
+    loaded = _read_tensors(names, key_file, targets, shardings, jnp.dtype(param_dtype))
+    if tied_head:
+        _check_tied_head(key_file)
+
+    def fill(p, var):
+        return var.replace(loaded[_path_key(p)])
+
+    params = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=is_var)
+    return cfg, graphdef, params
+
+
+def _check_keys(names: dict, key_file: dict, tied_head: bool) -> None:
+    """Every checkpoint key known and every parameter's key present.
+
+    Raises:
+      CheckpointError: naming the unknown or missing keys.
+    """
     unknown = sorted(k for k in key_file if k not in names and not _IGNORED.match(k)
                      and not (tied_head and k == "lm_head.weight"))
     if unknown:
@@ -191,15 +214,14 @@ def load_hf_checkpoint(
     if missing:
         raise CheckpointError(f"missing checkpoint key(s): {', '.join(missing)}")
 
-    graphdef, abstract = split_model(abstract_model(cfg))
-    targets = {_path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(
-        abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
-    shardings = None
-    if mesh is not None:
-        flat = jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh, rules),
-                                                    is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-        shardings = {_path_key(p): v.get_value() for p, v in flat}
-    np_dtype = jnp.dtype(param_dtype)
+
+def _read_tensors(names: dict, key_file: dict, targets: dict, shardings: dict, np_dtype) -> dict[tuple, jax.Array]:
+    """Our parameter path → its array, read one file at a time, cast to ``np_dtype`` on the host
+    and placed straight into its sharding (``jax.make_array_from_callback``).
+
+    Raises:
+      CheckpointError: naming a key whose shape is not the config's.
+    """
     loaded: dict[tuple, jax.Array] = {}
     by_file: dict[pathlib.Path, list[str]] = {}
     for key in names:
@@ -214,26 +236,25 @@ def load_hf_checkpoint(
                 if got != want:
                     raise CheckpointError(f"checkpoint key {key} has shape {got}, expected {want}")
                 arr = np.ascontiguousarray(_to_ours(kind, st.get_tensor(key), target).astype(np_dtype))
-                if shardings is None:
-                    loaded[ours] = jnp.asarray(arr)
-                else:
-                    loaded[ours] = jax.make_array_from_callback(target, shardings[ours], lambda idx, a=arr: a[idx])
+                loaded[ours] = jax.make_array_from_callback(target, shardings[ours], lambda idx, a=arr: a[idx])
                 del arr
-    if tied_head:
-        with safe_open(str(key_file["lm_head.weight"]), framework="np") as st:
-            head = st.get_tensor("lm_head.weight")
-        with safe_open(str(key_file["model.embed_tokens.weight"]), framework="np") as st:
-            same = head.shape == tuple(st.get_slice("model.embed_tokens.weight").get_shape()) and np.array_equal(
-                head, st.get_tensor("model.embed_tokens.weight"))
-        if not same:
-            raise CheckpointError("checkpoint key lm_head.weight differs from model.embed_tokens.weight "
-                                  "but config.json has tie_word_embeddings=true")
+    return loaded
 
-    def fill(p, var):
-        return var.replace(loaded[_path_key(p)])
 
-    params = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return cfg, graphdef, params
+def _check_tied_head(key_file: dict) -> None:
+    """A tied checkpoint's stored ``lm_head.weight`` equals its embedding.
+
+    Raises:
+      CheckpointError: when it differs.
+    """
+    with safe_open(str(key_file["lm_head.weight"]), framework="np") as st:
+        head = st.get_tensor("lm_head.weight")
+    with safe_open(str(key_file["model.embed_tokens.weight"]), framework="np") as st:
+        same = head.shape == tuple(st.get_slice("model.embed_tokens.weight").get_shape()) and np.array_equal(
+            head, st.get_tensor("model.embed_tokens.weight"))
+    if not same:
+        raise CheckpointError("checkpoint key lm_head.weight differs from model.embed_tokens.weight "
+                              "but config.json has tie_word_embeddings=true")
 
 
 # ------------------------------------------------------------------------------------- export
@@ -292,18 +313,7 @@ def save_hf_checkpoint(
     flat = {_path_key(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
     names = hf_name_map(cfg)
-    # Plan the shards from shapes alone, then fetch, convert and write one shard at a time.
-    plan: list[list[str]] = [[]]
-    sizes = [0]
-    for key, (ours, _) in names.items():
-        if ours not in flat:
-            raise CheckpointError(f"params lack {'/'.join(map(str, ours))} needed for checkpoint key {key}")
-        nbytes = int(np.prod(flat[ours].shape)) * jnp.dtype(flat[ours].dtype).itemsize
-        if plan[-1] and sizes[-1] + nbytes > max_shard_bytes:
-            plan.append([])
-            sizes.append(0)
-        plan[-1].append(key)
-        sizes[-1] += nbytes
+    plan, sizes = _shard_plan(names, flat, max_shard_bytes)  # from shapes alone: one shard fetched at a time
     writer = jax.process_index() == 0
     if writer:
         path.mkdir(parents=True, exist_ok=True)
@@ -330,6 +340,27 @@ def save_hf_checkpoint(
         tokenizer.save(path)
         written += [name for name in TOKENIZER_FILES if (path / name).is_file()]
     return written
+
+
+def _shard_plan(names: dict, flat: dict, max_shard_bytes: int) -> tuple[list[list[str]], list[int]]:
+    """The checkpoint keys of each safetensors file (in ``names`` order, a new file once
+    ``max_shard_bytes`` would be passed) and each file's bytes, from the arrays' shapes alone.
+
+    Raises:
+      CheckpointError: a parameter that a key needs is missing from ``flat``.
+    """
+    plan: list[list[str]] = [[]]
+    sizes = [0]
+    for key, (ours, _) in names.items():
+        if ours not in flat:
+            raise CheckpointError(f"params lack {'/'.join(map(str, ours))} needed for checkpoint key {key}")
+        nbytes = int(np.prod(flat[ours].shape)) * jnp.dtype(flat[ours].dtype).itemsize
+        if plan[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            plan.append([])
+            sizes.append(0)
+        plan[-1].append(key)
+        sizes[-1] += nbytes
+    return plan, sizes
 
 
 def num_checkpoint_bytes(cfg: ModelConfig) -> int:

@@ -31,13 +31,12 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
-from mempo_jax.sharding import DEFAULT_RULES, Rules, param_shardings
+from mempo_jax.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
 
 DEFAULT_ROW_MULTIPLE = 64  # transformers' pad_to_multiple_of guidance (tensor cores); also TPU-friendly
 MEAN_RESIZING_EPSILON = 1e-9  # transformers: covariance_matrix = epsilon * covariance
@@ -56,9 +55,9 @@ def padded_rows(rows: int, multiple: int) -> int:
 
 def vocab_row_multiple(mesh=None, rules: Rules = DEFAULT_RULES, base: int = DEFAULT_ROW_MULTIPLE) -> int:
     """Row multiple that suits the mesh: ``lcm(base, product of the mesh axes the "vocab" rule
-    shards over)`` (``tensor`` under ``DEFAULT_RULES``), so every shard holds equal rows."""
-    if mesh is None:
-        return int(base)
+    shards over)`` (``tensor`` under ``DEFAULT_RULES``), so every shard holds equal rows (the
+    default mesh, ``sharding.local_mesh()``, has one device: ``base``)."""
+    mesh = mesh_or_local(mesh)
     axes = dict(rules).get("vocab")
     axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
     shards = math.prod(int(mesh.shape[a]) for a in axes if a in mesh.shape)
@@ -114,7 +113,7 @@ def resize_vocab(
       cfg: the model's config (``vocab_size`` = its current rows).
       params: its ``nnx.State`` (any sharding; the embedding and head are gathered to the host).
       new_rows: the new ``vocab_size`` (≥ ``cfg.vocab_size``; round it with ``padded_rows``).
-      mesh, rules: place the resized tensors in their sharding on ``mesh`` (default: one device).
+      mesh, rules: place the resized tensors in their sharding on ``mesh`` (default ``sharding.local_mesh()``: one device).
       seed: seed of the ``N(μ, 1e-9 Σ)`` draws (the LM head uses ``seed + 1``).
 
     Returns:
@@ -137,7 +136,7 @@ def resize_vocab(
     if not cfg.tie_embeddings:  # ours [D, V] = HF lm_head.weight [V, D] transposed
         head = _host(params["lm_head"].get_value())
         resized[("lm_head",)] = mean_resized_rows(head.T, new_rows, seed + 1).T
-    shardings = param_shardings(abstract, mesh, rules) if mesh is not None else None
+    shardings = param_shardings(abstract, mesh_or_local(mesh), rules)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
     def key(path) -> tuple:
@@ -150,8 +149,6 @@ def resize_vocab(
         if k not in resized:
             return var.replace(old_flat[k].get_value())
         arr = np.ascontiguousarray(resized[k])
-        if shardings is None:
-            return var.replace(jnp.asarray(arr))
         sharding = shardings
         for part in k:
             sharding = sharding[part]
