@@ -113,10 +113,14 @@ class Learner:
         step declares these in/out shardings (metrics and log-probs come back replicated). Batch
         rows must divide by ``batch_shards(mesh)``.
       rules: logical → mesh axis rules (``mempo_jax.sharding.DEFAULT_RULES``).
+      before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
+        its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
+        ``resume.FaultHooks.update_rows``).
     """
 
     def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
-                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES, logprob_chunk_rows: int = 64):
+                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES, logprob_chunk_rows: int = 64,
+                 before_update=None):
         self.logits_fn = logits_fn
         self.params = params
         self.optimizer = optimizer
@@ -124,6 +128,7 @@ class Learner:
         self.micro_batch_rows = int(micro_batch_rows)
         self.logprob_chunk_rows = int(logprob_chunk_rows)
         self.num_updates = 0
+        self.before_update = before_update
         self.mesh = mesh = mesh_or_local(mesh)
         self.rules = rules
         ps = self.param_shardings = param_shardings(params, mesh, rules)
@@ -340,6 +345,8 @@ class Learner:
         Raises:
           ValueError: as ``ppo_plan``.
         """
+        if self.before_update is not None:
+            rows = self.before_update(rows)
         n = rows["input_ids"].shape[0]
         order = rng.permutation(n)
         plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)

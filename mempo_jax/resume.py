@@ -33,6 +33,8 @@ import shutil
 import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
+import numpy as np
+
 from mempo_jax.checkpoint import CorruptCheckpoint
 from mempo_jax.metrics import AppendLog, MetricsWriter, read_jsonl
 
@@ -525,7 +527,9 @@ def _parse_steps(text: str) -> frozenset[int]:
 
 @dataclasses.dataclass(frozen=True)
 class FaultHooks:
-    """Faults injected by tests, read from the environment (never set them in real runs).
+    """Faults injected by tests, passed to ``train.main(hooks=...)`` (or, for a subprocess run of
+    ``python -m mempo_jax.train``, read from the environment by ``from_env``; never set them in
+    real runs). The trainer calls ``before_sample`` and ``update_rows``.
 
     Attributes:
       nan_grad_steps: ``MEMPO_TEST_NAN_GRAD_STEPS="1,3-5"``: RL steps whose PPO batches get NaN
@@ -551,6 +555,21 @@ class FaultHooks:
         except ValueError:
             raise ValueError("MEMPO_TEST_NAN_GRAD_STEPS must look like '1,3-5' and "
                              "MEMPO_TEST_SIGTERM_ROLLOUT_STEP like '2'") from None
+
+    def before_sample(self, step: int, preemption) -> None:
+        """Called before every sampler call of RL step ``step``: at ``sigterm_rollout_step`` the
+        process sends itself SIGTERM (once: not while one is pending on ``preemption``)."""
+        if step == self.sigterm_rollout_step and not preemption.requested:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def update_rows(self, step: int, rows: Mapping) -> Mapping:
+        """The PPO rows of RL step ``step`` (``Learner.before_update``): at a ``nan_grad_steps``
+        step every advantage is NaN, so every update of the step has non-finite gradients."""
+        if step not in self.nan_grad_steps:
+            return rows
+        return dict(rows, advantages=np.full_like(rows["advantages"], np.nan))
 
 
 __all__ = ["EVAL_RL_FILE", "EVAL_SFT_FILE", "FaultCounter", "FaultHooks", "NumericalFault", "ResumePoint",
