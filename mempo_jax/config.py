@@ -25,7 +25,7 @@ from mempo_jax.agent.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
-from mempo_jax.learner import OptimConfig
+from mempo_jax.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.losses import LossConfig
 from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.rl_step import RLConfig
@@ -119,9 +119,6 @@ class SFTConfig:
       copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``).
       agent: the scripted agent's imperfections.
       optim: optimizer options.
-      micro_batch_rows: rows per gradient-accumulation micro-batch of an SFT step (same gradient,
-        bounded activations; a pod recipe sets it to ``PlanConfig.micro_batch_rows``); 0 = the
-        whole batch in one micro-batch. Must divide ``batch_rows``.
       data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
         ``mempo_jax/data/messages.py``) to train on instead of playing the scripted agent ("" = play
         it; ``python -m mempo_jax.data.write_sft_messages`` writes its conversations in this format).
@@ -138,7 +135,6 @@ class SFTConfig:
     copy_fraction: float = 1.0
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
-    micro_batch_rows: int = 0
     data_path: str = ""
 
     def __post_init__(self):
@@ -148,11 +144,41 @@ class SFTConfig:
         check(self, "copy_fraction", float, lo=0.0)
         check(self, "agent", ScriptedAgentConfig)
         check(self, "optim", OptimConfig)
-        check(self, "micro_batch_rows", int, lo=0)
         check(self, "data_path", str)
-        rows, micro = self.batch_rows, self.micro_batch_rows
-        require(not (micro and rows % micro),
-                f"SFTConfig.micro_batch_rows must be 0 or divide SFTConfig.batch_rows = {rows}, got {micro}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How the device programs split their work: the one place of the execution sizes. They change
+    memory and speed, not the gradient (up to float rounding); ``python -m mempo_jax.plan`` checks
+    a recipe's against the chips' HBM with the same values the run uses.
+
+    Attributes:
+      micro_batch_rows: rows per gradient-accumulation micro-batch of a PPO update (``Learner``;
+        default ``learner.DEFAULT_MICRO_BATCH_ROWS``).
+      sft_micro_batch_rows: the same for an SFT step; 0 = ``SFTConfig.batch_rows`` (the whole
+        batch in one micro-batch). Must divide ``SFTConfig.batch_rows``.
+      logprob_chunk_rows: rows per reference log-prob call (``Learner.logprobs``; default
+        ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
+      scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``,
+        a power of two); 0 = the scorer's ``scoring.DEFAULT_CHUNK_ROWS``.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
+    """
+
+    micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS
+    sft_micro_batch_rows: int = 0
+    logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS
+    scoring_chunk_rows: int = 0
+
+    def __post_init__(self):
+        check(self, "micro_batch_rows", int, lo=1)
+        check(self, "sft_micro_batch_rows", int, lo=0)
+        check(self, "logprob_chunk_rows", int, lo=1)
+        check(self, "scoring_chunk_rows", int, lo=0)
+        n = self.scoring_chunk_rows
+        require(n & (n - 1) == 0, f"ExecutionConfig.scoring_chunk_rows must be 0 or a power of two, got {n}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +288,9 @@ class ExperimentConfig:
       eval: held-out evaluation.
       log_rollouts: sample trajectories written per logging step to ``rollouts.jsonl``.
       checkpoint: checkpoint cadence, preemption grace and numerical-fault limit.
+      mesh: the device mesh (``MeshConfig``). Unbound (no ``MeshConfig.*`` binding), one process
+        runs on the smallest mesh, ``(1, 1, 1)``; several processes on ``MeshConfig()``'s.
+      execution: micro-batch and chunk rows of the device programs (``ExecutionConfig``).
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range or of the wrong type (names the
@@ -286,6 +315,8 @@ class ExperimentConfig:
     eval: EvalConfig = EvalConfig()
     log_rollouts: int = 4
     checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    execution: ExecutionConfig = ExecutionConfig()
 
     def __post_init__(self):
         check(self, "seed", int, lo=0)
@@ -312,8 +343,17 @@ class ExperimentConfig:
         check(self, "topk", int, lo=1)
         check(self, "log_rollouts", int, lo=0)
         for name, kind in (("world", WorldConfig), ("model", ModelOptions), ("sft", SFTConfig), ("rl", RLConfig),
-                           ("optim", OptimConfig), ("eval", EvalConfig), ("checkpoint", CheckpointConfig)):
+                           ("optim", OptimConfig), ("eval", EvalConfig), ("checkpoint", CheckpointConfig),
+                           ("mesh", MeshConfig), ("execution", ExecutionConfig)):
             check(self, name, kind)
+        micro = self.execution.sft_micro_batch_rows
+        require(not (micro and self.sft.batch_rows % micro), "ExecutionConfig.sft_micro_batch_rows must be 0 or divide "
+                f"SFTConfig.batch_rows = {self.sft.batch_rows}, got {micro}")
+
+    @property
+    def sft_micro_batch_rows(self) -> int:
+        """Rows per SFT micro-batch (``ExecutionConfig.sft_micro_batch_rows``, 0: the whole batch)."""
+        return self.execution.sft_micro_batch_rows or self.sft.batch_rows
 
     @property
     def qa_train_path(self) -> str:
@@ -324,8 +364,13 @@ class ExperimentConfig:
 # MeshConfig / TPUConfig / PlanConfig (mempo_jax.mesh_config) sit beside ExperimentConfig in a pod
 # recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
-                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig, MeshConfig, TPUConfig,
-                  PlanConfig)
+                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
+                  TPUConfig, PlanConfig)
+# Bindings of fields that moved (a recipe that still binds one gets a one-line error naming the new field).
+MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows",
+                "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
+                "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
+                "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows"}
 _registered = False
 
 
@@ -355,12 +400,18 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         if problem:
             raise ValueError(f"config error: cannot parse --gin_param {param!r}: "
                              f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}")
+    _check_moved(gin_files, gin_params)
     try:
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
         with gin.config_scope(None):
             cfg = gin.get_configurable(ExperimentConfig)()
-            if not _is_bound("ExperimentConfig.checkpoint"):  # CheckpointConfig.* bindings apply anyway
-                cfg = dataclasses.replace(cfg, checkpoint=gin.get_configurable(CheckpointConfig)())
+            # CheckpointConfig.* / MeshConfig.* / ExecutionConfig.* bindings apply without an
+            # ExperimentConfig.<field> = @...() line (unbound ones stay out of the operative config).
+            nested = {"checkpoint": CheckpointConfig}
+            nested.update({name: kind for name, kind in (("mesh", MeshConfig), ("execution", ExecutionConfig))
+                           if binds_any(kind)})
+            cfg = dataclasses.replace(cfg, **{name: gin.get_configurable(kind)() for name, kind in nested.items()
+                                              if not _is_bound(f"ExperimentConfig.{name}")})
     except (ValueError, TypeError, KeyError, OSError, SyntaxError, tokenize.TokenError) as e:
         if isinstance(e, tokenize.TokenError):  # gin's message names no file: find the one that does not parse
             for path in gin_files:
@@ -371,6 +422,18 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}") from None
     _check_types(cfg, "ExperimentConfig")
     return cfg
+
+
+def _check_moved(gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
+    """Refuse a binding of a field in ``MOVED_FIELDS``.
+
+    Raises:
+      ValueError: ``config error: X moved to Y ... (FILE:LINE: binding)`` (or ``(--gin_param B)``).
+    """
+    for old, new in MOVED_FIELDS.items():
+        where = _binding_source(old, gin_files, gin_params)
+        if where:
+            raise ValueError(f"config error: {old} moved to {new}; bind {new} instead{where}")
 
 
 def _syntax_error(text: str) -> str:
@@ -468,3 +531,22 @@ def _is_bound(name: str) -> bool:
 def operative_config() -> str:
     """The gin bindings actually used (written to ``RUN_DIR/config.gin``)."""
     return gin.operative_config_str()
+
+
+def load_run_folder_config(path: str | pathlib.Path) -> ExperimentConfig:
+    """``load_config`` of a run folder's ``config.gin`` (the operative config a run wrote), also of
+    one written before a field moved: bindings of ``MOVED_FIELDS`` (execution sizes, which do not
+    change what a policy is) are left out instead of refused.
+
+    Raises:
+      ValueError: as ``load_config``.
+    """
+    import tempfile
+
+    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in MOVED_FIELDS)})\s*=")
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    kept = "".join(line for line in text.splitlines(keepends=True) if not moved.match(line))
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = pathlib.Path(tmp, pathlib.Path(path).name)
+        copy.write_text(kept, encoding="utf-8")
+        return load_config([str(copy)])

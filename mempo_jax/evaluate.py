@@ -194,10 +194,10 @@ def _run_config(run_dir: pathlib.Path):
     path = run_dir / "config.gin"
     if not path.is_file():
         return None, "defaults (no config.gin)"
-    from mempo_jax.config import load_config
+    from mempo_jax.config import load_run_folder_config
 
     try:
-        return load_config([str(path)]), str(path)
+        return load_run_folder_config(path), str(path)
     except ValueError as e:
         print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
         return None, "defaults (config.gin unreadable)"

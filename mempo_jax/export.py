@@ -88,11 +88,11 @@ def _parse_args(argv):
 def run_source_checkpoint(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
     """The Hugging Face folder a run started from (``ModelOptions.checkpoint`` in
     ``RUN_DIR/config.gin``) when it still exists, else None."""
-    from mempo_jax.config import load_config
+    from mempo_jax.config import load_run_folder_config
 
     gin_file = pathlib.Path(run_dir) / "config.gin"
     try:
-        source = load_config([str(gin_file)]).model.checkpoint if gin_file.is_file() else ""
+        source = load_run_folder_config(gin_file).model.checkpoint if gin_file.is_file() else ""
     except ValueError:
         return None
     return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None

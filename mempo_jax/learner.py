@@ -9,8 +9,7 @@ full-batch gradient; tunix-style (sum, denominator) losses).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +93,10 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
 
 
+DEFAULT_MICRO_BATCH_ROWS = 32  # ExecutionConfig.micro_batch_rows: the one default of the update micro-batch
+DEFAULT_LOGPROB_CHUNK_ROWS = 64  # ExecutionConfig.logprob_chunk_rows
+
+
 def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
     return x.reshape((n_micro, x.shape[0] // n_micro) + x.shape[1:])
 
@@ -119,7 +122,8 @@ class Learner:
     """
 
     def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
-                 micro_batch_rows: int = 32, *, mesh=None, rules=DEFAULT_RULES, logprob_chunk_rows: int = 64,
+                 micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
+                 logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
                  before_update=None):
         self.logits_fn = logits_fn
         self.params = params

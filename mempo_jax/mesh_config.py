@@ -7,7 +7,7 @@ A pod recipe binds them next to the ``ExperimentConfig`` bindings, MaxText style
     MeshConfig.tensor = 4
     TPUConfig.accelerator_type = "v5p-64"
     TPUConfig.runtime_version = "v2-alpha-tpuv5"
-    PlanConfig.micro_batch_rows = 32
+    ExecutionConfig.micro_batch_rows = 32
 
 ``register()`` makes the three configurable (call it before ``config.load_config``);
 ``from_gin()`` returns their bound values. The launch scripts read ``TPUConfig`` lines from the
@@ -163,34 +163,23 @@ class TPUConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """Sizes the memory plan needs beyond ``ExperimentConfig``; ``python -m mempo_jax.train`` runs
-    with the first three, so the plan is the run's (the defaults are the single-device values).
+    """The memory planner's own estimates (``python -m mempo_jax.plan``); the sizes the run uses
+    (micro-batch, log-prob and scoring chunk rows) are ``ExperimentConfig.execution``'s.
 
     Attributes:
-      micro_batch_rows: RL ``Learner`` micro-batch rows (default 32). A pod recipe sets
-        ``SFTConfig.micro_batch_rows`` to the same value, so the update phase covers SFT.
-      logprob_chunk_rows: rows per reference ``Learner.logprobs`` call (default 64,
-        the RL ``Learner``'s ``logprob_chunk_rows``).
-      scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``);
-        0 = the scorer's default (``scoring.DEFAULT_CHUNK_ROWS``), in the run and in the plan.
       max_prompt_tokens: longest system prompt + question (tokens).
       max_answer_tokens: longest answer Z scored by the memory reward (tokens).
       hbm_fraction: share of HBM the plan may use (the rest is left to XLA and fragmentation).
     """
 
-    micro_batch_rows: int = 32
-    logprob_chunk_rows: int = 64
-    scoring_chunk_rows: int = 0
     max_prompt_tokens: int = 256
     max_answer_tokens: int = 32
     hbm_fraction: float = 0.9
 
     def __post_init__(self):
-        for name in ("micro_batch_rows", "logprob_chunk_rows", "max_prompt_tokens", "max_answer_tokens"):
+        for name in ("max_prompt_tokens", "max_answer_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"PlanConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.scoring_chunk_rows < 0:
-            raise ValueError(f"PlanConfig.scoring_chunk_rows must be >= 0, got {self.scoring_chunk_rows}")
         if not 0.0 < self.hbm_fraction <= 1.0:
             raise ValueError(f"PlanConfig.hbm_fraction must be in (0, 1], got {self.hbm_fraction}")
 

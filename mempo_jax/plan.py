@@ -133,10 +133,11 @@ def step_shapes(cfg, plan_cfg) -> dict:
     scoring_len = bucket_length(plan_cfg.max_prompt_tokens + (ro.max_turns - 1) * turn + 1 + plan_cfg.max_answer_tokens)
     mem_turns = traj * ro.max_turns
     all_rows = bucket_length(2 * mem_turns, 8)
-    scoring_rows = min(all_rows, plan_cfg.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
+    ex = cfg.execution
+    scoring_rows = min(all_rows, ex.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
     return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": prompt + ro.max_new_tokens,
-            "train_len": train_len, "micro_batch_rows": plan_cfg.micro_batch_rows,
-            "logprob_rows": plan_cfg.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
+            "train_len": train_len, "micro_batch_rows": ex.micro_batch_rows,
+            "logprob_rows": ex.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
 
 
 class _Act:
@@ -197,7 +198,8 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
       cfg: ``ExperimentConfig`` (model, RL optimizer, rollout sizes).
       mesh_cfg: ``MeshConfig`` (axis sizes, ``-1`` filled from the slice's device count; rules).
       tpu: ``TPUConfig`` (device count and HBM).
-      plan_cfg: ``PlanConfig`` (micro-batch, chunk rows, prompt / answer bounds, HBM fraction).
+      plan_cfg: ``PlanConfig`` (prompt / answer bounds, HBM fraction); the micro-batch and chunk rows are
+        ``cfg.execution``'s.
 
     Raises:
       ValueError: a mesh that does not match the device count, or an unknown preset.

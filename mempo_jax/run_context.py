@@ -316,7 +316,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     cache = args.cache_dir or os.environ.get("MEMPO_CACHE") or str(run_dir / ".cache")
     with interruptible():
         exp = build_experiment(cfg, cache, mesh=mesh, rules=rules,
-                               scoring_chunk_rows=run_cfg.plan.scoring_chunk_rows or None)
+                               scoring_chunk_rows=cfg.execution.scoring_chunk_rows or None)
     # Host-side work runs per process on its share; device programs on the global batch.
     sync, sample_fn, scorer = lockstep.distribute(exp.sample_fn, exp.scorer, exp.tokenizer.pad_id)
     key = jax.random.PRNGKey(cfg.seed)

@@ -247,8 +247,8 @@ class _RLRun:
         cfg = ctx.cfg
         self.ctx = ctx
         self.learner = ctx.new_learner(params, ctx.rl_opt, temperature=cfg.rl.rollout.temperature,
-                                       micro_batch_rows=ctx.run_cfg.plan.micro_batch_rows,
-                                       logprob_chunk_rows=ctx.run_cfg.plan.logprob_chunk_rows,
+                                       micro_batch_rows=cfg.execution.micro_batch_rows,
+                                       logprob_chunk_rows=cfg.execution.logprob_chunk_rows,
                                        before_update=self._before_update)
         self.order = iter(grain.MapDataset.range(len(ctx.exp.train_questions)).shuffle(seed=cfg.seed).repeat()
                           .batch(cfg.rl.questions_per_step))

@@ -38,9 +38,9 @@ multi-host job (``$MEMPO_MULTIHOST=1`` on a TPU slice, or ``$MEMPO_COORDINATOR``
 every device with ``MeshConfig.rules``, and ``build_experiment`` places the policy, the sampler's
 KV cache and the memory-reward scoring batches by those rules; the learners place the optimizer
 state and the SFT / log-prob / update batches (``Learner(mesh=...)``), the frozen reference is a
-copy of the sharded SFT policy. ``PlanConfig.micro_batch_rows``, ``logprob_chunk_rows`` and
-``scoring_chunk_rows`` are the RL micro-batch, reference log-prob chunk and scoring chunk the run
-uses, so the memory plan is the run's (their defaults are the single-device values).
+copy of the sharded SFT policy. ``ExecutionConfig`` (``ExperimentConfig.execution``) holds the
+micro-batch, reference log-prob chunk and scoring chunk rows the run uses, and the memory plan
+(``python -m mempo_jax.plan``) reads the same values.
 With several processes (always on a mesh), each process rolls out, calls the tools for, and
 evaluates its contiguous share of a step's questions (``distributed.process_slice``) and feeds its
 share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the global batch.
@@ -86,8 +86,8 @@ class RunConfig(NamedTuple):
 
     Attributes:
       experiment: the validated ``ExperimentConfig``.
-      mesh, tpu, plan: the bound ``MeshConfig``, ``TPUConfig`` and ``PlanConfig`` (defaults where
-        unbound; ``mempo_jax.mesh_config``).
+      mesh: ``experiment.mesh`` (the ``MeshConfig``).
+      tpu, plan: the bound ``TPUConfig`` and ``PlanConfig`` (defaults where unbound; the planner's).
       sharded: True when the config binds a ``MeshConfig`` field: the run's mesh is ``mesh`` over
         every device (it also is on several processes); else the smallest mesh, ``(1, 1, 1)``.
     """
@@ -116,16 +116,15 @@ def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) ->
     import gin
 
     from mempo_jax import config as config_lib
-    from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
+    from mempo_jax.mesh_config import PlanConfig, TPUConfig
 
     cfg = config_lib.load_config(gin_files, gin_params)
     try:  # unbound ones are plain defaults, kept out of the operative config (RUN_DIR/config.gin)
         with gin.config_scope(None):
-            pod = [gin.get_configurable(c)() if config_lib.binds_any(c) else c() for c in (MeshConfig, TPUConfig,
-                                                                                            PlanConfig)]
+            tpu, plan = [gin.get_configurable(c)() if config_lib.binds_any(c) else c() for c in (TPUConfig, PlanConfig)]
     except (ValueError, TypeError) as e:
         raise ValueError(f"config error: {config_lib._one_line_gin_error(e, gin_params)}") from None
-    return RunConfig(cfg, *pod, config_lib.mesh_requested())
+    return RunConfig(cfg, cfg.mesh, tpu, plan, config_lib.mesh_requested())
 
 
 def _initialize_distributed() -> bool:
@@ -173,8 +172,7 @@ def run(args, hooks=None) -> dict:
     sft_file = read_messages(cfg.sft.data_path) if cfg.sft.steps > 0 and cfg.sft.data_path else None
     with contextlib.ExitStack() as stack:
         ctx = open_run(args, run_cfg, hooks or FaultHooks(), stack)
-        learner = ctx.new_learner(ctx.exp.params, ctx.sft_opt, micro_batch_rows=cfg.sft.micro_batch_rows
-                                  or cfg.sft.batch_rows)
+        learner = ctx.new_learner(ctx.exp.params, ctx.sft_opt, micro_batch_rows=cfg.sft_micro_batch_rows)
         stages.heldout(ctx)  # enough held-out questions for every process, checked before any stage
         evals, per_q = {}, {}
         stages.zero_shot_stage(ctx, learner, evals, per_q)

@@ -55,7 +55,10 @@ def _one_error(err: list[str]) -> str:
     ("RLConfig.memory_coef=nan", None),  # gin has no nan literal: a parse error, also one line
     ("SFTConfig.batch_rows=0", "SFTConfig.batch_rows must be >= 1, got 0"),
     ("SFTConfig.full_fraction=1.5", "SFTConfig.full_fraction must be <= 1.0, got 1.5"),
-    ("SFTConfig.micro_batch_rows=3", "SFTConfig.micro_batch_rows must be 0 or divide SFTConfig.batch_rows = 8"),
+    ("ExecutionConfig.sft_micro_batch_rows=3",
+     "ExecutionConfig.sft_micro_batch_rows must be 0 or divide SFTConfig.batch_rows = 8"),
+    ("PlanConfig.micro_batch_rows=8", "PlanConfig.micro_batch_rows moved to ExecutionConfig.micro_batch_rows"),
+    ("SFTConfig.micro_batch_rows=8", "SFTConfig.micro_batch_rows moved to ExecutionConfig.sft_micro_batch_rows"),
     ("OptimConfig.grad_clip=0", "OptimConfig.grad_clip must be > 0.0, got 0"),
     ("OptimConfig.b2=1.0", "OptimConfig.b2 must be < 1.0, got 1.0"),
     ("rl/OptimConfig.warmup_steps=-3", "OptimConfig.warmup_steps must be >= 0, got -3"),

@@ -32,8 +32,8 @@ SMALL = [
     "RLConfig.questions_per_step = 4", "RLConfig.group_size = 16", "RolloutConfig.max_turns = 4",
     "RolloutConfig.max_context_tokens = 512", "RolloutConfig.max_new_tokens = 64",
     "RolloutConfig.max_observation_tokens = 64", 'TPUConfig.accelerator_type = "v5e-8"',
-    "MeshConfig.fsdp = 4", "MeshConfig.tensor = 2", "PlanConfig.micro_batch_rows = 16",
-    "PlanConfig.logprob_chunk_rows = 16", "PlanConfig.scoring_chunk_rows = 16",
+    "MeshConfig.fsdp = 4", "MeshConfig.tensor = 2", "ExecutionConfig.micro_batch_rows = 16",
+    "ExecutionConfig.logprob_chunk_rows = 16", "ExecutionConfig.scoring_chunk_rows = 16",
 ]
 CONFIGS = {"qwen2_5_0_5b_v5e8": (8, "v5e", 16), "qwen2_5_7b_v5p64": (32, "v5p", 95)}
 

@@ -68,14 +68,14 @@ def test_every_shipped_config_loads_through_train(path):
     from mempo_jax import config, train
 
     rc = train.load_run_config([str(path)])
-    assert rc.experiment.rl.steps >= 0 and rc.plan.micro_batch_rows >= 1
+    assert rc.experiment.rl.steps >= 0 and rc.experiment.execution.micro_batch_rows >= 1
     pod = "MeshConfig." in path.read_text()
     assert rc.sharded == pod
     # RUN_DIR/config.gin names a mesh only when the recipe does (re-used, it runs the same way)
     assert ("MeshConfig." in config.operative_config()) == pod
     if pod:  # the mesh fits the slice; SFT micro-batches are the plan's update micro-batches
         assert math.prod(rc.mesh.shape(rc.tpu.num_devices)) == rc.tpu.num_devices
-        assert rc.experiment.sft.micro_batch_rows == rc.plan.micro_batch_rows
+        assert rc.experiment.sft_micro_batch_rows == rc.experiment.execution.micro_batch_rows
 
 
 @pytest.mark.parametrize("binding, message", [
