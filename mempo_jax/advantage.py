@@ -9,42 +9,8 @@ interfere. Group ids are assigned per question *before* the n rollout copies are
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-
-AdvantageFn = Callable[..., jax.Array]
-_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_advantage_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register an advantage estimator under ``name`` (tunix style).
-
-    Raises:
-      ValueError: if ``name`` is already registered.
-    """
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    """The estimator registered under ``name`` (e.g. ``"grpo"``).
-
-    Raises:
-      ValueError: naming the unknown estimator and listing the known ones.
-    """
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(_ESTIMATORS)}") from None
-
 
 def group_normalize(
     values: jax.Array,
@@ -95,7 +61,6 @@ def group_normalize(
     return jnp.where(valid, out, 0.0)
 
 
-@register_advantage_estimator("grpo")
 def outcome_advantage(rewards: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
     """Outcome advantage A_T: GRPO group normalisation of R_T (MEMPO_SPEC §4).
 

@@ -185,7 +185,7 @@ class Learner:
           input_ids: ``[R, L]`` int32.
           valid: ``[R, L]`` bool, True on real tokens.
           chunk_rows: rows per device call (default ``self.logprob_chunk_rows``, the
-            ``logprob_chunk_rows`` constructor argument: a pod recipe's ``PlanConfig.logprob_chunk_rows``).
+            ``logprob_chunk_rows`` constructor argument: ``ExecutionConfig.logprob_chunk_rows`` in a run).
 
         Returns:
           ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).

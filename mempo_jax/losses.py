@@ -18,34 +18,16 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from mempo_jax.registry import Registry
 from mempo_jax.validation import check
 
 Array = jax.Array
 KLFn = Callable[[Array, Array], Array]
 AggFn = Callable[[Array, Array, "int | None"], "tuple[Array, Array]"]
-_KL: dict[str, KLFn] = {}
-_AGG: dict[str, AggFn] = {}
-
-
-def _register(table: dict, kind: str, *names: str):
-    def deco(fn):
-        for name in names:
-            if name in table:
-                raise ValueError(f"{kind} {name!r} is already registered")
-            table[name] = fn
-        return fn
-
-    return deco
-
-
-def register_kl_estimator(*names: str) -> Callable[[KLFn], KLFn]:
-    """Decorator: register ``fn(logp, ref_logp) -> [B, T]`` under one or more names."""
-    return _register(_KL, "KL estimator", *names)
-
-
-def register_loss_agg_mode(*names: str) -> Callable[[AggFn], AggFn]:
-    """Decorator: register ``fn(values, mask, norm_length) -> (sum, denominator)``."""
-    return _register(_AGG, "loss aggregation mode", *names)
+_KL: Registry[KLFn] = Registry("KL estimator")
+_AGG: Registry[AggFn] = Registry("loss aggregation mode")
+register_kl_estimator = _KL.register  # fn(logp, ref_logp) -> [B, T], under one or more names
+register_loss_agg_mode = _AGG.register  # fn(values, mask, norm_length) -> (sum, denominator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +57,8 @@ class LossConfig:
     loss_agg_mode: str = "token-mean"
 
     def __post_init__(self):
-        check(self, "kl_type", str, choices=sorted(_KL))
-        check(self, "loss_agg_mode", str, choices=sorted(_AGG))
+        check(self, "kl_type", str, choices=_KL.names())
+        check(self, "loss_agg_mode", str, choices=_AGG.names())
         check(self, "clip_ratio_c", float, gt=1.0)  # dual clip
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
             check(self, name, float, lo=0.0)
@@ -124,11 +106,7 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str) -> Array:
     Raises:
       ValueError: for an unknown ``kind`` (the message names it).
     """
-    try:
-        fn = _KL[kind]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(_KL)}") from None
-    return fn(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32))
+    return _KL.get(kind)(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32))
 
 
 def _policy_terms(logp, old_logp, advantages, loss_mask, cfg: LossConfig):
@@ -234,10 +212,7 @@ def aggregate_loss(
     Raises:
       ValueError: for an unknown ``mode`` (the message names it).
     """
-    try:
-        fn = _AGG[mode]
-    except KeyError:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; known: {sorted(_AGG)}") from None
+    fn = _AGG.get(mode)
     mask = jnp.asarray(mask, jnp.float32)
     values = jnp.where(mask != 0, jnp.asarray(values, jnp.float32), 0.0)  # NaN/inf off-mask stay out
     return fn(values, mask, norm_length)

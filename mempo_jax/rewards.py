@@ -23,39 +23,15 @@ import re
 import string
 from typing import Callable, Sequence
 
+from mempo_jax.registry import Registry
+
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 
 MetricFn = Callable[[str, Sequence[str]], float]
-_METRICS: dict[str, MetricFn] = {}
-
-
-def register_metric(name: str) -> Callable[[MetricFn], MetricFn]:
-    """Decorator: register ``fn(prediction, golds) -> float`` under ``name`` for ``outcome_reward``.
-
-    Raises:
-      ValueError: if ``name`` is already registered.
-    """
-
-    def deco(fn: MetricFn) -> MetricFn:
-        if name in _METRICS:
-            raise ValueError(f"metric {name!r} is already registered")
-        _METRICS[name] = fn
-        return fn
-
-    return deco
-
-
-def get_metric(name: str) -> MetricFn:
-    """The metric registered under ``name`` ("em", "f1", ...).
-
-    Raises:
-      ValueError: naming the unknown metric and listing the known ones.
-    """
-    try:
-        return _METRICS[name]
-    except KeyError:
-        raise ValueError(f"unknown metric {name!r}; known: {sorted(_METRICS)}") from None
+_METRICS: Registry[MetricFn] = Registry("metric")
+register_metric = _METRICS.register  # fn(prediction, golds) -> float, for outcome_reward
+get_metric = _METRICS.get  # the metric registered under a name ("em", "f1", ...); ValueError if unknown
 
 
 def normalize_answer(s: str) -> str:

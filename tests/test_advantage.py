@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempo_jax.advantage import (
-    get_advantage_estimator,
     group_normalize,
     memory_advantage,
     outcome_advantage,
@@ -52,12 +51,6 @@ def test_spec_example_hand_numbers():
     r20 = jnp.array([1.0] * 12 + [0.0] * 8)
     a20 = np.asarray(outcome_advantage(r20, jnp.zeros(20, jnp.int32), 1))
     np.testing.assert_allclose(a20[[0, -1]], [0.7958224, -1.1937336], atol=1e-5)
-
-
-def test_registry():
-    assert get_advantage_estimator("grpo") is outcome_advantage
-    with pytest.raises(ValueError, match="'ppo_gae'"):
-        get_advantage_estimator("ppo_gae")
 
 
 @pytest.mark.parametrize("value", [0.35, 1.0, 0.0, 0.1, 1 / 3])
