@@ -293,8 +293,3 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def maybe(value: Optional[float]) -> float:
-    """``None`` → nan (for reading metrics back)."""
-    return float("nan") if value is None else float(value)

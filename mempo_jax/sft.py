@@ -18,7 +18,7 @@ at chance. ``copy_fraction`` sets how many such rows are added per scripted row.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -73,19 +73,6 @@ def iterate_sft_batches(rows: Sequence[tuple[list[int], list[float]]], batch_row
                 for j, i in enumerate(b):
                     mask[j, : len(rows[i][1])] = rows[i][1]
                 yield {"input_ids": ids, "valid": valid, "loss_mask": mask}
-
-
-def run_sft(learner, rows, steps: int, batch_rows: int, pad_id: int, rng: np.random.Generator,
-            on_step: Optional[Callable[[int, dict], None]] = None) -> list[dict]:
-    """Train ``learner`` for ``steps`` SFT steps; returns the per-step metrics."""
-    history = []
-    batches = iterate_sft_batches(rows, batch_rows, pad_id, rng)
-    for step in range(steps):
-        m = learner.sft_step(next(batches))
-        history.append(m)
-        if on_step is not None:
-            on_step(step, m)
-    return history
 
 
 def copy_rows(token_ids: Sequence[int], count: int, bos_id: Optional[int], rng: np.random.Generator,

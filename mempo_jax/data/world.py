@@ -114,10 +114,6 @@ class World:
     train: list[Question]
     heldout: list[Question]
 
-    def all_text(self) -> list[str]:
-        """Every passage and question text (the tokenizer's training material)."""
-        return [d.contents for d in self.documents] + [q.question for q in self.train + self.heldout]
-
 
 def _names(rng: np.random.Generator, count: int, taken: set[str], syllables: int) -> list[str]:
     out = []
