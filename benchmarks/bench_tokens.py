@@ -49,7 +49,8 @@ def main(argv=None) -> dict:
     from mempo_jax.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.evaluate import make_sample_fn, run_rollout_options
+    from mempo_jax.evaluate import run_rollout_options
+    from mempo_jax.experiment import make_sample_fn
     from mempo_jax.evaluation import evaluate_policy
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment

@@ -222,21 +222,6 @@ def run_model_options(run_dir: pathlib.Path):
     return ModelOptions() if cfg is None else cfg.model
 
 
-def make_sample_fn(graphdef, model_cfg, fmt):
-    """The rollout's ``sample_fn`` over the jitted KV-cache sampler (``experiment.make_sampler``, as
-    ``experiment.build_experiment``): stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids,
-    single-id closing action tags) and, in text mode, at the first closing action tag written as text."""
-    from mempo_jax.experiment import make_sampler
-    from mempo_jax.sampling import SamplerConfig
-
-    sampler = make_sampler(graphdef, model_cfg, fmt)
-
-    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
-
-    return sample_fn
-
-
 def format_table(results: dict) -> str:
     """Markdown table, one row per (dataset, mode): n, EM, F1, TT, PT, turns, tool calls, format fail."""
     lines = ["| dataset | mode | n | EM | F1 | TT | PT | turns | tool calls | format fail |",
@@ -317,14 +302,29 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
-def run(args) -> dict:
-    """Evaluate (see module doc); returns ``{dataset: {mode: metrics}}`` as written to ``eval.json``.
+@dataclasses.dataclass
+class _Inputs:
+    """The evaluation's inputs, checked (``_check_inputs``)."""
+
+    specs: list
+    modes: list
+    questions: dict
+    hf_dir: Optional[pathlib.Path]
+    run_dir: Optional[pathlib.Path]
+    step: Optional[int]
+    rollout: Any
+    topk: int
+    options_from: str
+
+
+def _check_inputs(args) -> _Inputs:
+    """Every input, checked before the (slow) model load.
 
     Raises:
-      ValueError / FileNotFoundError: bad input (one-line message); checked before the model loads.
+      ValueError / FileNotFoundError: one line naming the bad argument or file.
     """
-    # ---- check every input before the (slow) model load ----------------------------------
-    from mempo_jax.agent.trajectory import mode_name, parse_context_steps
+    from mempo_jax.agent.trajectory import parse_context_steps
+    from mempo_jax.resume import check_output_folder
 
     if not args.dataset:
         raise ValueError("pass at least one --dataset NAME=PATH")
@@ -342,17 +342,14 @@ def run(args) -> dict:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-    from mempo_jax.resume import check_output_folder
-
     check_output_folder(args.out, "--out")  # an existing file or a read-only folder fails now, not after the work
+    hf_dir = run_dir = step = None
     if args.hf_checkpoint:
         if args.run_dir or args.checkpoint:
             raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")
         hf_dir = resolve_hf_checkpoint(args.hf_checkpoint)
-        run_dir, step = None, None
         base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
     else:
-        hf_dir = None
         run_dir, step = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
     for name, qs in questions.items():
@@ -360,27 +357,15 @@ def run(args) -> dict:
             raise ValueError(f"--dataset {name}: no questions to evaluate")
     if run_dir is not None:
         base, run_topk, options_from = run_rollout_options(run_dir)
-    overrides = {k: getattr(args, k) for k in ("max_turns", "max_new_tokens", "max_context_tokens",
-                                               "max_observation_tokens") if getattr(args, k) is not None}
-    topk = args.topk or run_topk
-    backends, corpus_notes = plan_corpora(specs, args.corpus, args.retriever_url)
+    return _Inputs(specs, modes, questions, hf_dir, run_dir, step, base, args.topk or run_topk, options_from)
 
-    # ---- the policy ----------------------------------------------------------------------
-    import jax
-    from tqdm.auto import tqdm
 
-    from mempo_jax.batching import bucket_length
+def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pathlib.Path], step: Optional[int]):
+    """The policy to evaluate (``experiment.make_policy``, as the trainer's): a Hugging Face folder
+    (``--dtype``, ``--tags``) or a run folder's checkpoint, prompted as it was trained."""
     from mempo_jax.checkpoint import load_policy
-    from mempo_jax.evaluation import evaluate_policy
-    from mempo_jax.metrics import write_json_atomic
-    from mempo_jax.rewards import outcome_reward
-    from mempo_jax.tools.search import ToolEnvironment
-
-    jax.config.update("jax_compilation_cache_dir", os.environ.get(
-        "MEMPO_XLA_CACHE", str(pathlib.Path.home() / ".cache" / "mempo_jax" / "xla")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from mempo_jax.config import ModelOptions
-    from mempo_jax.experiment import load_checkpoint_policy, policy_format
+    from mempo_jax.experiment import load_checkpoint_policy, make_policy, policy_format
 
     if hf_dir is not None:
         options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)),
@@ -391,23 +376,39 @@ def run(args) -> dict:
         tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
         folder = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
         fmt = policy_format(run_model_options(run_dir), tokenizer, folder=folder)
-    sample_fn = make_sample_fn(graphdef, model_cfg, fmt)
-    largest = min(args.batch_size, max(len(q) for q in questions.values()))
-    # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
-    overrides["min_rows_bucket"] = min(base.min_rows_bucket, bucket_length(largest, 1))
-    base = dataclasses.replace(base, **overrides)
+    return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _prediction(spec, name: str, q, tr) -> dict:
+    """One ``predictions.jsonl`` line."""
+    from mempo_jax.rewards import outcome_reward
+
+    tt, pt = tr.token_stats()
+    return {"dataset": spec.name, "mode": name, "id": q.id, "question": q.question,
+            "golds": [list(g) for g in q.golds], "answer": tr.answer,
+            "em": outcome_reward(tr.answer, tr.golds, "em"), "f1": outcome_reward(tr.answer, tr.golds, "f1"),
+            "turns": len(tr.turns), "tool_calls": tr.num_tool_calls,
+            "format_failures": tr.format_failures, "tt": tt, "pt": pt, "end": tr.end_reason}
+
+
+def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dict, list]:
+    """Every dataset in every mode: ``({dataset: {mode: metrics}}, prediction records)``."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from mempo_jax.agent.trajectory import mode_name
+    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.tools.search import ToolEnvironment
+
     results: dict[str, dict[str, Any]] = {}
     records = []
     key = jax.random.PRNGKey(args.seed)
-    bar = tqdm(total=sum(len(q) for q in questions.values()) * len(modes), desc="evaluate", unit="q")
-    for d, spec in enumerate(specs):
-        env = ToolEnvironment(backends[spec.name], topk=topk)
-        qs = questions[spec.name]
+    bar = tqdm(total=sum(len(q) for q in inputs.questions.values()) * len(inputs.modes), desc="evaluate", unit="q")
+    for d, spec in enumerate(inputs.specs):
+        env = ToolEnvironment(backends[spec.name], topk=inputs.topk)
+        qs = inputs.questions[spec.name]
         results[spec.name] = {}
-        for mode in modes:
+        for mode in inputs.modes:
             name = mode_name(mode)
             bar.set_description(f"{spec.name} {name}")
             done = bar.n
@@ -416,31 +417,31 @@ def run(args) -> dict:
                 bar.update(done + n - bar.n)
 
             # the same key in every mode: at temperature 0 the modes differ only by their context
-            res = evaluate_policy(sample_fn, params, qs, fmt, env, base, mode, args.temperature,
-                                  jax.random.fold_in(key, d), chunk=args.batch_size, progress=progress)
+            res = evaluate_policy(policy.sample_fn, policy.params, qs, policy.fmt, env, rollout, mode,
+                                  args.temperature, jax.random.fold_in(key, d), chunk=args.batch_size,
+                                  progress=progress)
             m = dict(res.metrics)
             m["tool_calls"] = float(sum(t.num_tool_calls for t in res.trajectories) / len(res.trajectories))
             results[spec.name][name] = m
-            for q, tr in zip(qs, res.trajectories):
-                tt, pt = tr.token_stats()
-                records.append({
-                    "dataset": spec.name, "mode": name, "id": q.id, "question": q.question,
-                    "golds": [list(g) for g in q.golds], "answer": tr.answer,
-                    "em": outcome_reward(tr.answer, tr.golds, "em"), "f1": outcome_reward(tr.answer, tr.golds, "f1"),
-                    "turns": len(tr.turns), "tool_calls": tr.num_tool_calls,
-                    "format_failures": tr.format_failures, "tt": tt, "pt": pt, "end": tr.end_reason,
-                })
+            records += [_prediction(spec, name, q, tr) for q, tr in zip(qs, res.trajectories)]
     bar.close()
+    return results, records
 
-    # ---- outputs -------------------------------------------------------------------------
+
+def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout, corpus_notes: dict,
+                   vocab_size: int) -> pathlib.Path:
+    """``eval.json``, ``eval_meta.json``, ``predictions.jsonl``, ``eval.md`` and ``eval.png`` under ``--out``."""
+    from mempo_jax.metrics import write_json_atomic
+
+    out, hf_dir, run_dir, step = pathlib.Path(args.out), inputs.hf_dir, inputs.run_dir, inputs.step
     meta = {
         "run_dir": None if run_dir is None else str(run_dir), "checkpoint_step": step,
-        "hf_checkpoint": None if hf_dir is None else str(hf_dir), "datasets": {s.name: str(s.path) for s in specs},
-        "corpus": corpus_notes, "topk": topk, "temperature": args.temperature, "seed": args.seed,
-        "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": options_from,
-        "vocab_size": tokenizer.vocab_size,
+        "hf_checkpoint": None if hf_dir is None else str(hf_dir), "datasets": {s.name: str(s.path) for s in inputs.specs},
+        "corpus": corpus_notes, "topk": inputs.topk, "temperature": args.temperature, "seed": args.seed,
+        "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": inputs.options_from,
+        "vocab_size": vocab_size,
         # as evaluate_policy runs it: the temperature is --temperature's, context_steps each mode's
-        "rollout": {k: v for k, v in dataclasses.asdict(dataclasses.replace(base, temperature=args.temperature)).items()
+        "rollout": {k: v for k, v in dataclasses.asdict(dataclasses.replace(rollout, temperature=args.temperature)).items()
                     if k != "context_steps"},
     }
     write_json_atomic(out / "eval.json", results)
@@ -456,11 +457,37 @@ def run(args) -> dict:
         f"# Evaluation of {policy_name}\n\n{table}\n\n"
         f"EM/F1: SQuAD-normalised, max over gold aliases; TT: tokens processed per question (every "
         f"turn's context + output, summed); PT: the largest single context + output; format fail: share "
-        f"of episodes with a malformed turn or no answer. Temperature {args.temperature}, top-{topk} "
+        f"of episodes with a malformed turn or no answer. Temperature {args.temperature}, top-{inputs.topk} "
         f"search{f', {args.multi_objective} questions per prompt' if args.multi_objective > 1 else ''}.\n\n"
         f"Retrieval corpus:\n{corpus_lines}\n"))
     write_chart(results, out / "eval.png", chart_title)
     print("\n" + table + f"\n\n[evaluate] -> {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'}", flush=True)
+    return out
+
+
+def run(args) -> dict:
+    """Evaluate (see module doc); returns ``{dataset: {mode: metrics}}`` as written to ``eval.json``.
+
+    Raises:
+      ValueError / FileNotFoundError: bad input (one-line message); checked before the model loads.
+    """
+    inputs = _check_inputs(args)
+    overrides = {k: getattr(args, k) for k in ("max_turns", "max_new_tokens", "max_context_tokens",
+                                               "max_observation_tokens") if getattr(args, k) is not None}
+    backends, corpus_notes = plan_corpora(inputs.specs, args.corpus, args.retriever_url)
+
+    from mempo_jax.batching import bucket_length
+    from mempo_jax.run_context import setup_compilation_cache
+
+    setup_compilation_cache()
+    policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step)
+    largest = min(args.batch_size, max(len(q) for q in inputs.questions.values()))
+    # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
+    overrides["min_rows_bucket"] = min(inputs.rollout.min_rows_bucket, bucket_length(largest, 1))
+    rollout = dataclasses.replace(inputs.rollout, **overrides)
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    results, records = _evaluate_all(args, inputs, policy, rollout, backends)
+    _write_outputs(args, inputs, results, records, rollout, corpus_notes, policy.tokenizer.vocab_size)
     return results
 
 

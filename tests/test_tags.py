@@ -273,7 +273,7 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
     from mempo_jax.config import ExperimentConfig, ModelOptions
     from mempo_jax.data.world import WorldConfig
-    from mempo_jax.evaluate import make_sample_fn
+    from mempo_jax.experiment import make_sample_fn
     from mempo_jax.experiment import build_experiment
     from mempo_jax.model.hf_io import save_hf_checkpoint
 
