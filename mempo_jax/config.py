@@ -77,9 +77,9 @@ class ModelOptions:
     system_prompt_path: str = ""
 
     def __post_init__(self):
-        from mempo_jax.model.config import ModelConfig
+        from mempo_jax.model.config import PRESET_SHAPES, ModelConfig
 
-        presets = sorted(k for k, v in vars(ModelConfig).items() if isinstance(v, classmethod))
+        presets = sorted(["tiny", *PRESET_SHAPES])
         check(self, "preset", str, choices=presets)
         check(self, "overrides", tuple)
         check(self, "checkpoint", str)

@@ -152,61 +152,34 @@ class ModelConfig:
         return cls(**kw)
 
     @classmethod
-    def qwen2_5_0_5b(cls) -> "ModelConfig":
-        """Qwen/Qwen2.5-0.5B(-Instruct) shapes (≈ 494 M parameters)."""
-        return cls(vocab_size=151936, embed_dim=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                   head_dim=64, mlp_dim=4864, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   qkv_bias=True, tie_embeddings=True)
+    def preset(cls, name: str) -> "ModelConfig":
+        """The shapes of a released checkpoint family member (``PRESET_SHAPES``; e.g. ``"qwen2_5_7b"``).
 
-    @classmethod
-    def qwen2_5_1_5b(cls) -> "ModelConfig":
-        """Qwen/Qwen2.5-1.5B(-Instruct) shapes (≈ 1.54 B parameters)."""
-        return cls(vocab_size=151936, embed_dim=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-                   head_dim=128, mlp_dim=8960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   qkv_bias=True, tie_embeddings=True)
-
-    @classmethod
-    def qwen2_5_3b(cls) -> "ModelConfig":
-        """Qwen/Qwen2.5-3B(-Instruct) shapes (≈ 3.09 B parameters)."""
-        return cls(vocab_size=151936, embed_dim=2048, num_layers=36, num_heads=16, num_kv_heads=2,
-                   head_dim=128, mlp_dim=11008, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   qkv_bias=True, tie_embeddings=True)
-
-    @classmethod
-    def qwen2_5_7b(cls) -> "ModelConfig":
-        """Qwen/Qwen2.5-7B(-Instruct) shapes (≈ 7.62 B parameters, untied head)."""
-        return cls(vocab_size=152064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-                   head_dim=128, mlp_dim=18944, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   qkv_bias=True, tie_embeddings=False)
-
-    @classmethod
-    def llama3_2_1b(cls) -> "ModelConfig":
-        """meta-llama/Llama-3.2-1B shapes (≈ 1.24 B parameters)."""
-        return cls(vocab_size=128256, embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                   head_dim=64, mlp_dim=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                   qkv_bias=False, tie_embeddings=True, rope_scaling=_LLAMA32_ROPE)
-
-    @classmethod
-    def llama3_2_3b(cls) -> "ModelConfig":
-        """meta-llama/Llama-3.2-3B shapes (≈ 3.21 B parameters)."""
-        return cls(vocab_size=128256, embed_dim=3072, num_layers=28, num_heads=24, num_kv_heads=8,
-                   head_dim=128, mlp_dim=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                   qkv_bias=False, tie_embeddings=True, rope_scaling=_LLAMA32_ROPE)
-
-    @classmethod
-    def llama3_1_8b(cls) -> "ModelConfig":
-        """meta-llama/Llama-3.1-8B shapes (≈ 8.03 B parameters, untied head)."""
-        return cls(vocab_size=128256, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                   head_dim=128, mlp_dim=14336, rope_theta=500000.0, rms_norm_eps=1e-5,
-                   qkv_bias=False, tie_embeddings=False, rope_scaling=_LLAMA31_ROPE)
+        Raises:
+          ValueError: an unknown name (the known ones are listed).
+        """
+        if name not in PRESET_SHAPES:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESET_SHAPES)}")
+        family, vocab, embed, layers, heads, kv_heads, head_dim, mlp, tied, rope = PRESET_SHAPES[name]
+        return cls(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=head_dim, mlp_dim=mlp, tie_embeddings=tied, rope_scaling=rope, **_FAMILIES[family])
 
 
-PRESETS = {
-    "qwen2_5_0_5b": ModelConfig.qwen2_5_0_5b,
-    "qwen2_5_1_5b": ModelConfig.qwen2_5_1_5b,
-    "qwen2_5_3b": ModelConfig.qwen2_5_3b,
-    "qwen2_5_7b": ModelConfig.qwen2_5_7b,
-    "llama3_2_1b": ModelConfig.llama3_2_1b,
-    "llama3_2_3b": ModelConfig.llama3_2_3b,
-    "llama3_1_8b": ModelConfig.llama3_1_8b,
+# Qwen2.5 (Qwen/Qwen2.5-*-Instruct config.json) and Llama 3.x (meta-llama config.json) families.
+_FAMILIES = {"qwen2.5": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True),
+             "llama3": dict(rope_theta=500000.0, rms_norm_eps=1e-5, qkv_bias=False)}
+# name: (family, vocab, embed, layers, heads, kv heads, head dim, mlp, tied head, rope scaling); parameters
+# (num_params): 0.5b ≈ 494 M, 1.5b ≈ 1.54 B, 3b ≈ 3.09 B, 7b ≈ 7.62 B, 3.2-1b ≈ 1.24 B, 3.2-3b ≈ 3.21 B,
+# 3.1-8b ≈ 8.03 B.
+PRESET_SHAPES = {
+    "qwen2_5_0_5b": ("qwen2.5", 151936, 896, 24, 14, 2, 64, 4864, True, None),
+    "qwen2_5_1_5b": ("qwen2.5", 151936, 1536, 28, 12, 2, 128, 8960, True, None),
+    "qwen2_5_3b": ("qwen2.5", 151936, 2048, 36, 16, 2, 128, 11008, True, None),
+    "qwen2_5_7b": ("qwen2.5", 152064, 3584, 28, 28, 4, 128, 18944, False, None),
+    "llama3_2_1b": ("llama3", 128256, 2048, 16, 32, 8, 64, 8192, True, _LLAMA32_ROPE),
+    "llama3_2_3b": ("llama3", 128256, 3072, 28, 24, 8, 128, 8192, True, _LLAMA32_ROPE),
+    "llama3_1_8b": ("llama3", 128256, 4096, 32, 32, 8, 128, 14336, False, _LLAMA31_ROPE),
 }
+for _name in PRESET_SHAPES:  # ModelConfig.qwen2_5_7b() etc.: the gin-selectable presets (ModelOptions.preset)
+    setattr(ModelConfig, _name, classmethod(lambda cls, _n=_name: cls.preset(_n)))
+PRESETS = {name: getattr(ModelConfig, name) for name in PRESET_SHAPES}
