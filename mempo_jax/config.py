@@ -17,7 +17,7 @@ import dataclasses
 import pathlib
 import re
 import tokenize
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import gin
 
@@ -550,3 +550,44 @@ def load_run_folder_config(path: str | pathlib.Path) -> ExperimentConfig:
         copy = pathlib.Path(tmp, pathlib.Path(path).name)
         copy.write_text(kept, encoding="utf-8")
         return load_config([str(copy)])
+
+
+class RunConfig(NamedTuple):
+    """What ``load_run_config`` returns.
+
+    Attributes:
+      experiment: the validated ``ExperimentConfig``.
+      mesh: ``experiment.mesh`` (the ``MeshConfig``).
+      tpu, plan: the bound ``TPUConfig`` and ``PlanConfig`` (defaults where unbound; the planner's).
+      sharded: True when the config binds a ``MeshConfig`` field: the run's mesh is ``mesh`` over
+        every device (it also is on several processes); else the smallest mesh, ``(1, 1, 1)``.
+    """
+
+    experiment: Any
+    mesh: Any
+    tpu: Any
+    plan: Any
+    sharded: bool
+
+
+def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> RunConfig:
+    """Parse a recipe the way ``python -m mempo_jax.train`` does (``train.load_run_config``) (every ``configs/*.gin`` loads).
+
+    Args:
+      gin_files: gin files, parsed in order.
+      gin_params: ``--gin_param`` bindings, applied after the files.
+
+    Returns:
+      A ``RunConfig``.
+
+    Raises:
+      ValueError: one line (``config error: ...``) naming the unknown binding, the bad value or
+        the ``MeshConfig`` / ``TPUConfig`` / ``PlanConfig`` field that is out of range.
+    """
+    cfg = load_config(gin_files, gin_params)
+    try:  # unbound ones are plain defaults, kept out of the operative config (RUN_DIR/config.gin)
+        with gin.config_scope(None):
+            tpu, plan = [gin.get_configurable(c)() if binds_any(c) else c() for c in (TPUConfig, PlanConfig)]
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"config error: {_one_line_gin_error(e, gin_params)}") from None
+    return RunConfig(cfg, cfg.mesh, tpu, plan, mesh_requested())

@@ -31,26 +31,17 @@ uninterrupted one, bit for bit on CPU. SIGTERM saves a checkpoint and exits 0 wi
 ``CheckpointConfig.grace_s``. Exit status: 0 done or preempted, 2 bad config or input,
 3 numerical faults, 4 grace period exceeded.
 
-Meshes and several processes (docs/tpu_pod.md). A config that binds ``MeshConfig`` (the pod
-recipes) runs sharded: ``mempo_jax.distributed.maybe_initialize`` first joins the processes of a
-multi-host job (``$MEMPO_MULTIHOST=1`` on a TPU slice, or ``$MEMPO_COORDINATOR`` /
-``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_PROCESS_ID``), the mesh ``(data, fsdp, tensor)`` is built over
-every device with ``MeshConfig.rules``, and ``build_experiment`` places the policy, the sampler's
-KV cache and the memory-reward scoring batches by those rules; the learners place the optimizer
-state and the SFT / log-prob / update batches (``Learner(mesh=...)``), the frozen reference is a
-copy of the sharded SFT policy. ``ExecutionConfig`` (``ExperimentConfig.execution``) holds the
-micro-batch, reference log-prob chunk and scoring chunk rows the run uses, and the memory plan
-(``python -m mempo_jax.plan``) reads the same values.
-With several processes (always on a mesh), each process rolls out, calls the tools for, and
-evaluates its contiguous share of a step's questions (``distributed.process_slice``) and feeds its
-share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the global batch.
-Process 0 alone writes ``metrics.jsonl``, ``tb/``, ``rollouts.jsonl`` (the step's first records,
-gathered from every process), the evaluation files, ``summary.json`` and the run artefacts;
-every process calls the orbax checkpoint saves and restores (orbax writes each shard once and
-the metadata from process 0).
-A SIGTERM on any process is acted on by all at the next step boundary. Without ``MeshConfig``
-and on one process the run is on the smallest mesh, ``(1, 1, 1)`` over the first device (one
-device path; ``mempo_jax.run_context``), with the same values as the former unsharded programs.
+Meshes and several processes (docs/tpu_pod.md). The run is always on a mesh ``(data, fsdp,
+tensor)``: the smallest, ``(1, 1, 1)``, unless the config binds ``MeshConfig`` (the pod recipes)
+or several processes run (``distributed.maybe_initialize`` joins them first: ``$MEMPO_MULTIHOST=1``
+on a TPU slice, or ``$MEMPO_COORDINATOR`` / ``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_PROCESS_ID``).
+Policy, reference, optimizer state, KV cache and batches are placed by ``MeshConfig.rules``;
+``ExecutionConfig`` holds the micro-batch and chunk rows (``python -m mempo_jax.plan`` reads the
+same). Each process rolls out, calls the tools for and evaluates its share of a step's questions
+and feeds its share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the
+global batch (pass-throughs on one process). Process 0 alone writes the logs, evaluation files,
+``summary.json`` and run artefacts; every process calls the orbax saves and restores. A SIGTERM
+on any process is acted on by all at the next step boundary.
 
 The stages are functions of a ``RunContext`` (``mempo_jax.run_context.open_run`` builds and
 checks it; ``mempo_jax.stages`` holds them); ``main(argv, hooks=FaultHooks(...))`` injects the
@@ -63,9 +54,9 @@ import argparse
 import contextlib
 import pathlib
 import sys
-from typing import Any, NamedTuple, Sequence
-
 import jax
+
+from mempo_jax.config import RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
 
 DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_world.gin")
 
@@ -79,52 +70,6 @@ def _parse_args(argv):
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in RUN_DIR (a run folder holding one is always resumed)")
     return p.parse_args(argv)
-
-
-class RunConfig(NamedTuple):
-    """What ``load_run_config`` returns.
-
-    Attributes:
-      experiment: the validated ``ExperimentConfig``.
-      mesh: ``experiment.mesh`` (the ``MeshConfig``).
-      tpu, plan: the bound ``TPUConfig`` and ``PlanConfig`` (defaults where unbound; the planner's).
-      sharded: True when the config binds a ``MeshConfig`` field: the run's mesh is ``mesh`` over
-        every device (it also is on several processes); else the smallest mesh, ``(1, 1, 1)``.
-    """
-
-    experiment: Any
-    mesh: Any
-    tpu: Any
-    plan: Any
-    sharded: bool
-
-
-def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> RunConfig:
-    """Parse a recipe the way ``python -m mempo_jax.train`` does (every ``configs/*.gin`` loads).
-
-    Args:
-      gin_files: gin files, parsed in order.
-      gin_params: ``--gin_param`` bindings, applied after the files.
-
-    Returns:
-      A ``RunConfig``.
-
-    Raises:
-      ValueError: one line (``config error: ...``) naming the unknown binding, the bad value or
-        the ``MeshConfig`` / ``TPUConfig`` / ``PlanConfig`` field that is out of range.
-    """
-    import gin
-
-    from mempo_jax import config as config_lib
-    from mempo_jax.mesh_config import PlanConfig, TPUConfig
-
-    cfg = config_lib.load_config(gin_files, gin_params)
-    try:  # unbound ones are plain defaults, kept out of the operative config (RUN_DIR/config.gin)
-        with gin.config_scope(None):
-            tpu, plan = [gin.get_configurable(c)() if config_lib.binds_any(c) else c() for c in (TPUConfig, PlanConfig)]
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"config error: {config_lib._one_line_gin_error(e, gin_params)}") from None
-    return RunConfig(cfg, cfg.mesh, tpu, plan, config_lib.mesh_requested())
 
 
 def _initialize_distributed() -> bool:
