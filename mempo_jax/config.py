@@ -32,6 +32,8 @@ from mempo_jax.rl_step import RLConfig
 from mempo_jax.validation import check, require
 
 
+DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_world.gin")  # the default recipe
+
 # SentencePiece's fixed pieces: pad/unk/bos/eos, the protocol tags and the 256 byte-fallback pieces
 # (the trainer also needs one piece per distinct character of its text; ``train_sentencepiece``).
 MIN_VOCAB_SIZE = 4 + len(ALL_TAG_PIECES) + 256

@@ -52,13 +52,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import pathlib
 import sys
 import jax
 
-from mempo_jax.config import RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
+from mempo_jax.config import DEFAULT_GIN, RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
 
-DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_world.gin")
 
 
 def _parse_args(argv):

@@ -23,7 +23,7 @@ import numpy as np
 
 
 def _parse_args(argv):
-    from mempo_jax.train import DEFAULT_GIN
+    from mempo_jax.config import DEFAULT_GIN
 
     p = argparse.ArgumentParser(prog="python -m mempo_jax.data.write_sft_messages",
                                 description=__doc__.split("\n\n")[0])
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     """CLI entry point; returns the exit status (0 written, 2 bad config or data)."""
     args = _parse_args(argv)
     from mempo_jax.data.messages import write_messages
-    from mempo_jax.train import DEFAULT_GIN, load_run_config
+    from mempo_jax.config import DEFAULT_GIN, load_run_config
 
     try:
         cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param).experiment
