@@ -333,7 +333,7 @@ def run(args) -> dict:
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
     from mempo_jax.data.messages import conversation_trajectory, read_messages
     from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.evaluation import evaluate_policy, is_kind_metric, kind_metrics
     from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
     from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
@@ -496,12 +496,14 @@ def run(args) -> dict:
                                       mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
                 bar.close()
                 metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
+                metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
                 if multi:  # every process's questions, in the single-process order (collectives)
                     em = distributed.concat_processes(em, sync).astype(np.float64)
                     f1 = distributed.concat_processes(f1, sync).astype(np.float64)
                     means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
                                                      weight=float(len(held_mine)), sync=sync)
                     metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+                metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
                 out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
                 logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
                 say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "

@@ -87,6 +87,9 @@ class Question:
       hops: the scripted agent's plan: one ``(query, facts)`` per search, where ``facts`` are the
         memory lines read from that search's top passage (``"(i) value"`` for the answer of
         objective i; ``"born in X"`` / ``"works for C"`` for a bridge's first hop).
+      qa_type: a QA file's own question type (HotpotQA / 2Wiki ``type``: ``"bridge"``,
+        ``"comparison"``, …), "" when the file has none or for the tiny world; the evaluation's
+        per-kind breakdown uses it before ``kind`` (``evaluation.question_kind``).
     """
 
     id: str
@@ -94,6 +97,7 @@ class Question:
     question: str
     golds: tuple[tuple[str, ...], ...]
     hops: tuple[tuple[str, tuple[str, ...]], ...]
+    qa_type: str = ""
 
     @property
     def answer(self) -> str:
