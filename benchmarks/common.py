@@ -247,3 +247,17 @@ def write_json(path: str | os.PathLike | None, section: str, config: dict, resul
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(doc, indent=2, default=float) + "\n", encoding="utf-8")
     return doc
+
+
+# ------------------------------------------------------------------------- small tiny-world runs
+
+# The smoke tests' tiny world and model (as tests/test_train_e2e.py): gin bindings on
+# configs/tiny_world.gin for a run that builds, trains and evaluates in seconds of compute.
+SMALL_WORLD_PARAMS = (
+    "WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
+    "WorldConfig.num_countries=4", "WorldConfig.num_single=30", "WorldConfig.num_bridge=20", "WorldConfig.num_multi=30",
+    "ExperimentConfig.vocab_size=600",
+    'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), '
+    '("head_dim", 16), ("mlp_dim", 64))',
+)
+TINY_WORLD_GIN = str(REPO / "configs" / "tiny_world.gin")
