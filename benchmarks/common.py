@@ -261,3 +261,38 @@ SMALL_WORLD_PARAMS = (
     '("head_dim", 16), ("mlp_dim", 64))',
 )
 TINY_WORLD_GIN = str(REPO / "configs" / "tiny_world.gin")
+
+
+def tiny_world_policy(run_dir, stage: str = "rl", step=None):
+    """A tiny-world run's policy and tools, as the trainer evaluates them.
+
+    Args:
+      run_dir: a run folder of ``python -m mempo_jax.train`` (``config.gin``, tokenizer, checkpoints).
+      stage: ``"rl"`` (``checkpoints/``) or ``"sft"`` (``sft_checkpoint/``).
+      step: checkpoint step (default: the newest).
+
+    Returns:
+      ``(cfg, world, sample_fn, params, fmt, tool_env, rollout_cfg, description)``.
+
+    Raises:
+      ValueError: the run is not a tiny-world run; FileNotFoundError: a missing file or checkpoint.
+    """
+    from mempo_jax.checkpoint import load_policy
+    from mempo_jax.config import load_config
+    from mempo_jax.data.world import build_world
+    from mempo_jax.evaluate import make_sample_fn, run_model_options
+    from mempo_jax.experiment import policy_format
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.search import ToolEnvironment
+
+    run_dir = pathlib.Path(run_dir)
+    cfg = load_config([str(run_dir / "config.gin")])
+    if cfg.dataset != "tiny_world":
+        raise ValueError(f"{run_dir} is a {cfg.dataset!r} run; this script reads tiny-world runs")
+    world = build_world(cfg.world)
+    tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder="sft_checkpoint" if stage == "sft"
+                                                         else "checkpoints")
+    fmt = policy_format(run_model_options(run_dir), tokenizer)
+    env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
+    return (cfg, world, make_sample_fn(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout,
+            f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")

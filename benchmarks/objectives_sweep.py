@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from common import REPO, SMALL_WORLD_PARAMS, TINY_WORLD_GIN, parser, setup_platform, table, write_json
+from common import REPO, SMALL_WORLD_PARAMS, TINY_WORLD_GIN, parser, setup_platform, table, tiny_world_policy, write_json
 
 TRAIN_COMMAND = "python -m mempo_jax.train --run_dir runs/tiny"
 
@@ -124,26 +124,6 @@ def _small_policy(cache: str):
     return cfg, build_world(cfg.world), exp.sample_fn, exp.params, exp.fmt, exp.tool_env, cfg.rl.rollout, "random init"
 
 
-def _run_policy(run_dir: pathlib.Path, stage: str):
-    from mempo_jax.checkpoint import load_policy
-    from mempo_jax.config import load_config
-    from mempo_jax.data.world import build_world
-    from mempo_jax.evaluate import make_sample_fn, run_model_options
-    from mempo_jax.experiment import policy_format
-    from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
-
-    cfg = load_config([str(run_dir / "config.gin")])
-    if cfg.dataset != "tiny_world":
-        raise ValueError(f"{run_dir} is a {cfg.dataset!r} run; the objectives sweep reads tiny-world runs")
-    world = build_world(cfg.world)
-    tokenizer, model_cfg, graphdef, params = load_policy(run_dir, folder="sft_checkpoint" if stage == "sft"
-                                                         else "checkpoints")
-    fmt = policy_format(run_model_options(run_dir), tokenizer)
-    env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
-    return cfg, world, make_sample_fn(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout, f"{run_dir} ({stage})"
-
-
 def main(argv=None) -> dict:
     """Run the sweep; print the table; write the plot, Markdown and JSON; return the JSON document."""
     p = parser(__doc__.splitlines()[0])
@@ -170,7 +150,7 @@ def main(argv=None) -> dict:
     modes = [parse_context_steps(m) for m in args.modes.split(",") if m.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         cfg, world, sample_fn, params, fmt, env, base, policy = (_small_policy(tmp) if args.small
-                                                                  else _run_policy(run_dir, args.stage))
+                                                                  else tiny_world_policy(run_dir, args.stage))
         singles = [q for q in world.heldout if q.kind == "single"]
         t0 = time.perf_counter()
         results = sweep(sample_fn, params, fmt, env, base, singles, ks, num, modes, 0.0,
