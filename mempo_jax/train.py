@@ -55,6 +55,7 @@ and on one process nothing changes: plain one-device programs, as before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import json
 import os
@@ -71,7 +72,7 @@ DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tin
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
 # seed alone) whose draws are replayed on resume.
-_RL_STREAM, _EVAL_STREAM = 1, 2
+_RL_STREAM, _EVAL_STREAM, _DILIGENT_STREAM = 1, 2, 3
 
 
 def _parse_args(argv):
@@ -557,7 +558,15 @@ def run(args) -> dict:
                                                        disable=not primary)]
                     trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, train_steps)
                              for c in convs]
-                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    full_trajs = None
+                    if not sft_file and not cfg.sft.agent.lazy_full_rows:  # diligent replays, own stream
+                        diligent = dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
+                        rng_d = np.random.default_rng([cfg.seed, _DILIGENT_STREAM])
+                        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env,
+                                                                                    diligent, rng_d),
+                                                              exp.fmt, cfg.rl.rollout.max_observation_tokens,
+                                                              train_steps) for q in exp.train_questions]
+                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
                     if sft_file:
                         say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)",
                             flush=True)
