@@ -55,6 +55,7 @@ and on one process nothing changes: plain one-device programs, as before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import json
 import os
@@ -71,7 +72,7 @@ DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tin
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
 # seed alone) whose draws are replayed on resume.
-_RL_STREAM, _EVAL_STREAM = 1, 2
+_RL_STREAM, _EVAL_STREAM, _DILIGENT_STREAM = 1, 2, 3
 
 
 def _parse_args(argv):
@@ -333,7 +334,7 @@ def run(args) -> dict:
     from mempo_jax.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
     from mempo_jax.data.messages import conversation_trajectory, read_messages
     from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.evaluation import evaluate_policy, is_kind_metric, kind_metrics
     from mempo_jax.experiment import build_experiment, check_qa_inputs, entity_token_ids
     from mempo_jax.learner import Learner, make_optimizer
     from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
@@ -496,12 +497,14 @@ def run(args) -> dict:
                                       mode, cfg.eval.temperature, eval_key, progress=lambda n: bar.update(n - bar.n))
                 bar.close()
                 metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
+                metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
                 if multi:  # every process's questions, in the single-process order (collectives)
                     em = distributed.concat_processes(em, sync).astype(np.float64)
                     f1 = distributed.concat_processes(f1, sync).astype(np.float64)
                     means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
                                                      weight=float(len(held_mine)), sync=sync)
                     metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+                metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
                 out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
                 logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
                 say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
@@ -555,7 +558,15 @@ def run(args) -> dict:
                                                        disable=not primary)]
                     trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, train_steps)
                              for c in convs]
-                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+                    full_trajs = None
+                    if not sft_file and not cfg.sft.agent.lazy_full_rows:  # diligent replays, own stream
+                        diligent = dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
+                        rng_d = np.random.default_rng([cfg.seed, _DILIGENT_STREAM])
+                        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env,
+                                                                                    diligent, rng_d),
+                                                              exp.fmt, cfg.rl.rollout.max_observation_tokens,
+                                                              train_steps) for q in exp.train_questions]
+                    rows = sft_rows(trajs, train_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
                     if sft_file:
                         say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)",
                             flush=True)
