@@ -111,23 +111,29 @@ def test_skipped_tiles_and_fully_masked_rows_are_finite():
 
 
 def test_model_takes_the_blocked_path_for_long_rows_and_matches_dense():
-    """A 300-token forward (over one 256 tile: blocked) equals the model with dense attention."""
-    assert use_blocked(300, 300) and not use_blocked(1, 300) and not use_blocked(256, 256)
+    """Rows over 1,024 tokens take the blocked path; a 300-token forward through it (two 256
+    tiles) equals the same model through dense attention."""
+    assert use_blocked(1025, 1025) and not use_blocked(1, 2048) and not use_blocked(1024, 1024)
+    assert not use_blocked(512, 512) and use_blocked(300, 300, min_len=256)
     cfg = ModelConfig.tiny(64, num_layers=1, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
     graphdef, params = split_model(create_model(cfg, seed=3))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, 300)), jnp.int32)
     valid = jnp.asarray(np.arange(300)[None] < np.array([[300], [270]]))
-    got = np.asarray(jax.jit(make_logits_fn(graphdef))(params, ids, valid))
     from mempo_jax.model import layers
     orig = layers.use_blocked
+    out = {}
     try:
-        layers.use_blocked = lambda t, s: False  # the same model through dense_attention
-        want = np.asarray(jax.jit(make_logits_fn(graphdef))(params, ids, valid))
+        for name, blocked in (("blocked", True), ("dense", False)):
+            calls = []
+            layers.use_blocked = lambda t, s, _b=blocked, _c=calls: _c.append((t, s)) or _b
+            out[name] = np.asarray(jax.jit(make_logits_fn(graphdef))(params, ids, valid))
+            assert calls, "attend did not consult use_blocked"
     finally:
         layers.use_blocked = orig
     real = np.asarray(valid)
-    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(out["blocked"], out["dense"])  # two different reduction orders ran
+    np.testing.assert_allclose(out["blocked"][real], out["dense"][real], rtol=1e-4, atol=1e-4)
 
 
 def test_packed_rows_equal_unpacked_rows():
