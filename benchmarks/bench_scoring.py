@@ -5,10 +5,13 @@ M synthetic ``<mem>`` turns: a full-history context (``--full_len`` tokens, vari
 context (``--mem_len`` tokens, varied) and an answer Z (4 tokens). Three ways to get
 ``P(Z | full)`` and ``P(Z | mem)`` (MEMPO_SPEC §3):
 
-* stacked: ``MemoryRewardScorer`` with ``chunk_rows = 2M`` — one jitted call over the stacked
-  ``[2M, L]`` batch (the reference's single ``compute_log_prob``);
-* two calls: the same jitted program on the ``[M, L_full]`` full rows, then on the
-  ``[M, L_mem]`` memory rows (each padded to its own length bucket);
+* stacked packed: ``MemoryRewardScorer`` (default ``packing``) with ``chunk_rows = 2M`` — one
+  jitted call over the stacked rows packed end to end (segment ids, per-segment positions,
+  LM head on Z's tokens only; ``mempo_jax.packing``);
+* stacked padded: the same scorer with ``packing=False`` — one call over the stacked ``[2M, L]``
+  batch, every row padded to the longest (the reference's single ``compute_log_prob``);
+* two calls: the padded program on the ``[M, L_full]`` full rows, then on the ``[M, L_mem]``
+  memory rows (each padded to its own length bucket);
 * transformers: forward passes of the exported model on the same two padded batches
   (right padding, attention mask), log-softmax, the same length-normalised likelihood.
 
@@ -53,7 +56,11 @@ def main(argv=None) -> dict:
     answers = [rng.integers(3, cfg.vocab_size, 4).tolist() for _ in range(m)]
     prefix = [1, 2]
     rows = bucket_length(2 * m, 8)
-    scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, prefix, chunk_rows=rows, min_length=16)
+    scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, prefix, chunk_rows=rows, min_length=16, packing=False)
+    packed = MemoryRewardScorer(make_logits_fn(graphdef), 0, prefix, chunk_rows=rows, min_length=16)
+    packed_shapes = []
+    call = packed.packed_logprobs
+    packed.packed_logprobs = lambda *a: packed_shapes.append(list(a[1].shape)) or call(*a)
 
     def split_batch(contexts):
         ids, valid, am = build_scoring_batch(contexts, contexts, answers, prefix, 0)
@@ -61,6 +68,9 @@ def main(argv=None) -> dict:
 
     full_b, mem_b = split_batch(full), split_batch(mem)
     out = {}
+
+    def stacked_packed():
+        out["packed"] = packed(params, full, mem, answers)
 
     def stacked():
         out["stacked"] = scorer(params, full, mem, answers)
@@ -70,7 +80,7 @@ def main(argv=None) -> dict:
         pm = np.asarray(jax.device_get(scorer.likelihoods(params, *mem_b)))
         out["two"] = (pf, pm)
 
-    fns = {"stacked": stacked, "two_calls": two_calls}
+    fns = {"stacked_packed": stacked_packed, "stacked": stacked, "two_calls": two_calls}
     tmp = tempfile.TemporaryDirectory()
     if have_transformers():
         import torch
@@ -97,7 +107,7 @@ def main(argv=None) -> dict:
     tokens = int(sum(len(c) + len(prefix) + 4 for c in full + mem))
     res = {"turns": m, "real_tokens": tokens,
            "shapes": {"stacked": [rows, bucket_length(max(len(c) for c in full) + len(prefix) + 4, 16)],
-                      "full": list(full_b[0].shape), "mem": list(mem_b[0].shape)}}
+                      "stacked_packed": packed_shapes[-1], "full": list(full_b[0].shape), "mem": list(mem_b[0].shape)}}
     for k, v in times.items():
         res[f"{k}_s"] = v
         res[f"{k}_tok_s"] = tokens / median(v)
@@ -108,16 +118,25 @@ def main(argv=None) -> dict:
                                                      np.abs(s.p_mem - out["hf"][1]).max()))
         res["ratio_stacked_vs_transformers"] = median(times["transformers"]) / median(times["stacked"])
     res["ratio_stacked_vs_two_calls"] = median(times["two_calls"]) / median(times["stacked"])
-    rows_out = [["stacked [full; mem], 1 call", f"{res['shapes']['stacked']}", median(times["stacked"]),
-                 res["stacked_tok_s"], 1.0],
-                ["two calls (full, mem)", f"{res['shapes']['full']} + {res['shapes']['mem']}", median(times["two_calls"]),
-                 res["two_calls_tok_s"], res["ratio_stacked_vs_two_calls"]]]
+    pk = out["packed"]
+    res["max_abs_diff_packed_vs_padded"] = float(max(np.abs(pk.p_full - s.p_full).max(), np.abs(pk.p_mem - s.p_mem).max()))
+    res["packed_time_over_two_calls"] = median(times["stacked_packed"]) / median(times["two_calls"])
+    res["target_packed_le_0_8_of_two_calls"] = bool(res["packed_time_over_two_calls"] <= 0.8)
+    base = median(times["stacked_packed"])
+    rows_out = [["stacked [full; mem] packed, 1 call", f"{res['shapes']['stacked_packed']}", base,
+                 res["stacked_packed_tok_s"], 1.0],
+                ["stacked [full; mem] padded, 1 call", f"{res['shapes']['stacked']}", median(times["stacked"]),
+                 res["stacked_tok_s"], median(times["stacked"]) / base],
+                ["two padded calls (full, mem)", f"{res['shapes']['full']} + {res['shapes']['mem']}",
+                 median(times["two_calls"]), res["two_calls_tok_s"], median(times["two_calls"]) / base]]
     if "transformers_s" in res:
         rows_out.append(["transformers forward x2", f"{res['shapes']['full']} + {res['shapes']['mem']}",
-                         median(times["transformers"]), res["transformers_tok_s"], res["ratio_stacked_vs_transformers"]])
+                         median(times["transformers"]), res["transformers_tok_s"], median(times["transformers"]) / base])
     print(table(f"Memory-reward scoring, M = {m} turns, {tokens} real tokens ({param_count(params) / 1e6:.1f} M params)",
-                ["method", "shapes", "seconds (median)", "real tok/s", "time / stacked time"], rows_out))
-    print(f"max |P| difference: two calls {res['max_abs_diff_two_calls']:.2e}"
+                ["method", "shapes", "seconds (median)", "real tok/s", "time / packed time"], rows_out))
+    print(f"packed / two padded calls: {res['packed_time_over_two_calls']:.2f} (target <= 0.8)")
+    print(f"max |P| difference: packed vs padded {res['max_abs_diff_packed_vs_padded']:.2e}, "
+          f"two calls {res['max_abs_diff_two_calls']:.2e}"
           + (f", transformers {res['max_abs_diff_transformers']:.2e}" if "max_abs_diff_transformers" in res else ""))
     config = {"params": param_count(params), "full_len": full_len, "mem_len": mem_len, "repeats": args.repeats,
               "small": small, "device": args.device}

@@ -247,3 +247,52 @@ def write_json(path: str | os.PathLike | None, section: str, config: dict, resul
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(doc, indent=2, default=float) + "\n", encoding="utf-8")
     return doc
+
+
+# ------------------------------------------------------------------------- small tiny-world runs
+
+# The smoke tests' tiny world and model (as tests/test_train_e2e.py): gin bindings on
+# configs/tiny_world.gin for a run that builds, trains and evaluates in seconds of compute.
+SMALL_WORLD_PARAMS = (
+    "WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
+    "WorldConfig.num_countries=4", "WorldConfig.num_single=30", "WorldConfig.num_bridge=20", "WorldConfig.num_multi=30",
+    "ExperimentConfig.vocab_size=600",
+    'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), '
+    '("head_dim", 16), ("mlp_dim", 64))',
+)
+TINY_WORLD_GIN = str(REPO / "configs" / "tiny_world.gin")
+
+
+def tiny_world_policy(run_dir, stage: str = "rl", step=None):
+    """A tiny-world run's policy and tools, as the trainer evaluates them.
+
+    Args:
+      run_dir: a run folder of ``python -m mempo_jax.train`` (``config.gin``, tokenizer, checkpoints).
+      stage: ``"rl"`` (``checkpoints/``) or ``"sft"`` (``sft_checkpoint/``).
+      step: checkpoint step (default: the newest).
+
+    Returns:
+      ``(cfg, world, sample_fn, params, fmt, tool_env, rollout_cfg, description)``.
+
+    Raises:
+      ValueError: the run is not a tiny-world run; FileNotFoundError: a missing file or checkpoint.
+    """
+    from mempo_jax.checkpoint import load_policy
+    from mempo_jax.config import load_config
+    from mempo_jax.data.world import build_world
+    from mempo_jax.evaluate import make_sample_fn, run_model_options
+    from mempo_jax.experiment import policy_format
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.search import ToolEnvironment
+
+    run_dir = pathlib.Path(run_dir)
+    cfg = load_config([str(run_dir / "config.gin")])
+    if cfg.dataset != "tiny_world":
+        raise ValueError(f"{run_dir} is a {cfg.dataset!r} run; this script reads tiny-world runs")
+    world = build_world(cfg.world)
+    tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder="sft_checkpoint" if stage == "sft"
+                                                         else "checkpoints")
+    fmt = policy_format(run_model_options(run_dir), tokenizer)
+    env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
+    return (cfg, world, make_sample_fn(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout,
+            f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")

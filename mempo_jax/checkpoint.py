@@ -552,13 +552,15 @@ def _copy_sentencepiece(run_dir: pathlib.Path, tokenizer) -> None:
         os.replace(tmp, dst)
 
 
-def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None):
+def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: str = "checkpoints"):
     """Rebuild a trained policy from a run folder written by ``python -m mempo_jax.train``.
 
     Args:
       run_dir: the run folder (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
         ``checkpoints/``).
       step: checkpoint step (default: the latest complete one).
+      folder: the checkpoint folder inside ``run_dir``: ``"checkpoints"`` (RL, default) or
+        ``"sft_checkpoint"`` (the SFT policy, the RL run's frozen reference).
 
     Returns:
       ``(tokenizer, model_cfg, graphdef, params)``; the tokenizer is a ``SentencePieceTokenizer``
@@ -572,7 +574,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None):
     from mempo_jax.model.forward import abstract_model, split_model
 
     run_dir = pathlib.Path(run_dir)
-    for name in ("model_config.json", "checkpoints"):
+    for name in ("model_config.json", folder):
         if not (run_dir / name).exists():
             raise FileNotFoundError(f"{run_dir / name} not found: is {run_dir} a run folder of mempo_jax.train?")
     tokenizer = load_run_tokenizer(run_dir)
@@ -581,10 +583,10 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None):
         fields["rope_scaling"] = tuple(tuple(x) for x in fields["rope_scaling"])
     model_cfg = ModelConfig(**fields)
     graphdef, params = split_model(abstract_model(model_cfg))  # shapes only: the checkpoint fills them
-    ckpt = Checkpointer(run_dir / "checkpoints", async_save=False)
+    ckpt = Checkpointer(run_dir / folder, async_save=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir / folder}")
     params, _, _ = ckpt.restore(step, params)
     ckpt.close()
     return tokenizer, model_cfg, graphdef, params

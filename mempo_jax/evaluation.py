@@ -51,6 +51,55 @@ def summarize(trajs: Sequence[Trajectory]) -> dict:
     }
 
 
+KIND_PREFIX = "eval/"  # per-kind metric names: "eval/<kind>/em", "eval/<kind>/f1", "eval/<kind>/n"
+
+
+def question_kind(question) -> str:
+    """The kind a question is reported under: a QA file's own ``type`` field (``Question.qa_type``,
+    e.g. HotpotQA ``bridge`` / ``comparison``), else ``Question.kind`` (the tiny world's
+    ``single`` / ``bridge`` / ``multi``, or a QA file's format), else ``"all"`` (items without one,
+    e.g. ``QAExample``)."""
+    for name in ("qa_type", "kind"):
+        value = getattr(question, name, None)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return "all"
+
+
+def kind_metrics(questions: Sequence, em: Sequence[float], f1: Sequence[float]) -> dict:
+    """Per-kind means of per-question EM and F1 (MEMPO_SPEC §6 reports EM/F1 per dataset; the tiny
+    world's datasets are its question kinds).
+
+    Args:
+      questions: ``[questions]`` items (``question_kind`` of each), in the order of ``em`` / ``f1``.
+      em, f1: ``[questions]`` per-question scores in [0, 1] (a multi-objective question's is its
+        mean over objectives, ``rewards.outcome_reward``).
+
+    Returns:
+      ``{"eval/<kind>/em": mean, "eval/<kind>/f1": mean, "eval/<kind>/n": count}`` for every kind
+      present, kinds in sorted order (floats; ``n`` a float too, so every value logs as a metric).
+
+    Raises:
+      ValueError: the three inputs differ in length.
+    """
+    em, f1 = np.asarray(em, np.float64), np.asarray(f1, np.float64)
+    if not len(questions) == len(em) == len(f1):
+        raise ValueError(f"kind_metrics: {len(questions)} questions but {len(em)} EM and {len(f1)} F1 values")
+    kinds = np.array([question_kind(q) for q in questions], dtype=object)
+    out: dict = {}
+    for kind in sorted(set(kinds.tolist())):
+        sel = kinds == kind
+        out[f"{KIND_PREFIX}{kind}/em"] = float(em[sel].mean())
+        out[f"{KIND_PREFIX}{kind}/f1"] = float(f1[sel].mean())
+        out[f"{KIND_PREFIX}{kind}/n"] = float(sel.sum())
+    return out
+
+
+def is_kind_metric(name: str) -> bool:
+    """True for a per-kind metric name of ``kind_metrics``."""
+    return name.startswith(KIND_PREFIX)
+
+
 def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
                     context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
                     progress: Optional[Callable[[int], None]] = None) -> EvalResult:
@@ -67,7 +116,8 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
       progress: called with the number of questions finished so far.
 
     Returns:
-      ``EvalResult`` with means and per-question EM (in ``questions`` order).
+      ``EvalResult`` with means (``summarize``, plus ``kind_metrics`` of the questions) and
+      per-question EM and F1 (in ``questions`` order).
     """
     cfg = dataclasses.replace(base, context_steps=context_steps, temperature=temperature)
     trajs: list[Trajectory] = []
@@ -79,7 +129,8 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
             progress(len(trajs))
     em = np.array([outcome_reward(t.answer, t.golds, "em") for t in trajs], np.float64)
     f1 = np.array([outcome_reward(t.answer, t.golds, "f1") for t in trajs], np.float64)
-    return EvalResult(summarize(trajs), em, trajs, f1)
+    return EvalResult({**summarize(trajs), **kind_metrics(questions, em, f1)}, em, trajs, f1)
 
 
-__all__ = ["EvalResult", "evaluate_policy", "mode_name", "summarize"]
+__all__ = ["EvalResult", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "question_kind",
+           "summarize"]

@@ -241,13 +241,26 @@ def paired_gains(after: Mapping[str, Mapping[str, Sequence[float]]], before: Map
 
 
 def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
-    """Markdown table: one row per (stage, mode) with EM, F1, TT, PT, turns, format-fail rate."""
-    lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown table: one row per (stage, mode) with EM, F1, TT, PT, turns, format-fail rate and,
+    for every question kind any row has (``evaluation.kind_metrics``: ``eval/<kind>/em``, kinds
+    sorted), a column ``EM <kind> (n)`` ("-" in a row without that kind)."""
+    kinds = sorted({k[len("eval/"):-len("/em")] for modes in evals.values() for m in modes.values() for k in m
+                    if k.startswith("eval/") and k.endswith("/em")})
+    counts = {}
+    for modes in evals.values():
+        for m in modes.values():
+            for kind in kinds:
+                counts.setdefault(kind, m.get(f"eval/{kind}/n"))
+    head = "".join(f" EM {kind}" + (f" ({counts[kind]:.0f})" if counts.get(kind) is not None else "") + " |"
+                   for kind in kinds)
+    lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |" + head,
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(kinds)]
     for stage, modes in evals.items():
         for mode, m in modes.items():
+            cells = "".join(f" {m[f'eval/{kind}/em']:.3f} |" if f"eval/{kind}/em" in m else " - |" for kind in kinds)
             lines.append(
                 f"| {stage} | {mode} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | {m['pt']:.0f} | "
-                f"{m['turns']:.2f} | {m['format_fail']:.3f} |"
+                f"{m['turns']:.2f} | {m['format_fail']:.3f} |" + cells
             )
     return "\n".join(lines)
 

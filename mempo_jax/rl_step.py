@@ -61,6 +61,11 @@ class RLConfig:
         (``experiment.answer_prefix_ids``): ``"empty_mem"`` (default; the full view gets an
         empty ``<mem></mem>`` so both views are followed by their natural continuation),
         ``"think"`` or ``"none"``.
+      old_logprobs: where the PPO "old" log-probs come from: ``"trainer"`` (default; the policy
+        recomputes them over the step's rows before the update, one detached packed pass,
+        ``policy_old_logprobs``, as verl's ``compute_log_prob``; the sampler's stay in the
+        rollout records for ``rollout/logprob_diff/*``) or ``"sampler"`` (the sampler's own; no
+        recompute, no ``logprob_diff`` metrics).
     """
 
     steps: int = 40
@@ -76,6 +81,7 @@ class RLConfig:
     precompile: bool = False
     memory_reward_malformed: bool = False
     memory_prefix: str = "empty_mem"
+    old_logprobs: str = "trainer"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -93,6 +99,7 @@ class RLConfig:
         check(self, "precompile", bool)
         check(self, "memory_reward_malformed", bool)
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
+        check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
 
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)
@@ -164,6 +171,9 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
     out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
+    calc = _packed_old_logprobs(learner) if cfg.old_logprobs == "trainer" else None
+    if calc is not None:
+        out["old_logprobs"] = calc.precompile(learner.params, training_length_buckets(cfg))
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
     sds = jax.ShapeDtypeStruct
     for length in training_length_buckets(cfg):
@@ -250,6 +260,58 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
     pad = lambda x, v: np.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
     return dataclasses.replace(rows, input_ids=pad(rows.input_ids, pad_id), valid=pad(rows.valid, False),
                                loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
+
+
+def _packed_old_logprobs(learner):
+    """The learner's ``PackedLogprobs`` (built once, kept on the learner), or ``None`` where the
+    packed pass does not apply: a ``logits_fn`` without the packed contract, or several
+    processes (their rows are scored in the lockstep global batch, ``learner.logprobs``)."""
+    from mempo_jax.logprobs import PackedLogprobs
+    from mempo_jax.sharding import batch_shards
+
+    packed = getattr(learner.logits_fn, "packed", None)
+    if packed is None or jax.process_count() > 1:
+        return None
+    calc = getattr(learner, "_old_logprobs_calc", None)
+    if calc is None:
+        mesh = learner.mesh
+        calc = PackedLogprobs(packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
+                              min_rows=1 if mesh is None else batch_shards(mesh, learner.rules),
+                              min_length=TRAIN_MIN_LENGTH,
+                              param_shardings=getattr(learner, "param_shardings", None),
+                              batch_sharding=getattr(learner, "batch_sharding", None))
+        learner._old_logprobs_calc = calc
+    return calc
+
+
+def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[str, float]]:
+    """The PPO "old" log-probs recomputed by the policy before the update, and the sampler/trainer gap.
+
+    One detached pass of ``learner.params`` (the policy that sampled the step) over the
+    training rows, packed (``_packed_old_logprobs``; the padded ``learner.logprobs`` where
+    packing does not apply), at the learner's temperature: verl's ``compute_log_prob`` before
+    ``update_policy``. In float32 it agrees with the sampler to ~1e-5; in bfloat16 the
+    cached-decode and full-forward numerics differ, and the clip would act on that noise.
+
+    Args:
+      learner: the ``Learner``.
+      rows: the step's ``TrainingRows`` (``old_logprobs``: the sampler's).
+
+    Returns:
+      ``(old_logprobs [R, L] float32`` — 0 off the loss tokens, ``metrics)`` with
+      ``rollout/logprob_diff/mean`` and ``…/max``: mean and max ``|trainer − sampler|`` log-prob
+      (nats) over loss tokens.
+    """
+    calc = _packed_old_logprobs(learner)
+    if calc is None:
+        lp = learner.logprobs(learner.params, rows.input_ids, rows.valid)
+    else:
+        lp = calc(learner.params, rows.input_ids, rows.valid)
+    on = np.asarray(rows.loss_mask) > 0
+    old = np.where(on, lp, 0.0).astype(np.float32)
+    gap = np.abs(old - np.asarray(rows.old_logprobs, np.float32))[on]
+    return old, {"rollout/logprob_diff/mean": float(gap.mean()) if gap.size else 0.0,
+                 "rollout/logprob_diff/max": float(gap.max()) if gap.size else 0.0}
 
 
 def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
@@ -361,10 +423,17 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
                                        mem_valid=scored)
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
+    t_old = time.perf_counter()
+    if cfg.old_logprobs == "trainer":
+        old_logp, lp_metrics = policy_old_logprobs(learner, rows)  # the sampler's stay in rows.old_logprobs
+    else:
+        old_logp, lp_metrics = rows.old_logprobs, {}
+    timings["timing/old_logprobs_s"] = time.perf_counter() - t_old
+
     t2 = time.perf_counter()
     batch = {
         "input_ids": rows.input_ids, "valid": rows.valid, "loss_mask": rows.loss_mask,
-        "old_logprobs": rows.old_logprobs, "ref_logprobs": ref_logp.astype(np.float32),
+        "old_logprobs": old_logp, "ref_logprobs": ref_logp.astype(np.float32),
         "advantages": adv.astype(np.float32),
     }
     upd: dict[str, list[float]] = {}
@@ -390,5 +459,6 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     }
     metrics.update({k: float(np.mean(v)) for k, v in upd.items()})
     metrics.update(rollout_metrics(trajs))
+    metrics.update(lp_metrics)
     metrics.update(timings)
     return metrics, trajs

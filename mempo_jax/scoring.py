@@ -8,6 +8,13 @@ history snapshot and under the compressed memory view of every ``<mem>`` turn. A
 are stacked into one batch ``[full_0 .. full_{M-1}; mem_0 .. mem_{M-1}]`` with Z repeated twice
 and scored with one jitted call (reference: one ``compute_log_prob`` over the stacked batch).
 Its values enter the advantage as constants (``jax.lax.stop_gradient``).
+
+With a model that has the packed call contract (``logits_fn.packed``, from
+``model.forward.make_logits_fn``) the stacked rows are *packed* end to end (``mempo_jax.packing``:
+segment ids, per-segment RoPE positions, attention inside each segment) instead of each being
+padded to the longest row, and the LM head runs on Z's tokens only: the same P values (float32
+rounding aside) for far fewer computed positions. A ``logits_fn`` without ``.packed`` (a test
+table, a custom model) is scored padded, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import numpy as np
 from mempo_jax.batching import bucket_length, pad_sequences
 from mempo_jax.batching import length_buckets as _length_buckets
 from mempo_jax.logprobs import token_logprobs
+from mempo_jax.packing import pack, plan_packing
 
 LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
@@ -122,6 +130,7 @@ def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix,
 
 DEFAULT_CHUNK_ROWS = 64  # rows per scorer call when none is configured
 DEFAULT_MIN_LENGTH = 64  # smallest length bucket of a scorer call
+ANSWER_FRACTION = 4  # a packed row of L columns scores at most L // 4 answer tokens (the LM head's K)
 
 
 class MemoryRewardOutput(NamedTuple):
@@ -158,6 +167,13 @@ class MemoryRewardScorer:
         bucket (``length_buckets`` lists them, ``precompile`` builds them ahead of time). With
         2M ≤ ``chunk_rows`` the whole stacked batch is one call, as in the reference.
       min_length: smallest length bucket (a power of two).
+      packing: pack the stacked rows (default True) when ``logits_fn`` has the packed contract
+        ``logits_fn.packed(params, ids, segment_ids, positions, logits_at)``. Packed calls are
+        ``[R, L]`` with ``L`` a length bucket (``packing.plan_packing``: the cheapest of
+        ``bucket(longest row)`` and its doublings) and ``R = bucket_length(packed rows,
+        min_rows) <= rows_per_call``; the LM head runs on ``K = L // ANSWER_FRACTION`` columns
+        per row (Z's tokens). ``False``, or a ``logits_fn`` without ``.packed``: every row padded
+        to its chunk's length bucket, full logits (the reference layout).
 
     Raises:
       ValueError: if ``temperature <= 0``.
@@ -176,6 +192,7 @@ class MemoryRewardScorer:
         chunk_rows: int | None = None,
         min_length: int = DEFAULT_MIN_LENGTH,
         full_prefix: Sequence[int] = (),
+        packing: bool = True,
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -193,13 +210,18 @@ class MemoryRewardScorer:
         self.min_length = int(min_length)
         self.rows_per_call = bucket_length(DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows,
                                            max(self.min_rows, 1))
+        self.packed_fn = getattr(logits_fn, "packed", None) if packing else None
+        self._length_cap = None  # set by ``precompile``: packed lengths never exceed the compiled ones
         if param_shardings is not None and isinstance(batch_sharding, jax.sharding.NamedSharding):
             rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
             bs = batch_sharding
             self.likelihoods = jax.jit(self._likelihoods, in_shardings=(param_shardings, bs, bs, bs),
                                        out_shardings=rep)
+            self.packed_logprobs = jax.jit(self._packed_logprobs, in_shardings=(param_shardings,) + (bs,) * 5,
+                                           out_shardings=rep)
         else:
             self.likelihoods = jax.jit(self._likelihoods)
+            self.packed_logprobs = jax.jit(self._packed_logprobs)
 
     def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
         """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
@@ -207,6 +229,57 @@ class MemoryRewardScorer:
         logits = self.logits_fn(params, input_ids, valid)
         logp = token_logprobs(logits, input_ids, self.temperature)
         return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
+
+    def _packed_logprobs(self, params, input_ids, segment_ids, positions, logits_at, targets) -> jax.Array:
+        """``(params, ids, segment_ids, positions [R, L], logits_at, targets [R, K]) -> logp [R, K]``
+        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad."""
+        params = jax.lax.stop_gradient(params)
+        logits = self.packed_fn(params, input_ids, segment_ids, positions, logits_at)
+        logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.float32(self.temperature), axis=-1)
+        picked = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return jax.lax.stop_gradient(picked)
+
+    def _score_packed(self, params, rows, spans) -> np.ndarray:
+        """``P [len(rows)]`` float32 of the stacked rows, packed (see the ``packing`` argument)."""
+        sizes = [len(r) for r in rows]
+        zlens = [e - s for s, e in spans]
+        length, calls = plan_packing(sizes, self.min_length, self.rows_per_call, self.min_rows, zlens, ANSWER_FRACTION,
+                                     max_doublings=self._doublings(sizes))
+        k = length // ANSWER_FRACTION
+        starts = np.asarray([a for a, _ in spans], np.int64)
+        ends = np.asarray([b for _, b in spans], np.int64)
+        total = np.zeros((len(rows),), np.float64)
+        for bins in calls:
+            r = bucket_length(len(bins), max(self.min_rows, 1))
+            pk = pack(rows, bins, length, r, self.pad_id)
+            at = np.zeros((r, k), np.int32)
+            tgt = np.zeros((r, k), np.int32)
+            owner = np.full((r, k), -1, np.int64)
+            src = np.maximum(pk.row_of, 0)
+            is_answer = (pk.row_of >= 0) & (pk.col_of >= starts[src]) & (pk.col_of < ends[src])  # [R, L]
+            for b in range(len(bins)):
+                cols = np.flatnonzero(is_answer[b])
+                at[b, : len(cols)] = cols - 1  # logits at column c - 1 predict the token at c
+                tgt[b, : len(cols)] = pk.input_ids[b, cols]
+                owner[b, : len(cols)] = pk.row_of[b, cols]
+            batch = (pk.input_ids, pk.segment_ids, pk.positions, at, tgt)
+            if self.batch_sharding is not None:
+                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+            logp = np.asarray(jax.device_get(self.packed_logprobs(params, *batch)), np.float64)
+            keep = owner >= 0
+            np.add.at(total, owner[keep], logp[keep])
+        n = np.asarray(zlens, np.float64)
+        return np.where(n > 0, np.exp(total / np.maximum(n, 1.0)), 0.0).astype(np.float32)
+
+    def _doublings(self, sizes) -> int:
+        """How many times ``plan_packing`` may double the packed length (within the compiled lengths)."""
+        if self._length_cap is None:
+            return 2
+        base = bucket_length(max(sizes, default=1), self.min_length)
+        d = 0
+        while d < 2 and base * 2 ** (d + 1) <= self._length_cap:
+            d += 1
+        return d
 
     def __call__(
         self,
@@ -234,6 +307,10 @@ class MemoryRewardScorer:
         rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix, self.full_prefix)
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
+        if self.packed_fn is not None:
+            p = self._score_packed(params, rows, spans)
+            p_full, p_mem = p[:m], p[m : 2 * m]
+            return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
         c = self.rows_per_call
         parts = []
         for s in range(0, len(rows), c):
@@ -255,9 +332,13 @@ class MemoryRewardScorer:
         return _length_buckets(self.min_length, max_tokens)
 
     def precompile(self, params: Any, lengths: Sequence[int]) -> int:
-        """Compile the scoring program for ``[rows_per_call, L]`` at each ``L`` in ``lengths``
-        ahead of time (``jit.lower(...).compile()``; nothing runs). Later calls at these shapes
-        compile nothing.
+        """Compile the scoring programs at each ``L`` in ``lengths`` ahead of time
+        (``jit.lower(...).compile()``; nothing runs). Later calls at these shapes compile nothing.
+
+        Padded scoring: ``[rows_per_call, L]``. Packed scoring: ``[R, L]`` for every row bucket
+        ``R`` from ``min_rows`` to ``rows_per_call`` (with ``[R, L // ANSWER_FRACTION]`` answer
+        columns); later packed calls keep to lengths ``<= max(lengths)`` unless a single row is
+        longer.
 
         Args:
           params: the parameters the scorer will be called with (their shardings count).
@@ -268,9 +349,23 @@ class MemoryRewardScorer:
         """
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
+        kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
+        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, **kw)  # noqa: E731
+        built = 0
         for length in lengths:
-            shape = (self.rows_per_call, int(length))
-            kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
-            args = [jax.ShapeDtypeStruct(shape, dt, **kw) for dt in (jnp.int32, jnp.bool_, jnp.bool_)]
-            self.likelihoods.lower(params, *args).compile()
-        return len(lengths)
+            length = int(length)
+            if self.packed_fn is None:
+                shape = (self.rows_per_call, length)
+                self.likelihoods.lower(params, *[sds(shape, dt) for dt in (jnp.int32, jnp.bool_, jnp.bool_)]).compile()
+                built += 1
+                continue
+            r = max(self.min_rows, 1)
+            while r <= self.rows_per_call:
+                k = length // ANSWER_FRACTION
+                self.packed_logprobs.lower(params, *[sds((r, length), jnp.int32)] * 3,
+                                           *[sds((r, k), jnp.int32)] * 2).compile()
+                built += 1
+                r *= 2
+        if self.packed_fn is not None and lengths:
+            self._length_cap = max(int(x) for x in lengths)
+        return built

@@ -27,7 +27,8 @@ from mempo_jax.batching import bucket_length, pad_sequences
 
 
 def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: float, pad_id: int,
-             rng: np.random.Generator) -> list[tuple[list[int], list[float]]]:
+             rng: np.random.Generator, full_trajs: Optional[Sequence[Trajectory]] = None
+             ) -> list[tuple[list[int], list[float]]]:
     """Training rows ``(ids, loss_mask)`` from SFT trajectories (``build_training_rows``).
 
     Args:
@@ -36,11 +37,21 @@ def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: flo
       full_fraction: share of trajectories that also give a whole-history row.
       pad_id: padding id.
       rng: picks the trajectories for whole-history rows.
+      full_trajs: the trajectories whose whole-history rows are used in place of ``trajs[i]``'s
+        (same length and order: e.g. a diligent replay of each question,
+        ``ScriptedAgentConfig.lazy_full_rows = False``); None: ``trajs``. The same ``rng`` draws
+        pick the same indices either way.
+
+    Raises:
+      ValueError: ``full_trajs`` of another length than ``trajs``.
     """
     out = []
+    if full_trajs is not None and len(full_trajs) != len(trajs):
+        raise ValueError(f"sft_rows: {len(full_trajs)} full_trajs for {len(trajs)} trajectories")
+    source = list(trajs) if full_trajs is None else list(full_trajs)
     modes = [(context_steps, list(trajs))]
     if context_steps != FULL and full_fraction > 0:
-        chosen = [tr for tr in trajs if rng.random() < full_fraction]
+        chosen = [source[i] for i in range(len(trajs)) if rng.random() < full_fraction]
         modes.append((FULL, chosen))
     for steps, group in modes:
         if not group:

@@ -157,6 +157,7 @@ def test_scoring_script_json(tmp_path):
     res = _script("bench_scoring", tmp_path)
     assert res["stacked_tok_s"] > 0 and res["two_calls_tok_s"] > 0
     assert res["max_abs_diff_two_calls"] < 1e-5
+    assert res["stacked_packed_tok_s"] > 0 and res["max_abs_diff_packed_vs_padded"] < 1e-5
     if "transformers_tok_s" in res:  # same weights: transformers gives the same probabilities
         assert res["transformers_tok_s"] > 0 and res["max_abs_diff_transformers"] < 1e-4
 

@@ -213,3 +213,82 @@ def test_length_buckets_cover_every_bucket_length_up_to_the_bound():
     assert length_buckets(128, 128) == [128]
     for n in range(0, 700, 7):  # every length below the bound lands in a listed bucket
         assert bucket_length(n, 64) in length_buckets(64, 700)
+
+
+# ------------------------------------------------------------------ packed scoring (issue 13, item 4)
+
+
+def _tiny_decoder(vocab=48, seed=5):
+    from mempo_jax.model.config import ModelConfig
+    from mempo_jax.model.forward import create_model, make_logits_fn, split_model
+
+    cfg = ModelConfig.tiny(vocab, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+    graphdef, params = split_model(create_model(cfg, seed=seed))
+    return make_logits_fn(graphdef), params
+
+
+def test_packed_scoring_equals_padded_scoring_on_a_real_decoder():
+    """Packed rows (segment ids, positions restarting per segment) give the padded path's P."""
+    fn, params = _tiny_decoder()
+    rng = np.random.default_rng(0)
+    m = 7
+    full = [rng.integers(4, 48, int(rng.integers(20, 90))).tolist() for _ in range(m)]
+    mem = [rng.integers(4, 48, int(rng.integers(2, 12))).tolist() for _ in range(m)]
+    answers = [rng.integers(4, 48, int(rng.integers(1, 6))).tolist() for _ in range(m)]
+    answers[3] = []  # no answer tokens: P = 0 on both paths
+    kw = dict(chunk_rows=16, min_length=16, full_prefix=[3])
+    calls = []
+    packed = MemoryRewardScorer(fn, 0, [1, 2], **kw)
+    orig = packed.packed_logprobs
+    packed.packed_logprobs = lambda *a: calls.append(a[1].shape) or orig(*a)
+    got = packed(params, full, mem, answers)
+    want = MemoryRewardScorer(fn, 0, [1, 2], packing=False, **kw)(params, full, mem, answers)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert got.p_full[3] == 0.0 and got.p_mem[3] == 0.0
+    assert len(calls) == 1  # one stacked call
+    rows, length = calls[0]
+    assert rows * length < 16 * 128  # fewer positions than the padded [16, 128] batch
+    # an independent check of one value: P(Z | mem_0) from an unpacked forward pass
+    row = mem[0] + [1, 2] + answers[0]
+    lp = np.asarray(token_logprobs(fn(params, jnp.asarray([row]), jnp.ones((1, len(row)), bool)), jnp.asarray([row])))
+    n = len(answers[0])
+    np.testing.assert_allclose(got.p_mem[0], np.exp(lp[0, -n:].mean()), rtol=2e-5)
+
+
+def test_packed_scoring_chunks_and_precompile_compile_nothing_later():
+    fn, params = _tiny_decoder(seed=6)
+    rng = np.random.default_rng(1)
+    m = 12
+    full = [rng.integers(4, 48, int(rng.integers(30, 60))).tolist() for _ in range(m)]
+    mem = [rng.integers(4, 48, int(rng.integers(2, 9))).tolist() for _ in range(m)]
+    answers = [rng.integers(4, 48, 3).tolist() for _ in range(m)]
+    small = MemoryRewardScorer(fn, 0, [1], chunk_rows=2, min_rows=2, min_length=16)
+    assert small.precompile(params, [16, 32, 64]) == 3  # one row bucket (2) per length
+    traced = []
+    orig = small._packed_logprobs
+    small._packed_logprobs = lambda *a: traced.append(1) or orig(*a)
+    got = small(params, full, mem, answers)
+    assert traced == []  # every packed call hit a precompiled shape
+    want = MemoryRewardScorer(fn, 0, [1], chunk_rows=64, min_length=16, packing=False)(params, full, mem, answers)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_first_fit_decreasing_and_packing_plan():
+    from mempo_jax.packing import first_fit_decreasing, pack, plan_packing
+
+    bins = first_fit_decreasing([5, 3, 8, 2, 4], 10)
+    assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
+    assert all(sum([5, 3, 8, 2, 4][i] for i in b) <= 10 for b in bins)
+    assert bins == [[2, 3], [0, 4], [1]]  # 8+2, 5+4, 3 (longest first, first fit)
+    assert first_fit_decreasing([3, 3, 3], 10, [2, 2, 2], 3) == [[0], [1], [2]]  # the weight budget binds
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing([11], 10)
+    length, calls = plan_packing([100, 30, 30, 20], 16, rows_per_call=8)
+    assert length == 128 and calls == [[[0, 3], [1, 2]]]  # [2, 128]; [1, 256] ties, the shorter wins
+    pk = pack([[7, 8], [9]], [[0, 1]], 4, 2, pad_id=0)
+    np.testing.assert_array_equal(pk.input_ids, [[7, 8, 9, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(pk.segment_ids, [[1, 1, 2, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(pk.positions, [[0, 1, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(pk.row_of[0], [0, 0, 1, -1])

@@ -57,6 +57,19 @@ def test_main_job_trains_in_both_context_modes(tmp_path, context_steps):
     assert any(p.name.startswith("events") for p in (run / "tb").iterdir())
     assert (run / "checkpoints").is_dir() and (run / "tokenizer.model").is_file()
     assert "| rl | k1 |" in out.stdout
+    # per-kind EM (eval/<kind>/em) from the stored per-question EM and the world's held-out kinds
+    from mempo_jax.config import load_config
+    from mempo_jax.data.world import build_world
+
+    held = build_world(load_config([str(REPO / "configs/tiny_world.gin")], SMALL).world).heldout[:4]
+    stored = json.loads((run / "eval_rl.json").read_text())
+    for mode in ("k1", "full"):
+        em = stored["per_question_em"][mode]
+        for kind in {q.kind for q in held}:
+            want = [e for e, q in zip(em, held) if q.kind == kind]
+            assert summary["eval"]["rl"][mode][f"eval/{kind}/em"] == pytest.approx(sum(want) / len(want))
+            assert summary["eval"]["rl"][mode][f"eval/{kind}/n"] == len(want)
+    assert "EM single" in out.stdout
 
 
 def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):

@@ -3,7 +3,8 @@
 Any file ``qa_formats`` reads (FlashRAG / Search-R1 JSONL or parquet, question–answer JSONL,
 CSV, HotpotQA, 2WikiMultihopQA, MuSiQue) becomes a list of ``Question(id, kind, question, golds,
 hops)``: ``kind`` is the file's format, ``golds`` the example's aliases per objective, ``hops`` the
-plan of the scripted agent (``data.scripted_agent``) for the SFT cold start:
+plan of the scripted agent (``data.scripted_agent``) for the SFT cold start, ``qa_type`` the row's
+own ``type`` field when it has a string one (HotpotQA ``bridge`` / ``comparison``, 2Wiki's types):
 
 * HotpotQA / 2WikiMultihopQA: one search per supporting-fact title (``supporting_facts``, HF
   layout ``{"title": [...], "sent_id": [...]}`` or official ``[[title, sentence_id], ...]``) in
@@ -127,7 +128,9 @@ def load_qa_questions(path: str | os.PathLike) -> list[Question]:
         if ex.id in seen:
             raise ValueError(f"{path}: duplicate example id {ex.id!r}")
         seen.add(ex.id)
-        out.append(Question(ex.id, fmt, ex.question, ex.golds, _plan(fmt, row, path, where, ex.question, ex.golds)))
+        qa_type = row.get("type") if isinstance(row.get("type"), str) else ""
+        out.append(Question(ex.id, fmt, ex.question, ex.golds, _plan(fmt, row, path, where, ex.question, ex.golds),
+                            " ".join(qa_type.split())))
     if not out:
         raise ValueError(f"{path}: no questions")
     return out

@@ -43,14 +43,23 @@ class ScriptedAgentConfig:
     Attributes:
       lazy_prob: probability that a trajectory keeps only the newest fact in ``<mem>``.
       duplicate_prob: probability that a hop's search is issued twice.
+      lazy_full_rows: ``True`` (default): the whole-history SFT rows (``SFTConfig.full_fraction``)
+        come from the same, possibly lazy, trajectory as its k-step rows, so a lazy trajectory
+        teaches the full-history view to guess although its context holds the facts. ``False``:
+        they come from a diligent replay of the same question (``lazy_prob = 0``, its own random
+        stream), so the full-history view always answers from what it has seen and only the
+        k-step (memory) view pays for lazy memory: laziness that the memory reward can see
+        (``P(Z | mem)`` below ``P(Z | full)``) and RL can undo (issue 14 item 1).
     """
 
     lazy_prob: float = 0.6
     duplicate_prob: float = 0.15
+    lazy_full_rows: bool = True
 
     def __post_init__(self):
         for name in ("lazy_prob", "duplicate_prob"):
             check(self, name, float, lo=0.0, hi=1.0)
+        check(self, "lazy_full_rows", bool)
 
 
 def _answer(question, facts: Sequence[str]) -> str:

@@ -87,6 +87,9 @@ class Question:
       hops: the scripted agent's plan: one ``(query, facts)`` per search, where ``facts`` are the
         memory lines read from that search's top passage (``"(i) value"`` for the answer of
         objective i; ``"born in X"`` / ``"works for C"`` for a bridge's first hop).
+      qa_type: a QA file's own question type (HotpotQA / 2Wiki ``type``: ``"bridge"``,
+        ``"comparison"``, …), "" when the file has none or for the tiny world; the evaluation's
+        per-kind breakdown uses it before ``kind`` (``evaluation.question_kind``).
     """
 
     id: str
@@ -94,6 +97,7 @@ class Question:
     question: str
     golds: tuple[tuple[str, ...], ...]
     hops: tuple[tuple[str, tuple[str, ...]], ...]
+    qa_type: str = ""
 
     @property
     def answer(self) -> str:
@@ -244,8 +248,63 @@ def _make_questions(rng, cfg: WorldConfig, cities, companies, people) -> list[Qu
         picks = [facts[int(i)] for i in rng.choice(len(facts), k, replace=False)]
         if len({p[0] for p in picks}) < k:
             continue  # distinct subjects, so every sub-question needs its own search
-        text = "Answer all: " + " ".join(f"({j + 1}) {p[1]}" for j, p in enumerate(picks))
+        text = answer_all([p[1] for p in picks])
         emit("multi", text, [(p[2],) for p in picks], [(p[0], (f"({j + 1}) {p[2]}",)) for j, p in enumerate(picks)])
+    return out
+
+
+def answer_all(questions: Sequence[str]) -> str:
+    """The world's multi-objective prompt: ``"Answer all: (1) q1 (2) q2 …"``."""
+    return "Answer all: " + " ".join(f"({j + 1}) {q}" for j, q in enumerate(questions))
+
+
+def compose_objectives(singles: Sequence[Question], k: int, num: int, seed: int) -> list[Question]:
+    """``num`` questions of ``k`` objectives each, from single-hop questions, in the world's own
+    multi-objective layout (``answer_all``; MEM1's scaling experiment, MEMPO_SPEC §6: 2–10 objectives).
+
+    Each composite draws ``k`` single-hop questions with distinct subjects (so every objective
+    needs its own search, and its answer comes from its own turn); objective j's fact is
+    ``"(j) answer"`` as in the world's ``multi`` questions. ``k = 1`` returns single questions
+    unchanged (kind ``single``).
+
+    Args:
+      singles: single-hop ``Question`` s (``kind == "single"``, e.g. ``World.heldout`` ones).
+      k: objectives per question, ``1 <= k <= number of distinct subjects``.
+      num: questions to make (``k = 1``: the first ``num`` of a seeded permutation).
+      seed: numpy ``default_rng`` seed; the same inputs give the same questions.
+
+    Returns:
+      ``num`` ``Question`` s; kind ``multi`` (``k >= 2``), id ``"mo{k}-{i}"``.
+
+    Raises:
+      ValueError: a question that is not single-hop, ``k`` out of range, or ``num < 1``.
+    """
+    singles = list(singles)
+    bad = [q.id for q in singles if q.kind != "single" or len(q.hops) != 1 or len(q.golds) != 1]
+    if bad:
+        raise ValueError(f"compose_objectives takes single-hop questions; not single: {bad[:3]}")
+    subjects = {q.hops[0][0] for q in singles}
+    if not isinstance(k, int) or not 1 <= k <= len(subjects):
+        raise ValueError(f"k must be an int in [1, {len(subjects)}] (distinct subjects), got {k!r}")
+    if num < 1:
+        raise ValueError(f"num must be >= 1, got {num}")
+    rng = np.random.default_rng(seed)
+    if k == 1:
+        return [singles[int(i)] for i in rng.permutation(len(singles))[:num]]
+    out = []
+    while len(out) < num:
+        picks, seen = [], set()
+        for i in rng.permutation(len(singles)):
+            q = singles[int(i)]
+            if q.hops[0][0] not in seen:
+                seen.add(q.hops[0][0])
+                picks.append(q)
+            if len(picks) == k:
+                break
+        answers = [q.golds[0][0] for q in picks]
+        hops = [(q.hops[0][0], (f"({j + 1}) {a}",)) for j, (q, a) in enumerate(zip(picks, answers))]
+        out.append(Question(f"mo{k}-{len(out)}", "multi", answer_all([q.question for q in picks]),
+                            tuple(q.golds[0] for q in picks), tuple(hops)))
     return out
 
 

@@ -111,19 +111,22 @@ class Decoder(nnx.Module):
         Args:
           tokens: ``[B, T]`` int32 ids.
           positions: ``[B, T]`` int32 RoPE positions.
-          attn_mask: ``[B, T, S]`` bool, True where query t may attend to key slot s. Without a
-            cache ``S == T`` (the keys are the T tokens themselves); with a cache S is the cache size.
+          attn_mask: ``[B, T, S]`` bool, True where query t may attend to key slot s, or an
+            ``attention.AttentionMask`` standing for one (no O(T·S) array; packed rows carry
+            segment ids in it). Without a cache ``S == T`` (the keys are the T tokens
+            themselves); with a cache S is the cache size.
           cache: optional ``KVCache`` of size S; the new keys/values are written at slots
             ``[cache_index, cache_index + T)`` before attention.
           cache_index: int32 scalar, required with ``cache``.
           logits_at: optional ``[B]`` int32 input positions in ``[0, T)``: the final norm and LM
             head are applied to that one position per row only and the logits are ``[B, 1,
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
-            prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP).
+            prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
+            ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
 
         Returns:
-          ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` with
-          ``logits_at``.
+          ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` /
+          ``[B, K, vocab]`` with ``logits_at``.
 
         Raises:
           ValueError: on inconsistent shapes or a cache without ``cache_index``.
@@ -132,7 +135,7 @@ class Decoder(nnx.Module):
         if positions.shape != (b, t):
             raise ValueError(f"positions {positions.shape} must equal tokens {tokens.shape}")
         s = t if cache is None else cache.k.shape[3]
-        if attn_mask.shape != (b, t, s):
+        if tuple(attn_mask.shape) != (b, t, s):
             raise ValueError(f"attn_mask {attn_mask.shape} must be [batch, T, S] = {(b, t, s)}")
         if cache is not None:
             if cache_index is None:
@@ -143,9 +146,11 @@ class Decoder(nnx.Module):
         for i, block in enumerate(self.layers):
             x, cache = block(x, positions, attn_mask, cache, i, cache_index)
         if logits_at is not None:
-            if jnp.shape(logits_at) != (b,):
-                raise ValueError(f"logits_at {jnp.shape(logits_at)} must be [batch] = {(b,)}")
-            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
+            at = jnp.asarray(logits_at, jnp.int32)
+            if at.ndim not in (1, 2) or at.shape[0] != b:
+                raise ValueError(f"logits_at {at.shape} must be [batch] = {(b,)} or [batch, K]")
+            at = at[:, None] if at.ndim == 1 else at
+            x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, K, D]
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32)

@@ -10,9 +10,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mempo_jax.logprobs import token_entropy, token_logprobs
+from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import Decoder
 
@@ -58,19 +60,69 @@ def make_logits_fn(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array, ja
     ``input_ids [B, L]`` int32, ``valid_mask [B, L]`` bool (True on real tokens, left or right
     padding or both) → ``logits [B, L, vocab]`` float32, where ``logits[:, t]`` predicts token
     ``t + 1``. Positions come from ``positions_from_mask`` and the attention mask is
-    ``causal & valid[:, None, :]``, so a padded row's real tokens get exactly the logits of the
-    unpadded row. Logits at padding positions are meaningless. Not jitted: wrap it yourself.
+    ``causal & valid[:, None, :]`` (an ``attention.AttentionMask``: long rows run the blocked
+    attention, no ``[B, L, L]`` array), so a padded row's real tokens get exactly the logits of
+    the unpadded row. Logits at padding positions are meaningless. Not jitted: wrap it yourself.
+
+    The returned function carries ``logits_fn.packed`` (``make_packed_logits_fn(graphdef)``),
+    the call over rows packed end to end that the memory-reward scorer uses.
     """
 
     def logits_fn(params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, params)
-        length = input_ids.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        attn_mask = causal[None] & valid_mask[:, None, :].astype(bool)
-        logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid_mask), attn_mask)
+        valid = valid_mask.astype(bool)
+        logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid))
         return logits
 
+    logits_fn.packed = make_packed_logits_fn(graphdef)
     return logits_fn
+
+
+def packed_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """RoPE positions that restart at 0 at the first token of every segment.
+
+    Args:
+      segment_ids: ``[B, L]`` int, the segment of each column (0 = padding); a segment is one
+        contiguous run of equal ids.
+
+    Returns:
+      ``[B, L]`` int32: ``t − (first column of t's run)`` (padding columns numbered the same way).
+    """
+    seg = np.asarray(segment_ids)
+    b, length = seg.shape
+    cols = np.broadcast_to(np.arange(length), (b, length))
+    new_run = np.ones((b, length), bool)
+    new_run[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    starts = np.maximum.accumulate(np.where(new_run, cols, 0), axis=1)
+    return (cols - starts).astype(np.int32)
+
+
+def make_packed_logits_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+    """Build ``packed(params, input_ids, segment_ids, positions, logits_at=None) -> logits``, the
+    forward pass over sequences packed end to end in each row.
+
+    Args (of the returned function):
+      input_ids: ``[B, L]`` int32, several sequences per row, back to back.
+      segment_ids: ``[B, L]`` int32, ``k > 0`` on the tokens of the row's k-th sequence, 0 on
+        padding. A token attends only to earlier tokens of its own segment (packed attention
+        mask; Krell et al. 2021, "Efficient sequence packing without cross-contamination").
+      positions: ``[B, L]`` int32 RoPE positions, restarting at 0 per segment (``packed_positions``).
+      logits_at: optional ``[B, K]`` int32 columns: logits only there (``Decoder.__call__``).
+
+    Returns:
+      ``logits [B, L, vocab]`` (or ``[B, K, vocab]``) float32. Each segment's logits equal
+      those of the sequence alone in an unpacked row (float32 rounding aside).
+    """
+
+    def packed(params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+               logits_at: jax.Array | None = None) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        seg = segment_ids.astype(jnp.int32)
+        mask = AttentionMask.causal(seg > 0, seg)
+        logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), mask, logits_at=logits_at)
+        return logits
+
+    return packed
 
 
 def sequence_logprobs(

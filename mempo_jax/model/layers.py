@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mempo_jax.model.attention import blocked_attention, dense_attention, use_blocked
 from mempo_jax.model.config import ModelConfig
 
 
@@ -147,7 +148,7 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask: jax.Array, *,
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask, *,
                heads_major: bool = False) -> jax.Array:
         """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query heads.
 
@@ -155,22 +156,21 @@ class Attention(nnx.Module):
           q: ``[batch, T, heads, head_dim]``.
           k, v: ``[batch, S, kv_heads, head_dim]``, or ``[batch, kv_heads, S, head_dim]`` with
             ``heads_major`` (the KV cache layout; same result, no transpose of k/v needed).
-          attn_mask: ``[batch, T, S]`` bool, True where query t may attend to slot s. A query
-            row with no True entry gets uniform weights (its output is garbage, never NaN).
+          attn_mask: ``[batch, T, S]`` bool, True where query t may attend to slot s, or an
+            ``attention.AttentionMask`` (the same relation from O(T + S) integers). A query
+            row with no True entry gets garbage output, never NaN.
           heads_major: layout of ``k``/``v`` (keyword only).
 
         Returns:
-          ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).
+          ``[batch, T, embed]`` in ``q.dtype`` (after the output projection). Long inputs (``T``
+          and ``S`` over one tile, ``attention.use_blocked``) go through
+          ``attention.blocked_attention`` (no ``[B, H, T, S]`` scores); others through
+          ``attention.dense_attention``.
         """
-        b, t, h, hd = q.shape
-        kvh = k.shape[1] if heads_major else k.shape[2]
-        kv_spec = "bksh" if heads_major else "bskh"
-        qg = q.reshape(b, t, kvh, h // kvh, hd)  # query head j uses kv head j // groups (HF repeat_kv)
-        scores = jnp.einsum(f"btkgh,{kv_spec}->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = scores * jnp.float32(1.0 / math.sqrt(hd))
-        scores = jnp.where(attn_mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum(f"bkgts,{kv_spec}->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
+        t = q.shape[1]
+        s = k.shape[2] if heads_major else k.shape[1]
+        fn = blocked_attention if use_blocked(t, s) else dense_attention
+        out = fn(q, k, v, attn_mask, heads_major=heads_major)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(q.dtype))
 
 

@@ -1,0 +1,57 @@
+"""benchmarks/diagnose_skills.py: the skill steps of an episode, checked on the scripted agent's
+own trajectories (real world, tokenizer and BM25), whose behaviour is known by construction."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
+from mempo_jax.data.world import WorldConfig, build_world
+from mempo_jax.experiment import _tokenizer_texts
+from mempo_jax.tokenizer import train_sentencepiece
+from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.search import ToolEnvironment
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from diagnose_skills import episode_skills  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
+                                    num_single=20, num_bridge=20, num_multi=20))
+    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
+                              tmp_path_factory.mktemp("spm"), 600)
+    return world, tok, AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1)
+
+
+@pytest.mark.parametrize("lazy", [0.0, 1.0])
+def test_scripted_bridge_episodes_have_the_skills_they_were_written_with(setup, lazy):
+    world, tok, fmt, env = setup
+    offices = {c["name"]: c["offices"] for c in world.companies}
+    cfg = ScriptedAgentConfig(lazy_prob=lazy, duplicate_prob=0.0)
+    rng = np.random.default_rng(0)
+    for q in [q for q in world.train if q.kind == "bridge"][:6]:
+        tr = scripted_trajectory(q, offices, fmt, env, cfg, RolloutConfig(), rng)
+        s = episode_skills(q, tr, tok, world)
+        assert s["searched_person_first"] == s["searched_company_after"] == 1.0
+        assert s["answered_a_head"] == 1.0  # the lazy agent guesses one of the company's heads
+        assert s["city_in_a_mem"] == (0.0 if lazy else 1.0)  # lazy: the birth city is dropped
+        if not lazy:
+            assert s["em"] == 1.0
+
+
+def test_scripted_multi_episodes_search_every_subject(setup):
+    world, tok, fmt, env = setup
+    offices = {c["name"]: c["offices"] for c in world.companies}
+    rng = np.random.default_rng(1)
+    for q in [q for q in world.train if q.kind == "multi"][:4]:
+        tr = scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=1.0), RolloutConfig(), rng)
+        s = episode_skills(q, tr, tok, world)
+        assert s["subjects_searched"] == 1.0
+        assert s["em"] == pytest.approx(1 / len(q.golds))  # lazy: only the newest sub-answer is kept
