@@ -274,12 +274,9 @@ def _packed_old_logprobs(learner):
         return None
     calc = getattr(learner, "_old_logprobs_calc", None)
     if calc is None:
-        mesh = learner.mesh
         calc = PackedLogprobs(packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
-                              min_rows=1 if mesh is None else batch_shards(mesh, learner.rules),
-                              min_length=TRAIN_MIN_LENGTH,
-                              param_shardings=getattr(learner, "param_shardings", None),
-                              batch_sharding=getattr(learner, "batch_sharding", None))
+                              min_rows=batch_shards(learner.mesh, learner.rules), min_length=TRAIN_MIN_LENGTH,
+                              param_shardings=learner.param_shardings, batch_sharding=learner.batch_sharding)
         learner._old_logprobs_calc = calc
     return calc
 

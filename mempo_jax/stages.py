@@ -8,6 +8,7 @@ checkpointers and acts on a SIGTERM at its step boundaries (``RunContext.pre``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -22,7 +23,7 @@ from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.metrics import format_eval_table, paired_gains, write_json_atomic
 from mempo_jax.preemption import Preempted
 from mempo_jax.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, check_sft_step
-from mempo_jax.run_context import RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
+from mempo_jax.run_context import DILIGENT_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
     """The policy of ``learner`` on the held-out questions in every ``EvalConfig.context_modes`` mode.
 
     Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode)``."""
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.evaluation import evaluate_policy, is_kind_metric, kind_metrics
 
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
@@ -54,12 +55,14 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n))
         bar.close()
         metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
+        metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
         if ctx.multi:  # every process's questions, in the single-process order (collectives)
             em = distributed.concat_processes(em, ctx.sync).astype(np.float64)
             f1 = distributed.concat_processes(f1, ctx.sync).astype(np.float64)
             means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
                                              weight=float(len(held_mine)), sync=ctx.sync)
             metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+        metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
         out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
         ctx.logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
         ctx.say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
@@ -126,7 +129,14 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
                          for q in tqdm(exp.train_questions, desc="scripted agent", leave=False,
                                        disable=not ctx.primary)]
     trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps) for c in convs]
-    rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng)
+    full_trajs = None
+    if not sft_file and not cfg.sft.agent.lazy_full_rows:  # diligent replays, own stream
+        diligent = dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
+        rng_d = np.random.default_rng([cfg.seed, DILIGENT_STREAM])
+        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, diligent, rng_d),
+                                              exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps)
+                      for q in exp.train_questions]
+    rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
     if sft_file:
         ctx.say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)", flush=True)
     rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)), tok.bos_id, rng)
