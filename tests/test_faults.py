@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -24,12 +22,18 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS, small_env, train_command  # noqa: E402
 from mempo_jax.agent.format import AgentFormat
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
+from conftest import SPM_CACHE, XLA_CACHE, one_device_flags  # noqa: E402  (the session's shared caches)
+
+
+def _env(**extra) -> dict:
+    """The small run's environment on one CPU device: the XLA cache key holds the device count, so
+    every one-device trainer run of the session (here, test_resume / test_faults / test_train_e2e)
+    loads the programs the first one compiled."""
+    return small_env(XLA_CACHE, XLA_FLAGS=one_device_flags(), **extra)
 
 
 def _train(run_dir, params=(), env_extra=None, timeout=600):
-    return subprocess.run(train_command(run_dir, params, SPM_CACHE), env=small_env(XLA_CACHE, **(env_extra or {})),
+    return subprocess.run(train_command(run_dir, params, SPM_CACHE), env=_env(**(env_extra or {})),
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -123,7 +127,6 @@ def test_learner_skips_a_nonfinite_update_bit_for_bit():
 def _main(capsys, run_dir, *params, cache=SPM_CACHE):
     from mempo_jax import train
 
-    os.environ.setdefault("MEMPO_XLA_CACHE", XLA_CACHE)
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(cache)]
     for p in (*SMALL_PARAMS, *params):
         argv += ["--gin_param", p]

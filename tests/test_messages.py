@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import SPM_CACHE, one_device_flags
 from hypothesis import given, settings, strategies as st
 
 from mempo_jax.agent.format import AgentFormat
@@ -357,15 +358,15 @@ def test_train_runs_sft_from_a_messages_file(tmp_path):
     data = _write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, {"messages": TWO_TURNS["messages"][1:3]}] * 3)
     n = 6
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", MEMPO_XLA_CACHE=str(tmp_path / "xla"))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")  # the session's XLA cache (conftest.py)
+    env["XLA_FLAGS"] = one_device_flags()  # one CPU device
     params = small + [
         f'SFTConfig.data_path="{data}"', "SFTConfig.steps=2", "SFTConfig.batch_rows=4", "RLConfig.steps=0",
         'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), '
         '("head_dim", 16), ("mlp_dim", 64))', "EvalConfig.num_questions=1", "EvalConfig.context_modes=(1,)",
         "EvalConfig.bootstrap_samples=10", "RolloutConfig.max_turns=1", "RolloutConfig.max_new_tokens=8"]
     out = subprocess.run([sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir",
-                          str(tmp_path / "spm"), *sum((["--gin_param", p] for p in params), [])], cwd=REPO, env=env,
+                          str(SPM_CACHE), *sum((["--gin_param", p] for p in params), [])], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"[mempo] SFT on {n} conversations of {data}" in out.stdout

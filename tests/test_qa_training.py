@@ -53,6 +53,7 @@ from mempo_jax.sampling import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
 from mempo_jax.tools.corpus import load_corpus_jsonl  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
+from conftest import SPM_CACHE, one_device_flags  # noqa: E402  (the session's shared tokenizer cache)
 from test_hf_train import _bpe  # noqa: E402  (the Qwen2.5-layout byte-level BPE of a test checkpoint)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -161,9 +162,9 @@ def retriever(data, tmp_path_factory):
             proc.wait()
 
 
-def _train_in_process(run_dir, params, tmp_root) -> int:
+def _train_in_process(run_dir, params) -> int:
     argv = ["--run_dir", str(run_dir), "--gin_file", str(REPO / "configs" / "tiny_world.gin"),
-            "--cache_dir", str(tmp_root / "spm")]
+            "--cache_dir", str(SPM_CACHE)]
     for p in params:
         argv += ["--gin_param", p]
     return train.main(argv)
@@ -182,7 +183,7 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
         f'ModelOptions.checkpoint="{folder}"', 'ModelOptions.tags="tokens"', "ModelOptions.overrides=()",
         "SFTConfig.steps=0",
         "RLConfig.num_mini_batches=1", "RolloutConfig.temperature=1.0", "rl/OptimConfig.learning_rate=1e-3",
-        *SMALL_RUN], tmp)
+        *SMALL_RUN])
     assert rc == 0
     return run
 
@@ -194,9 +195,9 @@ def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path):
     """The user's command on a FlashRAG QA file + corpus JSONL (tiny model from scratch, SFT on the
     scripted plan "search the question, answer"): every stage runs; the search backend is the corpus."""
     run = tmp_path / "run"
-    env = dict(os.environ, MEMPO_XLA_CACHE=str(tmp_path / "xla"), PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir", str(tmp_path / "spm")]
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the session's XLA cache (conftest.py)
+    env["XLA_FLAGS"] = one_device_flags()  # one CPU device
+    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir", str(SPM_CACHE)]
     for p in ['ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
               f'ExperimentConfig.corpus_path="{data / CORPUS}"', "ExperimentConfig.vocab_size=600", TINY_SCRATCH,
               "SFTConfig.steps=2", "SFTConfig.batch_rows=4", *SMALL_RUN]:
@@ -341,7 +342,7 @@ def test_bad_qa_input_exits_2_and_leaves_the_run_folder_untouched(case, data, tm
     existing.mkdir()
     (existing / "note.txt").write_text("keep")
     for run in (fresh, existing):
-        assert _train_in_process(run, ['ExperimentConfig.dataset="qa"', *params], tmp_path) == 2
+        assert _train_in_process(run, ['ExperimentConfig.dataset="qa"', *params]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not fresh.exists()

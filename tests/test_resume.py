@@ -1,8 +1,8 @@
 """Checkpoints, resume and preemption of ``python -m mempo_jax.train`` (issue #6), on the small run
 of ``benchmarks/chaos_resume.py`` (1-layer model, tiny world, 6 SFT + 6 RL steps) in subprocesses.
 
-The runs share a persistent XLA cache (``$MEMPO_TEST_XLA_CACHE`` or a fixed folder under the
-system temp dir, content-addressed, so sharing is safe) to skip recompiles across processes.
+The runs share the session's XLA and tokenizer caches (``conftest.py``) to skip recompiles across
+processes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -23,18 +22,24 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import chaos, compare_runs, count_lines, small_env, train_command  # noqa: E402
+from conftest import SPM_CACHE, XLA_CACHE, one_device_flags  # noqa: E402  (the session's shared caches)
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
 SFT_STEPS = RL_STEPS = 6
 # 6 SFT lines, the SFT evaluation (one mode), 6 RL lines, the RL evaluation
 LINES = SFT_STEPS + 1 + RL_STEPS + 1
 
 
+def _env(**extra) -> dict:
+    """The small run's environment on one CPU device: the XLA cache key holds the device count, so
+    every one-device trainer run of the session (here, test_resume / test_faults / test_train_e2e)
+    loads the programs the first one compiled."""
+    return small_env(XLA_CACHE, XLA_FLAGS=one_device_flags(), **extra)
+
+
 def _train(run_dir, params=(), env_extra=None, timeout=600, args=()):
     cmd = train_command(run_dir, params, SPM_CACHE) + list(args)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=small_env(XLA_CACHE, **(env_extra or {})), cwd=REPO, capture_output=True,
+    proc = subprocess.run(cmd, env=_env(**(env_extra or {})), cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -109,7 +114,7 @@ def test_sigterm_during_rollout_saves_exits_0_and_resumes_exactly(reference, tmp
 def test_chaos_three_sigkills_end_bitwise_equal(reference, tmp_path):
     """benchmarks/chaos_resume.py with 3 seeded kills (the script's default is 10)."""
     run = tmp_path / "chaos"
-    stats = chaos(run, train_command(run, cache_dir=SPM_CACHE), small_env(XLA_CACHE), kills=3, seed=1,
+    stats = chaos(run, train_command(run, cache_dir=SPM_CACHE), _env(), kills=3, seed=1,
                   total_lines=LINES, max_delay_s=1.5, timeout_s=600, log=lambda s: None)
     assert stats["kills_delivered"] == 3
     diff = compare_runs(reference, run)
@@ -253,7 +258,7 @@ def test_logs_deleted_or_replaced_during_a_run_are_recreated(reference, tmp_path
     checkpoints. Now each is recreated from the open file: nothing is lost, the offsets are
     true, the foreign file is kept, and the folder resumes."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_command(run, (), SPM_CACHE), env=small_env(XLA_CACHE), cwd=REPO,
+    proc = subprocess.Popen(train_command(run, (), SPM_CACHE), env=_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = []
 
