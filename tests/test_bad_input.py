@@ -188,7 +188,7 @@ def test_a_malformed_hotpotqa_row_names_file_line_and_field(row, message, tmp_pa
 
 
 @pytest.mark.parametrize("raw, message", [
-    (b"", "0 HotpotQA questions; a run needs at least 2"),
+    (b"", "empty file, cannot detect the QA format"),
     (json.dumps(_GOOD).encode() + b"\n" + json.dumps(dict(_GOOD, id="b")).encode()[:-2] + b'\xff"}\n',
      "2: not UTF-8 text (byte 0xff"),
 ])

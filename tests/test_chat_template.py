@@ -12,11 +12,12 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.chat_template import (
     ACTION_DESCRIPTIONS, TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame,
     observation_text, question_messages, system_prompt)
 from mempo_jax.agent.protocol import ACCESS, ANSWER, INFORMATION, MEM, SEARCH, THINK
-from mempo_jax.agent.rollout import SYSTEM_PROMPT, build_prompt, encode_observation
+from mempo_jax.agent.rollout import SYSTEM_PROMPT, encode_observation
 from mempo_jax.hf_tokenizer import HFTokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -240,7 +241,8 @@ def test_plain_template_gives_build_prompt_ids_bitwise(spm_tokenizer, smol_token
     assert smol_tokenizer.bos_id is not None  # SmolLM2 names a BOS token: the plain template puts it first
     for tok in (spm_tokenizer, smol_tokenizer):
         messages = question_messages(question, SYSTEM_PROMPT)
-        assert PlainTemplate().prompt_ids(tok, messages) == build_prompt(tok, question)
+        bos = [] if tok.bos_id is None else [tok.bos_id]  # the from-scratch prompt, written out independently
+        assert PlainTemplate().prompt_ids(tok, messages) == bos + tok.encode(f"{SYSTEM_PROMPT}\nQuestion: {question}\n")
         assert PlainTemplate().render(messages, True) == f"{SYSTEM_PROMPT}\nQuestion: {question}\n"
 
 
@@ -342,7 +344,7 @@ def test_assistant_layout_gives_the_rollouts_observation_ids(spm_tokenizer):
     before, after = observation_frame(PlainTemplate(), "assistant")
     obs = "[doc 3] Ada works for Babbage."
     ids = encode_rendered(spm_tokenizer, before) + spm_tokenizer.encode(obs)[:5] + encode_rendered(spm_tokenizer, after)
-    assert ids == encode_observation(spm_tokenizer, obs, 5)
+    assert ids == encode_observation(AgentFormat.plain(spm_tokenizer), obs, 5)
 
 
 def test_layouts_that_cannot_be_derived_are_clear_errors(smollm2_dir):

