@@ -85,8 +85,19 @@ def pytest_configure(config):
                    "-m 'not slow' leaves it out")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Moves the test modules that use ``small_run`` after the others (each module kept whole and in
+    its order, so its module fixtures are set up once): the fast tests run while the small run
+    trains in the background."""
+    later = {item.module.__name__ for item in items
+             if "small_run" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in later)
+
+
 def pytest_collection_finish(session):
     """Starts the small run in the background when a selected test uses ``small_run``."""
+    if session.config.option.collectonly:
+        return
     if any("small_run" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_small_run()
 
