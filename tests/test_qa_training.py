@@ -53,7 +53,7 @@ from mempo_jax.sampling import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
 from mempo_jax.tools.corpus import load_corpus_jsonl  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
-from conftest import SPM_CACHE, one_device_flags  # noqa: E402  (the session's shared tokenizer cache)
+from conftest import SPM_CACHE  # noqa: E402  (the session's shared tokenizer cache)
 from test_hf_train import _bpe  # noqa: E402  (the Qwen2.5-layout byte-level BPE of a test checkpoint)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -191,21 +191,19 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
 # ------------------------------------------------------------------------------------ tests
 
 
-def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path):
+def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path, capsys):
     """The user's command on a FlashRAG QA file + corpus JSONL (tiny model from scratch, SFT on the
-    scripted plan "search the question, answer"): every stage runs; the search backend is the corpus."""
+    scripted plan "search the question, answer"): every stage runs; the search backend is the corpus.
+    (``train.main`` in-process: no signal or second process needed.)"""
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO))  # the session's XLA cache (conftest.py)
-    env["XLA_FLAGS"] = one_device_flags()  # one CPU device
-    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir", str(SPM_CACHE)]
-    for p in ['ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
-              f'ExperimentConfig.corpus_path="{data / CORPUS}"', "ExperimentConfig.vocab_size=600", TINY_SCRATCH,
-              "SFTConfig.steps=2", "SFTConfig.batch_rows=4", *SMALL_RUN]:
-        cmd += ["--gin_param", p]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc = _train_in_process(run, [
+        'ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
+        f'ExperimentConfig.corpus_path="{data / CORPUS}"', "ExperimentConfig.vocab_size=600", TINY_SCRATCH,
+        "SFTConfig.steps=2", "SFTConfig.batch_rows=4", *SMALL_RUN])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
     # 17 NQ questions, 20 % (3) held out; 1,000 passages in the corpus sample (SOURCES.md)
-    assert f"qa: 14 train / 3 held-out questions, search corpus {data / CORPUS} (1000 passages)" in out.stdout
+    assert f"qa: 14 train / 3 held-out questions, search corpus {data / CORPUS} (1000 passages)" in out.out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dataset"] == "qa" and summary["heldout_questions"] == 2 and summary["hf_export"] is None
     assert set(summary["eval"]["rl"]["k1"]) >= {"em", "f1", "tt", "pt", "turns", "format_fail"}

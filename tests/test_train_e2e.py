@@ -15,6 +15,8 @@ import pytest
 
 from conftest import SPM_CACHE, one_device_flags
 
+pytestmark = pytest.mark.slow  # each test runs the trainer as a subprocess
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS  # noqa: E402
