@@ -193,6 +193,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     import jax
 

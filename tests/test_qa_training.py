@@ -191,6 +191,7 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
 # ------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.slow
 def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path, capsys):
     """The user's command on a FlashRAG QA file + corpus JSONL (tiny model from scratch, SFT on the
     scripted plan "search the question, answer"): every stage runs; the search backend is the corpus.
@@ -212,6 +213,7 @@ def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path, capsys):
     assert (run / "tokenizer.model").is_file() and not (run / "hf_tokenizer").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_run_searches_the_retriever(checkpoint_run, scripted_checkpoint, data):
     """Every turn searches ``c``; the observations in rollouts.jsonl are the server's top-1 hit,
     i.e. what BM25 over the same corpus returns (cut to max_observation_tokens = 16 ids)."""
@@ -227,6 +229,7 @@ def test_checkpoint_run_searches_the_retriever(checkpoint_run, scripted_checkpoi
     assert {t["information"] for t in scripted} == {want}
 
 
+@pytest.mark.slow
 def test_sft_steps_0_makes_the_checkpoint_the_reference(checkpoint_run, scripted_checkpoint):
     folder, _, _ = scripted_checkpoint
     step, stored = read_checkpoint(checkpoint_run / "sft_checkpoint")
@@ -245,6 +248,7 @@ def test_sft_steps_0_makes_the_checkpoint_the_reference(checkpoint_run, scripted
     assert summary["eval"]["sft"]["k1"]["n"] == 2  # the zero-shot evaluation of the checkpoint
 
 
+@pytest.mark.slow
 def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_run, tmp_path):
     export = checkpoint_run / "hf_export"
     assert json.loads((checkpoint_run / "summary.json").read_text())["hf_export"] == str(export)
@@ -276,6 +280,7 @@ def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_ru
     np.testing.assert_array_equal(np.asarray(ours.tokens), ref.numpy()[:, width:])
 
 
+@pytest.mark.slow
 def test_evaluate_hf_checkpoint_equals_the_run_folder(checkpoint_run, retriever, data, tmp_path):
     """The same policy two ways (the run folder with its hf_tokenizer/, and its HF export) on the
     same data and options: the same eval.json."""
@@ -347,6 +352,7 @@ def test_bad_qa_input_exits_2_and_leaves_the_run_folder_untouched(case, data, tm
     assert sorted(p.name for p in existing.iterdir()) == ["note.txt"]
 
 
+@pytest.mark.slow
 def test_export_command_on_the_run_folder(checkpoint_run, tmp_path, capsys):
     """``python -m mempo_jax.export`` of the run folder's RL step 1 writes what the trainer wrote."""
     from mempo_jax import export

@@ -155,6 +155,7 @@ def _close(a, b, where):
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+@pytest.mark.slow
 def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
     """Same metric lines (1e-4 relative), rollouts, evaluations and summary (but wall time), and the
     same final SFT and RL parameters (1e-5 relative), written once, by process 0."""
