@@ -12,7 +12,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -21,15 +20,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS  # noqa: E402
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
+from conftest import SPM_CACHE  # noqa: E402  (the session's shared tokenizer cache)
 
 
 def _main(capsys, run_dir, *params, cache=SPM_CACHE):
     """``train.main`` on the small config plus ``params``; returns (exit status, the stderr lines)."""
     from mempo_jax import train
 
-    os.environ.setdefault("MEMPO_XLA_CACHE", XLA_CACHE)
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(cache)]
     for p in (*SMALL_PARAMS, *params):
         argv += ["--gin_param", p]

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -21,15 +19,14 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from chaos_resume import SMALL_PARAMS, small_env, train_command  # noqa: E402
+from chaos_resume import SMALL_PARAMS, train_command  # noqa: E402
 from mempo_jax.agent.format import AgentFormat
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
+from conftest import SPM_CACHE, one_device_env  # noqa: E402  (the session's shared caches)
 
 
 def _train(run_dir, params=(), env_extra=None, timeout=600):
-    return subprocess.run(train_command(run_dir, params, SPM_CACHE), env=small_env(XLA_CACHE, **(env_extra or {})),
+    return subprocess.run(train_command(run_dir, params, SPM_CACHE), env=one_device_env(**(env_extra or {})),
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -42,13 +39,16 @@ NAN_PARAMS = ("RLConfig.steps=7", "CheckpointConfig.max_consecutive_nonfinite=3"
 
 
 @pytest.fixture(scope="module")
-def nan_run(tmp_path_factory):
-    """RL steps 2 and 4-6 get NaN gradients (test hook); 3 in a row stop the run at step 6."""
+def nan_run(small_run, tmp_path_factory):
+    """RL steps 2 and 4-6 get NaN gradients (test hook); 3 in a row stop the run at step 6.
+
+    After the session's small run (same shapes): its programs load from the XLA cache."""
     run = tmp_path_factory.mktemp("nan") / "run"
     proc = _train(run, NAN_PARAMS, {"MEMPO_TEST_NAN_GRAD_STEPS": "2,4-6"})
     return run, proc
 
 
+@pytest.mark.slow
 def test_nan_step_is_skipped_counted_and_training_continues(nan_run):
     run, _ = nan_run
     rl = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"stage": "rl"' in x]
@@ -61,6 +61,7 @@ def test_nan_step_is_skipped_counted_and_training_continues(nan_run):
     assert rl[3]["actor/grad_norm"] > 0.0  # step 3 trained normally after the skipped step
 
 
+@pytest.mark.slow
 def test_consecutive_nan_steps_stop_with_one_line_and_keep_last_good_checkpoint(nan_run):
     from mempo_jax.checkpoint import read_checkpoint
 
@@ -79,6 +80,7 @@ def test_consecutive_nan_steps_stop_with_one_line_and_keep_last_good_checkpoint(
     assert not (run / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_from_last_good_checkpoint(nan_run, tmp_path):
     """Without the fault the same command resumes at checkpoint 4 and finishes."""
     src, _ = nan_run
@@ -123,7 +125,6 @@ def test_learner_skips_a_nonfinite_update_bit_for_bit():
 def _main(capsys, run_dir, *params, cache=SPM_CACHE):
     from mempo_jax import train
 
-    os.environ.setdefault("MEMPO_XLA_CACHE", XLA_CACHE)
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(cache)]
     for p in (*SMALL_PARAMS, *params):
         argv += ["--gin_param", p]
@@ -199,6 +200,7 @@ def _snapshot(run):
             and not p.relative_to(run).as_posix().startswith(".cache")}
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_shape(finished_copy, capsys):
     before = _snapshot(finished_copy)
     rc, err = _main(capsys, finished_copy, *NAN_PARAMS,
@@ -224,6 +226,7 @@ def test_checkpoint_restore_into_another_shape_is_one_line(tmp_path):
     assert "(4, 8)" in msg and "(4, 16)" in msg
 
 
+@pytest.mark.slow
 def test_run_folder_of_another_seed_or_with_lost_metrics(finished_copy, capsys):
     before = _snapshot(finished_copy)
     rc, err = _main(capsys, finished_copy, *NAN_PARAMS, "ExperimentConfig.seed=1")
@@ -303,6 +306,7 @@ def test_retrieval_server_binds_loopback_by_default(tmp_path, monkeypatch):
     assert bound["host"] == "127.0.0.1"
 
 
+@pytest.mark.slow
 def test_checkpoints_and_indexes_are_never_unpickled(tmp_path, monkeypatch, nan_run):
     from mempo_jax.checkpoint import Checkpointer, load_policy, read_checkpoint
     from mempo_jax.tools.bm25 import BM25Index

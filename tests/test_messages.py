@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import SPM_CACHE
 from hypothesis import given, settings, strategies as st
 
 from mempo_jax.agent.format import AgentFormat
@@ -338,38 +339,38 @@ def test_smollm2_text_tags_through_the_same_reader(tmp_path):
 
 # ---- the trainer reads SFTConfig.data_path ---------------------------------------------------------
 
-def test_train_rejects_a_bad_messages_file_before_touching_the_run_folder(tmp_path):
+def test_train_rejects_a_bad_messages_file_before_touching_the_run_folder(tmp_path, capfd):
+    from mempo_jax import train
+
     bad = _write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, {"messages": [U, {"role": "bot", "content": "x"}]}])
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--gin_param",
-                          f'SFTConfig.data_path="{bad}"'], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == f"error: {bad}:2: field 'messages[1].role': unknown role 'bot' (expected one of " \
-                                 "system, user, assistant, tool)"
+    capfd.readouterr()
+    assert train.main(["--run_dir", str(run), "--gin_param", f'SFTConfig.data_path="{bad}"']) == 2
+    assert capfd.readouterr().err.strip() == f"error: {bad}:2: field 'messages[1].role': unknown role 'bot' " \
+                                             "(expected one of system, user, assistant, tool)"
     assert not run.exists()
 
 
-def test_train_runs_sft_from_a_messages_file(tmp_path):
-    """``SFTConfig.data_path`` end to end: a messages file (not the scripted agent) trains the SFT stage."""
+@pytest.mark.slow
+def test_train_runs_sft_from_a_messages_file(tmp_path, capsys):
+    """``SFTConfig.data_path`` end to end: a messages file (not the scripted agent) trains the SFT stage
+    (``train.main`` in-process: no signal or second process needed)."""
+    from mempo_jax import train
+
     small = ["WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
              "WorldConfig.num_countries=4", "WorldConfig.num_single=10", "WorldConfig.num_bridge=10",
              "WorldConfig.num_multi=10", "ExperimentConfig.vocab_size=600"]
     data = _write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, {"messages": TWO_TURNS["messages"][1:3]}] * 3)
     n = 6
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", MEMPO_XLA_CACHE=str(tmp_path / "xla"))
-    env.pop("XLA_FLAGS", None)
     params = small + [
         f'SFTConfig.data_path="{data}"', "SFTConfig.steps=2", "SFTConfig.batch_rows=4", "RLConfig.steps=0",
         'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), '
         '("head_dim", 16), ("mlp_dim", 64))', "EvalConfig.num_questions=1", "EvalConfig.context_modes=(1,)",
         "EvalConfig.bootstrap_samples=10", "RolloutConfig.max_turns=1", "RolloutConfig.max_new_tokens=8"]
-    out = subprocess.run([sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir",
-                          str(tmp_path / "spm"), *sum((["--gin_param", p] for p in params), [])], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"[mempo] SFT on {n} conversations of {data}" in out.stdout
+    rc = train.main(["--run_dir", str(run), "--cache_dir", str(SPM_CACHE), *sum((["--gin_param", p] for p in params), [])])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    assert f"[mempo] SFT on {n} conversations of {data}" in out.out
     sft = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"stage": "sft"' in line]
     assert len(sft) == 2 and all(np.isfinite(m["sft/loss"]) for m in sft)

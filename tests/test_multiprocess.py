@@ -193,15 +193,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     import jax
+
+    from conftest import FAST_XLA  # here, not at the top: the worker processes run this file without conftest
 
     params = sft_params()
     np.savez(tmp_path / "init.npz", **{f"p{i}": x for i, x in enumerate(_flat(params))})
     # Two CPU devices per process; cheaper LLVM passes halve the workers' compile time on a busy CPU
     # (the comparison below checks that the numbers still agree).
-    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 " \
-            "--xla_llvm_disable_expensive_passes=true"
+    flags = f"--xla_force_host_platform_device_count=2 {FAST_XLA}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
     port = _free_port()

@@ -53,6 +53,7 @@ from mempo_jax.sampling import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
 from mempo_jax.tools.corpus import load_corpus_jsonl  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
+from conftest import SPM_CACHE  # noqa: E402  (the session's shared tokenizer cache)
 from test_hf_train import _bpe  # noqa: E402  (the Qwen2.5-layout byte-level BPE of a test checkpoint)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -161,9 +162,9 @@ def retriever(data, tmp_path_factory):
             proc.wait()
 
 
-def _train_in_process(run_dir, params, tmp_root) -> int:
+def _train_in_process(run_dir, params) -> int:
     argv = ["--run_dir", str(run_dir), "--gin_file", str(REPO / "configs" / "tiny_world.gin"),
-            "--cache_dir", str(tmp_root / "spm")]
+            "--cache_dir", str(SPM_CACHE)]
     for p in params:
         argv += ["--gin_param", p]
     return train.main(argv)
@@ -182,7 +183,7 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
         f'ModelOptions.checkpoint="{folder}"', 'ModelOptions.tags="tokens"', "ModelOptions.overrides=()",
         "SFTConfig.steps=0",
         "RLConfig.num_mini_batches=1", "RolloutConfig.temperature=1.0", "rl/OptimConfig.learning_rate=1e-3",
-        *SMALL_RUN], tmp)
+        *SMALL_RUN])
     assert rc == 0
     return run
 
@@ -190,21 +191,20 @@ def checkpoint_run(data, scripted_checkpoint, retriever, tmp_path_factory):
 # ------------------------------------------------------------------------------------ tests
 
 
-def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path):
+@pytest.mark.slow
+def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path, capsys):
     """The user's command on a FlashRAG QA file + corpus JSONL (tiny model from scratch, SFT on the
-    scripted plan "search the question, answer"): every stage runs; the search backend is the corpus."""
+    scripted plan "search the question, answer"): every stage runs; the search backend is the corpus.
+    (``train.main`` in-process: no signal or second process needed.)"""
     run = tmp_path / "run"
-    env = dict(os.environ, MEMPO_XLA_CACHE=str(tmp_path / "xla"), PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run), "--cache_dir", str(tmp_path / "spm")]
-    for p in ['ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
-              f'ExperimentConfig.corpus_path="{data / CORPUS}"', "ExperimentConfig.vocab_size=600", TINY_SCRATCH,
-              "SFTConfig.steps=2", "SFTConfig.batch_rows=4", *SMALL_RUN]:
-        cmd += ["--gin_param", p]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc = _train_in_process(run, [
+        'ExperimentConfig.dataset="qa"', f'ExperimentConfig.train_path="{data / NQ}"',
+        f'ExperimentConfig.corpus_path="{data / CORPUS}"', "ExperimentConfig.vocab_size=600", TINY_SCRATCH,
+        "SFTConfig.steps=2", "SFTConfig.batch_rows=4", *SMALL_RUN])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
     # 17 NQ questions, 20 % (3) held out; 1,000 passages in the corpus sample (SOURCES.md)
-    assert f"qa: 14 train / 3 held-out questions, search corpus {data / CORPUS} (1000 passages)" in out.stdout
+    assert f"qa: 14 train / 3 held-out questions, search corpus {data / CORPUS} (1000 passages)" in out.out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dataset"] == "qa" and summary["heldout_questions"] == 2 and summary["hf_export"] is None
     assert set(summary["eval"]["rl"]["k1"]) >= {"em", "f1", "tt", "pt", "turns", "format_fail"}
@@ -213,6 +213,7 @@ def test_train_on_flashrag_file_with_corpus_jsonl(data, tmp_path):
     assert (run / "tokenizer.model").is_file() and not (run / "hf_tokenizer").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_run_searches_the_retriever(checkpoint_run, scripted_checkpoint, data):
     """Every turn searches ``c``; the observations in rollouts.jsonl are the server's top-1 hit,
     i.e. what BM25 over the same corpus returns (cut to max_observation_tokens = 16 ids)."""
@@ -228,6 +229,7 @@ def test_checkpoint_run_searches_the_retriever(checkpoint_run, scripted_checkpoi
     assert {t["information"] for t in scripted} == {want}
 
 
+@pytest.mark.slow
 def test_sft_steps_0_makes_the_checkpoint_the_reference(checkpoint_run, scripted_checkpoint):
     folder, _, _ = scripted_checkpoint
     step, stored = read_checkpoint(checkpoint_run / "sft_checkpoint")
@@ -246,6 +248,7 @@ def test_sft_steps_0_makes_the_checkpoint_the_reference(checkpoint_run, scripted
     assert summary["eval"]["sft"]["k1"]["n"] == 2  # the zero-shot evaluation of the checkpoint
 
 
+@pytest.mark.slow
 def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_run, tmp_path):
     export = checkpoint_run / "hf_export"
     assert json.loads((checkpoint_run / "summary.json").read_text())["hf_export"] == str(export)
@@ -277,6 +280,7 @@ def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_ru
     np.testing.assert_array_equal(np.asarray(ours.tokens), ref.numpy()[:, width:])
 
 
+@pytest.mark.slow
 def test_evaluate_hf_checkpoint_equals_the_run_folder(checkpoint_run, retriever, data, tmp_path):
     """The same policy two ways (the run folder with its hf_tokenizer/, and its HF export) on the
     same data and options: the same eval.json."""
@@ -341,13 +345,14 @@ def test_bad_qa_input_exits_2_and_leaves_the_run_folder_untouched(case, data, tm
     existing.mkdir()
     (existing / "note.txt").write_text("keep")
     for run in (fresh, existing):
-        assert _train_in_process(run, ['ExperimentConfig.dataset="qa"', *params], tmp_path) == 2
+        assert _train_in_process(run, ['ExperimentConfig.dataset="qa"', *params]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not fresh.exists()
     assert sorted(p.name for p in existing.iterdir()) == ["note.txt"]
 
 
+@pytest.mark.slow
 def test_export_command_on_the_run_folder(checkpoint_run, tmp_path, capsys):
     """``python -m mempo_jax.export`` of the run folder's RL step 1 writes what the trainer wrote."""
     from mempo_jax import export

@@ -1,8 +1,10 @@
 """Checkpoints, resume and preemption of ``python -m mempo_jax.train`` (issue #6), on the small run
 of ``benchmarks/chaos_resume.py`` (1-layer model, tiny world, 6 SFT + 6 RL steps) in subprocesses.
 
-The runs share a persistent XLA cache (``$MEMPO_TEST_XLA_CACHE`` or a fixed folder under the
-system temp dir, content-addressed, so sharing is safe) to skip recompiles across processes.
+The uninterrupted run is the session's ``small_run`` (``conftest.py``); every run shares the
+session's XLA and tokenizer caches to skip recompiles across processes. Runs that need a signal or
+a second process are subprocesses; a command that stops at start-up (exit status 2) runs
+in-process (``train.main``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -22,10 +23,9 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from chaos_resume import chaos, compare_runs, count_lines, small_env, train_command  # noqa: E402
+from chaos_resume import SMALL_PARAMS, chaos, compare_runs, count_lines, train_command  # noqa: E402
+from conftest import SPM_CACHE, one_device_env  # noqa: E402  (the session's shared caches)
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
 SFT_STEPS = RL_STEPS = 6
 # 6 SFT lines, the SFT evaluation (one mode), 6 RL lines, the RL evaluation
 LINES = SFT_STEPS + 1 + RL_STEPS + 1
@@ -34,18 +34,28 @@ LINES = SFT_STEPS + 1 + RL_STEPS + 1
 def _train(run_dir, params=(), env_extra=None, timeout=600, args=()):
     cmd = train_command(run_dir, params, SPM_CACHE) + list(args)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=small_env(XLA_CACHE, **(env_extra or {})), cwd=REPO, capture_output=True,
+    proc = subprocess.run(cmd, env=one_device_env(**(env_extra or {})), cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run of the small config."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    proc, _ = _train(run)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+def _main_exit_2(capfd, run_dir, params=()):
+    """``train.main`` in-process on the small config plus ``params`` (a command that stops at
+    start-up needs no process of its own); returns (exit status, what it wrote to stderr)."""
+    from mempo_jax import train
+
+    argv = ["--run_dir", str(run_dir), "--cache_dir", str(SPM_CACHE)]
+    for p in (*SMALL_PARAMS, *params):
+        argv += ["--gin_param", p]
+    capfd.readouterr()
+    rc = train.main(argv)
+    return rc, capfd.readouterr().err
+
+
+@pytest.fixture
+def reference(small_run):
+    """The uninterrupted run of the small config (the session's, read-only: tests copy it)."""
+    return small_run
 
 
 def _meta(run, folder, step):
@@ -54,6 +64,7 @@ def _meta(run, folder, step):
     return read_checkpoint(run / folder, step)[1]["meta"]
 
 
+@pytest.mark.slow
 def test_uninterrupted_run_leaves_resume_points(reference):
     """every_steps = 2, max_to_keep = 2: the newest two checkpoints per stage, each recording the
     data-iterator position and the exact byte/line offsets of the logs at that step."""
@@ -86,6 +97,7 @@ def test_uninterrupted_run_leaves_resume_points(reference):
     assert summary["eval"]["sft"]["k1"] == eval_sft["evals"]["k1"]
 
 
+@pytest.mark.slow
 def test_sigterm_during_rollout_saves_exits_0_and_resumes_exactly(reference, tmp_path):
     run = tmp_path / "run"
     proc, wall = _train(run, env_extra={"MEMPO_TEST_SIGTERM_ROLLOUT_STEP": "3"})
@@ -106,10 +118,11 @@ def test_sigterm_during_rollout_saves_exits_0_and_resumes_exactly(reference, tmp
                     "opt_state_equal": True, "rollouts_equal": True, "summary_equal": True, "final_step": 6}
 
 
+@pytest.mark.slow
 def test_chaos_three_sigkills_end_bitwise_equal(reference, tmp_path):
     """benchmarks/chaos_resume.py with 3 seeded kills (the script's default is 10)."""
     run = tmp_path / "chaos"
-    stats = chaos(run, train_command(run, cache_dir=SPM_CACHE), small_env(XLA_CACHE), kills=3, seed=1,
+    stats = chaos(run, train_command(run, cache_dir=SPM_CACHE), one_device_env(), kills=3, seed=1,
                   total_lines=LINES, max_delay_s=1.5, timeout_s=600, log=lambda s: None)
     assert stats["kills_delivered"] == 3
     diff = compare_runs(reference, run)
@@ -117,6 +130,7 @@ def test_chaos_three_sigkills_end_bitwise_equal(reference, tmp_path):
     assert diff["params_equal"] and diff["opt_state_equal"] and diff["rollouts_equal"] and diff["summary_equal"]
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_run_changes_nothing(reference, tmp_path):
     run = tmp_path / "done"
     shutil.copytree(reference, run)
@@ -215,20 +229,22 @@ def _one_error(stderr: str) -> str:
     return errs[0]
 
 
-def test_a_resume_that_fails_changes_nothing(reference, tmp_path):
+@pytest.mark.slow
+def test_a_resume_that_fails_changes_nothing(reference, tmp_path, capfd):
     """Raising ``RLConfig.steps`` on a finished run with a bad value elsewhere used to delete
     ``eval_rl.json`` and rewrite ``config.gin`` before failing (after a whole RL step)."""
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     before = _snapshot(run)
-    proc, wall = _train(run, ("RLConfig.steps=8", "RLConfig.group_size=0"))
-    assert proc.returncode == 2
-    assert _one_error(proc.stderr) == ("error: config error: RLConfig.group_size must be >= 1, got 0 "
+    rc, err = _main_exit_2(capfd, run, ("RLConfig.steps=8", "RLConfig.group_size=0"))
+    assert rc == 2
+    assert _one_error(err) == ("error: config error: RLConfig.group_size must be >= 1, got 0 "
                                        "(--gin_param RLConfig.group_size=0)")
     assert _snapshot(run) == before
 
 
-def test_a_log_changed_after_the_checkpoint_is_refused_before_anything_changes(reference, tmp_path):
+@pytest.mark.slow
+def test_a_log_changed_after_the_checkpoint_is_refused_before_anything_changes(reference, tmp_path, capfd):
     """The resume point's checks (here: ``metrics.jsonl`` has another line count in the part the
     checkpoint recorded) run before the run folder changes; the logs used to be cut back, and
     ``eval_rl.json`` and ``config.gin`` deleted / rewritten, before the check failed."""
@@ -239,21 +255,22 @@ def test_a_log_changed_after_the_checkpoint_is_refused_before_anything_changes(r
     space = data.index(b", ", first + 1) + 1
     (run / "metrics.jsonl").write_bytes(data[:space] + b"\n" + data[space + 1:])  # same size, one line more
     before = _snapshot(run)
-    proc, _ = _train(run, ("RLConfig.steps=8",))
-    assert proc.returncode == 2
+    rc, err = _main_exit_2(capfd, run, ("RLConfig.steps=8",))
+    assert rc == 2
     rl6 = run / "checkpoints" / "6"
-    assert _one_error(proc.stderr).startswith(f"error: {run / 'metrics.jsonl'}: 14 lines in the first ")
-    assert f"but {rl6.absolute()} recorded 13: the file was changed after the checkpoint" in proc.stderr
+    assert _one_error(err).startswith(f"error: {run / 'metrics.jsonl'}: 14 lines in the first ")
+    assert f"but {rl6.absolute()} recorded 13: the file was changed after the checkpoint" in err
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_logs_deleted_or_replaced_during_a_run_are_recreated(reference, tmp_path):
     """``metrics.jsonl`` deleted during SFT and replaced during RL, ``rollouts.jsonl`` deleted
     during RL: the run used to exit 0 with every later line lost and record ``{"bytes": 0}`` in its
     checkpoints. Now each is recreated from the open file: nothing is lost, the offsets are
     true, the foreign file is kept, and the folder resumes."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_command(run, (), SPM_CACHE), env=small_env(XLA_CACHE), cwd=REPO,
+    proc = subprocess.Popen(train_command(run, (), SPM_CACHE), env=one_device_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = []
 
@@ -290,6 +307,7 @@ def test_logs_deleted_or_replaced_during_a_run_are_recreated(reference, tmp_path
     assert proc2.returncode == 0 and "resuming a finished run" in proc2.stdout, proc2.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_in_one_line_and_kept(reference, tmp_path):
     """``checkpoints/6`` without its array manifest used to stop the run ("does not match this
     model: NOT_FOUND…", several KB, and an asyncio "Event loop is closed" traceback) although

@@ -13,23 +13,26 @@ import sys
 
 import pytest
 
+from conftest import SPM_CACHE, one_device_flags
+
+pytestmark = pytest.mark.slow  # each test runs the trainer as a subprocess
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SMALL = [
-    "WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
-    "WorldConfig.num_countries=4", "WorldConfig.num_single=30", "WorldConfig.num_bridge=20", "WorldConfig.num_multi=30",
-    "ExperimentConfig.vocab_size=600",
-    'ModelOptions.overrides=(("num_layers", 1), ("embed_dim", 32), ("num_heads", 2), ("num_kv_heads", 1), ("head_dim", 16), ("mlp_dim", 64))',
-    "SFTConfig.steps=4", "SFTConfig.batch_rows=8", "RLConfig.steps=2", "RLConfig.questions_per_step=2",
-    "RLConfig.group_size=4", "RolloutConfig.max_turns=2", "RolloutConfig.max_new_tokens=16",
-    "EvalConfig.num_questions=4", "EvalConfig.bootstrap_samples=50",
-]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from chaos_resume import SMALL_PARAMS  # noqa: E402
+
+# The small run of benchmarks/chaos_resume.py (the shapes of tests/test_resume.py and test_faults.py,
+# so these runs load their programs from the session's XLA cache), with groups of 4 and both
+# context modes evaluated.
+SMALL = [*SMALL_PARAMS, "SFTConfig.steps=4", "RLConfig.steps=2", "RLConfig.group_size=4",
+         'EvalConfig.context_modes=(1, "full")', "EvalConfig.bootstrap_samples=50"]
 
 
 def _train(run_dir, params, gin_file="configs/tiny_world.gin"):
-    env = dict(os.environ, MEMPO_XLA_CACHE=str(run_dir.parent / "xla"), PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the session's XLA cache (conftest.py)
+    env["XLA_FLAGS"] = one_device_flags()  # one CPU device, as a user runs it
     cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run_dir), "--gin_file", gin_file,
-           "--cache_dir", str(run_dir.parent / "spm")]
+           "--cache_dir", str(SPM_CACHE)]
     for p in params:
         cmd += ["--gin_param", p]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import socket
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -31,9 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import small_env, train_command  # noqa: E402
 
-XLA_CACHE = os.environ.get("MEMPO_TEST_XLA_CACHE") or str(pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_xla")
-SPM_CACHE = pathlib.Path(tempfile.gettempdir()) / "mempo_jax_test_spm"
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE  # noqa: E402  (the session's shared caches)
 PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2")
 TIMEOUT_S = 420
 # Absolute slack for values near zero (``actor/ppo_kl`` is ~1e-8 here and differs by rounding).
@@ -159,6 +155,7 @@ def _close(a, b, where):
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+@pytest.mark.slow
 def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
     """Same metric lines (1e-4 relative), rollouts, evaluations and summary (but wall time), and the
     same final SFT and RL parameters (1e-5 relative), written once, by process 0."""
