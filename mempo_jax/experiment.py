@@ -383,6 +383,8 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
 
+    sample_fn.sampler = sampler  # the cached rollout engine (RolloutConfig.engine = "cached") reads it
+
     logits_fn = make_logits_fn(graphdef)
     full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
     scorer = MemoryRewardScorer(logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
