@@ -164,3 +164,36 @@ def test_blocked_attention_equals_dense_softmax(seed, t, block):
     k_junk[:, :, unread:], v_junk[:, :, unread:] = np.nan, np.nan
     ours = blocked_attention(q, k_junk, v_junk, q_pos.astype(np.int32), np.int32(bound), block)
     np.testing.assert_allclose(np.asarray(ours), _dense_attention(q, k, v, q_pos), atol=2e-5, rtol=1e-5)
+
+
+def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_dir, context_steps="full"):
+    """The real checkpoint (text tags: the stop automaton, its chat template, BM25 over HotpotQA)."""
+    from bench_rollout import setup_smollm2
+
+    fmt, env, held, _, _, params, sample_fn, _ = setup_smollm2(smollm2_dir)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=24, max_context_tokens=512, max_observation_tokens=24,
+                        temperature=0.0, min_rows_bucket=4, context_steps=context_steps, prefill_chunk=256)
+    out = []
+    for engine in ("legacy", "cached"):
+        trajs = new_trajectories(fmt, held[:2], 2)
+        rollout(sample_fn, params, trajs, fmt, env, dataclasses.replace(cfg, engine=engine), jax.random.PRNGKey(0))
+        out.append(trajs)
+    _assert_same(*out, logprob_atol=1e-4)
+    assert all(len(tr.turns) == 2 for tr in out[0])
+    assert any(t.observation_ids for tr in out[0] for t in tr.turns)
+
+
+def test_bench_rollout_small_writes_its_figures(tmp_path):
+    import json
+
+    import bench_rollout
+
+    bench_rollout.main(["--small", "--modes", "full", "--no_decode", "--questions", "2", "--json",
+                        str(tmp_path / "r.json")])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["engine"]: r for r in doc["results"]["rows"]}
+    assert set(rows) >= {"cached", "legacy"}
+    for r in rows.values():
+        assert r["generated_tokens"] > 0 and r["tok_s_steady"] > 0 and 0 < r["useful_fraction"] <= 1
+        assert r["same_as_legacy"] == 1.0  # greedy float32: the same episodes
+    assert rows["cached"]["useful_fraction"] > rows["legacy"]["useful_fraction"]
