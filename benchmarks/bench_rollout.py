@@ -212,6 +212,10 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="full,1", help="context modes")
     p.add_argument("--engines", default="cached,legacy,transformers")
     p.add_argument("--no_decode", action="store_true", help="skip the batch-64 decode table")
+    p.add_argument("--decode_only", action="store_true", help="only the batch-64 decode table")
+    p.add_argument("--decode_new", type=int, default=None, help="decode table: new tokens (default 128)")
+    p.add_argument("--rows_bucket", type=int, default=None,
+                   help="RolloutConfig.min_rows_bucket (default 64: today's default; the SmolLM2 recipe binds 16)")
     args = p.parse_args(argv)
     setup_platform(args.device)
     import jax
@@ -245,10 +249,10 @@ def main(argv=None) -> dict:
                 hf_tok = AutoTokenizer.from_pretrained(folder)
     base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
                          max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
-                         temperature=0.0, min_rows_bucket=4 if small else 64,
+                         temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
                          decode_chunk=4 if small else 16, prefill_chunk=32 if small else 256)
     rows = []
-    for mode in args.modes.split(","):
+    for mode in [] if args.decode_only else args.modes.split(","):
         cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))
         done = {}
         for engine in engines:
@@ -296,7 +300,7 @@ def main(argv=None) -> dict:
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
     results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode}
     tmp.cleanup()
-    config = {"small": small, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,
+    config = {"small": small, "min_rows_bucket": base.min_rows_bucket, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,
               "trajectories": n_q * args.group, "group": args.group, "checkpoint": folder, "dtype": "float32"}
     return write_json(args.json, "rollout", config, results)
 
@@ -323,7 +327,7 @@ def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
     from mempo_jax.sampling import Sampler, SamplerConfig
     from mempo_jax.slot_sampler import SlotSampler
 
-    b, prompt, new = 64, (16 if small else 128), (8 if small else 128)
+    b, prompt, new = 64, (16 if small else 128), args.decode_new or (8 if small else 128)
     ids = np.random.default_rng(0).integers(1, model_cfg.vocab_size, (b, prompt)).astype(np.int32)
     slots = SlotSampler(graphdef, model_cfg, (), 0)
     legacy = Sampler(graphdef, model_cfg, (), 0)

@@ -41,6 +41,17 @@ from mempo_jax.sampling import _is_stop, top_p_filter
 DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
 
 
+def slot_cache_size(max_context_tokens: int, block: int = DEFAULT_BLOCK) -> int:
+    """Slots' length C: ``max_context_tokens`` rounded up to a multiple of the attention block,
+    the block being ``block`` or, for shorter contexts, the power of two ``>= max_context_tokens``
+    (then C is that power of two). Used by ``SlotSampler`` and the memory plan."""
+    n = 1
+    while n < max_context_tokens:
+        n *= 2
+    blk = min(int(block), n)
+    return -(-int(max_context_tokens) // blk) * blk
+
+
 class SlotState(NamedTuple):
     """Device state of the slots (all jax arrays; S slots, cache size C, turn budget N).
 
@@ -128,18 +139,8 @@ class SlotSampler:
         self._decode = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "decode")
 
     def cache_size(self, max_context_tokens: int) -> int:
-        """Slots' length C: ``max_context_tokens`` rounded up to the attention block (or one block
-        of ``bucket`` size when the context is shorter than a block)."""
-        blk = self.block_for(max_context_tokens)
-        return -(-int(max_context_tokens) // blk) * blk
-
-    def block_for(self, max_context_tokens: int) -> int:
-        """The attention block used for contexts of at most ``max_context_tokens``: ``self.block``,
-        or the power of two ``>= max_context_tokens`` when that is smaller."""
-        n = 1
-        while n < max_context_tokens:
-            n *= 2
-        return min(self.block, n)
+        """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
+        return slot_cache_size(max_context_tokens, self.block)
 
     def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
         """Empty slots: zero cache of ``size`` positions, nothing generating."""
@@ -284,4 +285,4 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-__all__ = ["DEFAULT_BLOCK", "SlotSampler", "SlotState"]
+__all__ = ["DEFAULT_BLOCK", "SlotSampler", "SlotState", "slot_cache_size"]
