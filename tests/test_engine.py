@@ -197,3 +197,26 @@ def test_bench_rollout_small_writes_its_figures(tmp_path):
         assert r["generated_tokens"] > 0 and r["tok_s_steady"] > 0 and 0 < r["useful_fraction"] <= 1
         assert r["same_as_legacy"] == 1.0  # greedy float32: the same episodes
     assert rows["cached"]["useful_fraction"] > rows["legacy"]["useful_fraction"]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2)])
+def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
+    """The mesh ``Sampler``'s slot programs: cache slots over data x fsdp, kv heads over tensor."""
+    from mempo_jax.sharding import make_mesh, shard_params
+
+    fmt, env, questions, params, sample_fn = world
+    mesh = make_mesh(*shape)
+    sampler = sample_fn.sampler
+    mesh_sampler = Sampler(sampler.graphdef, sampler.model_cfg, sampler.stop_ids, sampler.pad_id, mesh=mesh)
+
+    def mesh_fn(*a):
+        raise AssertionError("the cached engine calls the slot programs only")
+
+    mesh_fn.sampler = mesh_sampler
+    cfg = dataclasses.replace(BASE, engine="cached", min_rows_bucket=8)
+    ref = _run(world, cfg)
+    trajs = new_trajectories(fmt, questions, 2)
+    rollout(mesh_fn, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+    _assert_same(ref, trajs)
+    cache = mesh_sampler.slot_sampler().init_state(8, 128, 10).cache
+    assert cache.k.sharding.shard_shape(cache.k.shape)[1] == 8 // (shape[0] * shape[1])
