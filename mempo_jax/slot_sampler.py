@@ -137,6 +137,7 @@ class SlotSampler:
         fsm = self._tables is not None
         self._extend = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "extend")
         self._decode = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "decode")
+        self._copy = _copy_program()
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
@@ -182,6 +183,18 @@ class SlotSampler:
                             jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), *extra,
                             greedy=greedy, use_top_p=top_p < 1.0)
 
+    def copy(self, state: SlotState, src, dst) -> SlotState:
+        """Copy the cache of slot ``src[r]`` into slot ``dst[r]`` (every position; ``dst >= S``: a
+        padding row, nothing copied), so that ``dst`` can prefill from a prefix ``src`` holds (the
+        shared system prompt + question of a group's trajectories). State donated; ``lengths`` and
+        the sampling state are not changed (the following ``extend`` of ``dst`` sets them).
+
+        Args:
+          state: the slots.
+          src, dst: ``[R]`` int32 slot indices.
+        """
+        return self._copy(state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+
     def decode(self, params, state: SlotState, steps: int, key, temperature: float, top_p: float,
                greedy: bool) -> SlotState:
         """Up to ``steps`` decode steps of every active slot (state donated)."""
@@ -198,6 +211,19 @@ def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which):
     impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block)
     statics = ("greedy", "use_top_p") + (("steps",) if which == "decode" else ())
     return jax.jit(impl, static_argnames=statics, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=1)
+def _copy_program():
+    """The jitted slot copy (state donated)."""
+    def copy(state: SlotState, src, dst):
+        s = state.lengths.shape[0]
+        src = jnp.clip(src, 0, s - 1)
+        k = state.cache.k.at[:, dst].set(state.cache.k[:, src], mode="drop")
+        v = state.cache.v.at[:, dst].set(state.cache.v[:, src], mode="drop")
+        return state._replace(cache=KVCache(k, v))
+
+    return jax.jit(copy, donate_argnums=(0,))
 
 
 def _stop_now(tok, fsm_state, stop_ids, tables):

@@ -9,7 +9,9 @@ fixed number of cache slots from its first turn to its end. A cycle:
    whole previous context and the sampled turn: the prefill is the turn's last token and the tool
    result; in k-step mode the system prompt and question), the rest is written by
    ``SlotSampler.extend`` in chunks (one batched call per chunk round, rows and length in power-of-
-   two buckets), which samples the turn's first token;
+   two buckets), which samples the turn's first token. A trajectory's first prefill copies the system
+   prompt + question from a slot that holds them (``SlotSampler.copy``: the n trajectories of a group
+   prefill their shared prompt once) and writes only its last prompt token;
 3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot;
 4. slots whose turn ended leave the decode batch; their turns are parsed and their tools run in one
    batched call (``rollout.apply_tools``), and at the next cycle their next turn — or, when their
@@ -61,6 +63,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _donor(slot: int, prompt: Sequence[int], cached, owner, followers) -> Optional[int]:
+    """A slot other than ``slot`` whose cache holds ``prompt`` at its start once this cycle's
+    non-follower prefills ran (a follower's own copy runs later: never a donor), or ``None``."""
+    n = len(prompt)
+    for d, ids in enumerate(cached):
+        if d != slot and owner[d] is not None and d not in followers and len(ids) >= n and ids[:n] == list(prompt):
+            return d
+    return None
 
 
 class _Prefill:
@@ -123,7 +135,7 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
     context: list[list[int]] = [[] for _ in range(slots)]  # the context of the slot's running turn
     generating: set[int] = set()
     while True:
-        prefills = []
+        prefills, followers = [], {}  # followers: slot -> the slot whose cached prompt it copies
         changed = True
         while changed:  # admit, start turns; a budget stop frees a slot for the next trajectory
             changed = False
@@ -140,6 +152,10 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
                     owner[s], changed = None, True
                     continue
                 keep = min(_common_prefix(cached[s], ctx), len(ctx) - 1)
+                donor = _donor(s, tr.prompt_ids, cached, owner, followers) if keep == 0 else None
+                if donor is not None:  # the shared prompt is (or will be, after phase 1) in slot donor
+                    keep = min(len(tr.prompt_ids), len(ctx) - 1)
+                    followers[s] = donor
                 prefills.append(_Prefill(s, i, len(tr.turns), ctx[keep:], keep))
                 context[s], cached[s] = ctx, list(ctx)
                 generating.add(s)
@@ -147,8 +163,17 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
             break
         if progress is not None:
             progress(max(len(trajs[owner[s]].turns) for s in generating), len(generating))
-        if prefills:
-            state = _run_prefills(sampler, params, state, prefills, cfg, slots, key, greedy)
+        if prefills:  # phase 1: every prefill but the followers'; phase 2: copy the prompts, then theirs
+            first = [p for p in prefills if p.slot not in followers]
+            if first:
+                state = _run_prefills(sampler, params, state, first, cfg, slots, key, greedy)
+            if followers:
+                n = bucket_length(len(followers), min(MIN_EXTEND_ROWS, bucket_length(slots, 1)))
+                src, dst = np.zeros((n,), np.int32), np.full((n,), slots, np.int32)
+                src[: len(followers)], dst[: len(followers)] = list(followers.values()), list(followers)
+                state = sampler.copy(state, src, dst)
+                state = _run_prefills(sampler, params, state, [p for p in prefills if p.slot in followers], cfg,
+                                      slots, key, greedy)
         state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
         active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
         ended = sorted(s for s in generating if not active[s])
@@ -187,9 +212,12 @@ def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: j
         state = sampler.extend(params, state, np.arange(r, dtype=np.int32) % slots, np.ones((r, t), np.int32),
                                np.ones((r,), np.int32), zeros, np.ones((r,), bool), zeros, zeros, key,
                                cfg.temperature, cfg.top_p, greedy)
+    copies = sorted({r for r, _ in shapes})
+    for r in copies:
+        state = sampler.copy(state, np.zeros((r,), np.int32), np.full((r,), slots, np.int32))
     state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
     jax.block_until_ready(state.lengths)
-    return len(shapes) + 1
+    return len(shapes) + len(copies) + 1
 
 
 __all__ = ["extend_shapes", "num_slots", "rollout_cached", "warm_engine"]
