@@ -91,11 +91,14 @@ class Positions:
 
     def __init__(self):
         self.computed = 0
+        self.device_s = {}  # seconds in each device program (blocked until ready), compiles included
 
     def wrap_legacy(self, sample_fn):
         def counted(p, ids, mask, key, n, temperature, top_p):
+            t0 = time.perf_counter()
             out = sample_fn(p, ids, mask, key, n, temperature, top_p)
             steps = int(max(1, int(jax_max(out.lengths))))
+            self.device_s["sample"] = self.device_s.get("sample", 0.0) + time.perf_counter() - t0
             self.computed += ids.shape[0] * (ids.shape[1] + steps - 1)
             return out
 
@@ -114,12 +117,17 @@ class Positions:
 
         def extend(self, params, state, rows, ids, *a, **k):
             me.computed += int(np.shape(ids)[0] * np.shape(ids)[1])
-            return ext(self, params, state, rows, ids, *a, **k)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(ext(self, params, state, rows, ids, *a, **k))
+            me.device_s["extend"] = me.device_s.get("extend", 0.0) + time.perf_counter() - t0
+            return out
 
         def decode(self, params, state, steps, *a, **k):
             before, active = jax.device_get((state.gen, state.active))
+            t0 = time.perf_counter()
             out = dec(self, params, state, steps, *a, **k)
             after = np.asarray(jax.device_get(out.gen))
+            me.device_s["decode"] = me.device_s.get("decode", 0.0) + time.perf_counter() - t0
             ran = int(np.max(np.where(active, after - before, 0), initial=0))
             me.computed += ran * int(np.shape(before)[0])
             return out
@@ -172,10 +180,12 @@ def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Position
         mask = np.zeros((len(contexts), length), np.int64)
         for i, c in enumerate(contexts):
             ids[i, length - len(c):], mask[i, length - len(c):] = c, 1
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                                  max_new_tokens=cfg.max_new_tokens, eos_token_id=list(fmt.codec.stop_ids),
                                  pad_token_id=pad, use_cache=True, **kw)
+        counter.generate_s = getattr(counter, "generate_s", 0.0) + time.perf_counter() - t0
         gen = out[:, length:].numpy()
         counter.computed += len(contexts) * (length + gen.shape[1] - 1)
         turns = []
@@ -262,6 +272,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             if engine == "transformers":
                 hf_rollout(hf, hf_tok, trajs, fmt, env, cfg, pos)
+                pos.device_s = {"generate": pos.generate_s}
             elif engine == "legacy":
                 rollout(pos.wrap_legacy(sample_fn), params, trajs, fmt, env, dataclasses.replace(cfg, engine="legacy"),
                         jax.random.PRNGKey(0))
@@ -281,10 +292,13 @@ def main(argv=None) -> dict:
                    "generated_tokens": gen, "trajectories": len(trajs),
                    "turns_mean": float(np.mean([len(tr.turns) for tr in trajs])),
                    "tok_s": gen / wall, "tok_s_steady": gen / steady, "traj_s_steady": len(trajs) / steady,
-                   "useful_fraction": useful_positions(trajs) / max(pos.computed, 1), "computed_positions": pos.computed}
+                   "useful_fraction": useful_positions(trajs) / max(pos.computed, 1), "computed_positions": pos.computed,
+                   "device_s": dict(pos.device_s), "host_s": wall - sum(pos.device_s.values())}
             rows.append(row)
-            print(f"[bench_rollout] {mode} {engine}: {gen} tokens in {wall:.1f} s (compile {compile_s:.1f} s) -> "
-                  f"{row['tok_s_steady']:.1f} tok/s steady, useful {row['useful_fraction']:.2f}", flush=True)
+            split = ", ".join(f"{k} {v:.1f} s" for k, v in row["device_s"].items())
+            print(f"[bench_rollout] {mode} {engine}: {gen} tokens in {wall:.1f} s (compile {compile_s:.1f} s; {split}; "
+                  f"host {row['host_s']:.1f} s) -> {row['tok_s_steady']:.1f} tok/s steady, useful "
+                  f"{row['useful_fraction']:.2f}", flush=True)
         ref = done.get("legacy")
         for row in rows:
             if row["mode"] == mode and ref is not None:
