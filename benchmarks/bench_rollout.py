@@ -224,6 +224,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no_decode", action="store_true", help="skip the batch-64 decode table")
     p.add_argument("--decode_only", action="store_true", help="only the batch-64 decode table")
     p.add_argument("--decode_new", type=int, default=None, help="decode table: new tokens (default 128)")
+    p.add_argument("--decode_prompt", type=int, default=None, help="decode table: prompt tokens (default 128)")
     p.add_argument("--rows_bucket", type=int, default=None,
                    help="RolloutConfig.min_rows_bucket (default 64: today's default; the SmolLM2 recipe binds 16)")
     args = p.parse_args(argv)
@@ -341,7 +342,7 @@ def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
     from mempo_jax.sampling import Sampler, SamplerConfig
     from mempo_jax.slot_sampler import SlotSampler
 
-    b, prompt, new = 64, (16 if small else 128), args.decode_new or (8 if small else 128)
+    b, prompt, new = 64, args.decode_prompt or (16 if small else 128), args.decode_new or (8 if small else 128)
     ids = np.random.default_rng(0).integers(1, model_cfg.vocab_size, (b, prompt)).astype(np.int32)
     slots = SlotSampler(graphdef, model_cfg, (), 0)
     legacy = Sampler(graphdef, model_cfg, (), 0)
