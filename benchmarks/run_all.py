@@ -3,7 +3,8 @@
 Sections: 1-2 ``bench_decode.py`` (decode and prefill vs transformers), 3 ``bench_scoring.py``
 (memory-reward scoring), 4 ``bench_rl_step.py`` (RL step split and compilations), 5
 ``bench_tokens.py`` (k = 1 vs full-history TT/PT/EM of a trained run), 6 ``bench_roofline.py``
-(achieved FLOP/s vs peak). ``benchmarks/chaos_resume.py`` (the resume check) is not run here.
+(achieved FLOP/s vs peak), 7 ``bench_rollout.py`` (multi-turn rollout: cached engine vs today's vs a
+transformers loop; decode at batch 64). ``benchmarks/chaos_resume.py`` (the resume check) is not run here.
 
 Run: ``python benchmarks/run_all.py [--json bench.json] [--small] [--only decode,rl_step]``
 (about 10 minutes on a 2-core CPU; ``--small``: the smoke test's configurations, ~2 minutes).
@@ -26,6 +27,7 @@ SECTIONS = [  # (name, script, extra arguments)
     ("rl_step", "bench_rl_step.py", []),
     ("tokens", "bench_tokens.py", []),
     ("roofline", "bench_roofline.py", []),
+    ("rollout", "bench_rollout.py", []),
 ]
 
 
@@ -98,6 +100,15 @@ def _print_targets(merged: dict) -> None:
     comp = get("rl_step", "compilations_from_step_3")
     print("  target 0 compilations from step 3: " + ("not measured" if comp is None else
                                                      f"{comp} -> {'met' if comp == 0 else 'missed'}"))
+    full = get("rollout", "rollout", "full") or {}
+    for other, target in (("transformers", 3.0), ("legacy", 2.0)):
+        r = full.get(f"speedup_vs_{other}")
+        print(f"  target rollout (full) >= {target:g}x {other}: "
+              + ("not measured" if r is None else f"{r:.2f}x -> {'met' if r >= target else 'missed'}"))
+    dec = (get("rollout", "decode") or [{}])[0]
+    r = dec.get("cached_over_transformers")
+    print("  target cached decode b64 >= 1.2x transformers: "
+          + ("not measured" if r is None else f"{r:.2f}x -> {'met' if r >= 1.2 else 'missed'}"))
     ratio = get("tokens", "k1_over_full")
     skipped = get("tokens", "skipped")
     if ratio:

@@ -326,6 +326,7 @@ def make_sample_fn(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
     def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
 
+    sample_fn.sampler = sampler  # the cached rollout engine (RolloutConfig.engine = "cached") reads it
     return sample_fn
 
 

@@ -116,6 +116,10 @@ def step_shapes(cfg, plan_cfg) -> dict:
     """Row and length sizes of one step, as the rollout, ``build_training_rows`` and the scorer
     bucket them (powers of two), worst case over the step.
 
+    With ``RolloutConfig.engine = "cached"`` the sampling rows are the slots (``engine.num_slots``),
+    the cache ``slot_cache_size(max_context_tokens)`` long, and P the longest prefill call
+    (``prefill_chunk``).
+
     Returns a dict with ``rollout_rows``, ``prompt_len`` (P), ``cache_len`` (S = P + N),
     ``train_len``, ``scoring_rows``, ``scoring_len``.
     """
@@ -135,7 +139,14 @@ def step_shapes(cfg, plan_cfg) -> dict:
     all_rows = bucket_length(2 * mem_turns, 8)
     ex = cfg.execution
     scoring_rows = min(all_rows, ex.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
-    return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": prompt + ro.max_new_tokens,
+    cache_len = prompt + ro.max_new_tokens
+    if ro.engine == "cached":  # the slot cache: one slot per trajectory, prefills of at most prefill_chunk
+        from mempo_jax.agent.engine import num_slots
+        from mempo_jax.slot_sampler import slot_cache_size
+
+        rows, cache_len = num_slots(ro, traj), slot_cache_size(ro.max_context_tokens)
+        prompt = min(ro.prefill_chunk, cache_len)
+    return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": cache_len,
             "train_len": train_len, "micro_batch_rows": ex.micro_batch_rows,
             "logprob_rows": ex.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
 

@@ -151,6 +151,16 @@ class Sampler:
         self._fsm_shape = None if stop_automaton is None else tuple(stop_automaton.next_state.shape)
         self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], self.mesh, self.rules)
 
+    def slot_sampler(self):
+        """The ``mempo_jax.slot_sampler.SlotSampler`` of the same model, stops, padding, stop
+        automaton and mesh (built once per ``Sampler``): the cached rollout engine's device half."""
+        if getattr(self, "_slot_sampler", None) is None:
+            from mempo_jax.slot_sampler import SlotSampler
+
+            self._slot_sampler = SlotSampler(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id,
+                                             stop_automaton=self.stop_automaton, mesh=self.mesh, rules=self.rules)
+        return self._slot_sampler
+
     def __call__(
         self,
         params: nnx.State,

@@ -158,3 +158,19 @@ def test_slice_and_mesh_arithmetic():
         MeshConfig(rules=(("batch", "model"),))
     with pytest.raises(ValueError, match="hbm_fraction"):
         PlanConfig(hbm_fraction=1.5)
+
+
+def test_cached_engine_plans_the_slot_cache(small, real):
+    """``RolloutConfig.engine = "cached"``: the KV cache line is the SlotSampler's cache on the mesh
+    (one slot per trajectory, max_context_tokens long), prefill transients at ``prefill_chunk``."""
+    from mempo_jax.slot_sampler import SlotSampler
+
+    cfg, pod, legacy = small
+    mesh, model_cfg, graphdef, _ = real
+    cached_cfg = config_lib.load_config([], SMALL + ['RolloutConfig.engine = "cached"', "RolloutConfig.num_slots = 32",
+                                                     "RolloutConfig.prefill_chunk = 128"])
+    p = plan.build_plan(cached_cfg, pod.mesh, pod.tpu, pod.plan)
+    state = SlotSampler(graphdef, model_cfg, (), 0, mesh=mesh).init_state(32, 512, 64)
+    assert p.kv_cache == _device_bytes(state.cache)
+    assert (p.shapes["rollout_rows"], p.shapes["cache_len"], p.shapes["prompt_len"]) == (32, 512, 128)
+    assert p.kv_cache < legacy.kv_cache  # 32 slots x 512 against 64 rows x 576

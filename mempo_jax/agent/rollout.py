@@ -22,6 +22,7 @@ from mempo_jax.batching import bucket_length, pad_sequences
 from mempo_jax.validation import check, require
 
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
+ENGINES = ("legacy", "cached")  # values of RolloutConfig.engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,15 @@ class RolloutConfig:
       temperature: sampling temperature (0 = greedy).
       top_p: nucleus mass.
       context_steps: ``FULL`` (0) for the whole history, or k ≥ 1 (MemPO inference, k = 1).
-      min_rows_bucket: the smallest row bucket of a sampling batch (fewer compiled shapes).
+      min_rows_bucket: the smallest row bucket of a sampling batch (fewer compiled shapes); with the
+        cached engine, the slot count is ``bucket_length(trajectories, min_rows_bucket)``.
+      engine: ``"legacy"`` — every turn re-prefills every context (one ``sample_fn`` call per turn);
+        ``"cached"`` — the KV cache kept across turns and stopped rows refilled
+        (``mempo_jax.agent.engine``; needs a ``sample_fn`` with a ``.sampler``, a ``Sampler``).
+      num_slots: cached engine: cache slots (0 = one per trajectory, bucketed as above); fewer
+        slots than trajectories queue the rest until a slot frees.
+      decode_chunk: cached engine: decode steps between two host cycles (refills, tools).
+      prefill_chunk: cached engine: the longest prefill written in one call (tokens, a power of two).
     """
 
     max_turns: int = 6
@@ -47,6 +56,10 @@ class RolloutConfig:
     top_p: float = 1.0
     context_steps: int | str = 1
     min_rows_bucket: int = 64
+    engine: str = "legacy"
+    num_slots: int = 0
+    decode_chunk: int = 16
+    prefill_chunk: int = 256
 
     def __post_init__(self):
         try:
@@ -55,6 +68,12 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.{e}") from None
         for name in ("max_turns", "max_new_tokens", "max_context_tokens", "max_observation_tokens", "min_rows_bucket"):
             check(self, name, int, lo=1)
+        for name in ("decode_chunk", "prefill_chunk"):
+            check(self, name, int, lo=1)
+        check(self, "num_slots", int, lo=0)
+        require(self.engine in ENGINES, f"RolloutConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        require(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
+                f"RolloutConfig.prefill_chunk = {self.prefill_chunk} must be a power of two")
         check(self, "temperature", float, lo=0.0)
         check(self, "top_p", float, gt=0.0, hi=1.0)
         require(self.max_new_tokens < self.max_context_tokens,
@@ -145,7 +164,14 @@ def rollout(
 
     Returns:
       The same trajectories, finished.
+
+    Raises:
+      ValueError: ``cfg.engine == "cached"`` with a ``sample_fn`` that has no ``.sampler``.
     """
+    if cfg.engine == "cached":
+        from mempo_jax.agent.engine import rollout_cached
+
+        return rollout_cached(_slot_sampler(sample_fn), params, trajs, fmt, tool_env, cfg, key, progress)
     for t in range(cfg.max_turns):
         active = [tr for tr in trajs if not tr.done]
         if not active:
@@ -184,6 +210,15 @@ def rollout(
     return trajs
 
 
+def _slot_sampler(sample_fn):
+    """The ``SlotSampler`` behind ``sample_fn.sampler`` (the cached engine's device programs)."""
+    sampler = getattr(sample_fn, "sampler", None)
+    if sampler is None or not hasattr(sampler, "slot_sampler"):
+        raise ValueError("RolloutConfig.engine = 'cached' needs a sample_fn whose .sampler is a mempo_jax.sampling."
+                         "Sampler (experiment.make_sample_fn); set RolloutConfig.engine = 'legacy' for this one")
+    return sampler.slot_sampler()
+
+
 def sampler_shapes(cfg: RolloutConfig, num_trajectories: int) -> list[tuple[int, int]]:
     """Every ``(rows, prompt length)`` a ``rollout`` of ``num_trajectories`` can sample with.
 
@@ -208,9 +243,16 @@ def warm_sampler(sample_fn: SampleFn, params, pad_id: int, cfg: RolloutConfig, n
     One process only: a lockstep (multi-process) ``sample_fn`` gathers rows across processes,
     and its shapes are not these.
 
+    With ``cfg.engine == "cached"`` it compiles the cached engine's programs instead
+    (``engine.warm_engine``).
+
     Returns:
       The number of shapes run (each ran ``max_new_tokens`` decode steps at most).
     """
+    if cfg.engine == "cached":
+        from mempo_jax.agent.engine import warm_engine
+
+        return warm_engine(_slot_sampler(sample_fn), params, cfg, num_trajectories, key)
     shapes = sampler_shapes(cfg, num_trajectories)
     for rows, length in shapes:
         ids = np.full((rows, length), pad_id, np.int32)

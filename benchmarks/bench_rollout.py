@@ -1,0 +1,393 @@
+"""Section 7: multi-turn rollout — the cached engine vs today's engine vs a transformers loop.
+
+The same episodes three ways, greedy, float32, the same host tools (BM25 over the pooled HotpotQA
+paragraphs): 64 trajectories (16 held-out HotpotQA dev questions x 4) of at most ``--turns`` turns
+on SmolLM2-135M-Instruct (text tags, its ChatML template and the short search prompt of
+``configs/smollm2_hotpotqa.gin``), in ``full`` and k = 1 context mode:
+
+* (a) ``cached`` — ``RolloutConfig.engine = "cached"`` (``mempo_jax/agent/engine.py``): KV cache kept
+  across turns, stopped rows refilled, attention over live cache blocks;
+* (b) ``legacy`` — today's engine: every turn re-prefills every context (``Sampler`` per turn);
+* (c) ``transformers`` — ``generate(do_sample=False)`` once per turn on the whole left-padded
+  contexts with the closing action tags as ``stop_strings`` and the same ``apply_tools`` (the
+  Search-R1-style agent loop), each row cut at its first stop as ours.
+
+Per engine: generated tokens/s, trajectories/s, the fraction of computed token positions that
+were useful (useful = every distinct token of the finished records — prompt, turns, tool results
+— processed once; computed = prefill rows x length + decode steps x rows, padding included), and
+the share of trajectories identical to (b)'s. JAX compile seconds (backend compiles seen by the
+``CompileCounter``) are reported and subtracted (``*_steady``); transformers compiles nothing.
+Then decode at batch 64 (prompt 128, 128 new tokens, no stops): the cached engine's slot decode,
+today's ``Sampler`` and ``generate``.
+
+Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small]`` (``--small``: the toy world
+of ``tests/toy_agent.py`` and a 1-layer random model exported to transformers; seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+from common import REPO, CompileCounter, alternate, have_transformers, median, parser, setup_platform, table, write_json
+
+GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
+
+
+def setup_smollm2(checkpoint=None):
+    """SmolLM2 on HotpotQA as ``configs/smollm2_hotpotqa.gin`` builds it: ``(fmt, tool_env,
+    held-out questions, model_cfg, graphdef, params, sample_fn, checkpoint folder)``."""
+    from mempo_jax.config import load_config
+    from mempo_jax.experiment import load_checkpoint_policy, load_questions, policy_format
+    from mempo_jax.evaluate import make_sample_fn
+    from mempo_jax.model import smollm2
+    from mempo_jax.tools.search import ToolEnvironment
+
+    folder = str(checkpoint or smollm2.convert())
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the gin file's data paths are relative to the repository
+    try:
+        cfg = load_config([str(GIN)], [f"ModelOptions.checkpoint = '{folder}'",
+                                       f"ModelOptions.system_prompt_path = '{REPO / 'configs/prompts/mempo_search_short.txt'}'"])
+        _, held, _, _, backend, _ = load_questions(cfg)
+    finally:
+        os.chdir(cwd)
+    model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model)
+    fmt = policy_format(cfg.model, tokenizer)
+    return fmt, ToolEnvironment(backend, topk=cfg.topk), held, model_cfg, graphdef, params, \
+        make_sample_fn(graphdef, model_cfg, fmt), folder
+
+
+def setup_small():
+    """The toy world (single-id tags) and a 1-layer random model: same tuple as ``setup_smollm2``
+    with ``folder = None`` (transformers gets the weights by ``save_hf_checkpoint``)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from toy_agent import toy_model, toy_world
+
+    from mempo_jax.agent.format import AgentFormat
+    from mempo_jax.experiment import make_sampler
+    from mempo_jax.sampling import SamplerConfig
+
+    tok, env, questions = toy_world()
+    model_cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
+    fmt = AgentFormat.plain(tok)
+    sampler = make_sampler(graphdef, model_cfg, fmt)
+
+    def sample_fn(p, ids, mask, key, n, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
+
+    sample_fn.sampler = sampler
+    return fmt, env, questions, model_cfg, graphdef, params, sample_fn, None
+
+
+# ------------------------------------------------------------------------------- instrumentation
+
+
+class Positions:
+    """Counts computed token positions (padding included) of each engine's device calls."""
+
+    def __init__(self):
+        self.computed = 0
+        self.device_s = {}  # seconds in each device program (blocked until ready), compiles included
+
+    def wrap_legacy(self, sample_fn):
+        def counted(p, ids, mask, key, n, temperature, top_p):
+            t0 = time.perf_counter()
+            out = sample_fn(p, ids, mask, key, n, temperature, top_p)
+            steps = int(max(1, int(jax_max(out.lengths))))
+            self.device_s["sample"] = self.device_s.get("sample", 0.0) + time.perf_counter() - t0
+            self.computed += ids.shape[0] * (ids.shape[1] + steps - 1)
+            return out
+
+        counted.sampler = sample_fn.sampler
+        return counted
+
+    def patch_cached(self):
+        """Count ``SlotSampler.extend`` (rows x length) and ``decode`` (steps run x slots)."""
+        import jax
+        import numpy as np
+
+        from mempo_jax.slot_sampler import SlotSampler
+
+        ext, dec = SlotSampler.extend, SlotSampler.decode
+        me = self
+
+        def extend(self, params, state, rows, ids, *a, **k):
+            me.computed += int(np.shape(ids)[0] * np.shape(ids)[1])
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(ext(self, params, state, rows, ids, *a, **k))
+            me.device_s["extend"] = me.device_s.get("extend", 0.0) + time.perf_counter() - t0
+            return out
+
+        def decode(self, params, state, steps, *a, **k):
+            before, active = jax.device_get((state.gen, state.active))
+            t0 = time.perf_counter()
+            out = dec(self, params, state, steps, *a, **k)
+            after = np.asarray(jax.device_get(out.gen))
+            me.device_s["decode"] = me.device_s.get("decode", 0.0) + time.perf_counter() - t0
+            ran = int(np.max(np.where(active, after - before, 0), initial=0))
+            me.computed += ran * int(np.shape(before)[0])
+            return out
+
+        SlotSampler.extend, SlotSampler.decode = extend, decode
+        return lambda: setattr(SlotSampler, "extend", ext) or setattr(SlotSampler, "decode", dec)
+
+
+def jax_max(x):
+    import numpy as np
+
+    return np.max(np.asarray(x))
+
+
+def useful_positions(trajs) -> int:
+    """Every distinct token of the finished records once: prompt + each turn's ids + tool results."""
+    return sum(len(tr.prompt_ids) + sum(len(t.output_ids) + len(t.observation_ids) for t in tr.turns)
+               for tr in trajs)
+
+
+# ---------------------------------------------------------------------------------- transformers
+
+
+def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Positions):
+    """``rollout.rollout`` with ``generate`` once per turn on the whole contexts (left-padded),
+    stop ids as ``eos_token_id`` and, in text mode, the closing tags as ``stop_strings``; each row
+    is cut at ``fmt.codec.first_stop`` (the sampler's stop rule)."""
+    import numpy as np
+    import torch
+
+    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.agent.rollout import apply_tools, make_turn
+
+    pad = fmt.tokenizer.pad_id
+    kw = {"stop_strings": list(STOP_TAGS), "tokenizer": hf_tokenizer} if fmt.codec.mode == "text" else {}
+    for _ in range(cfg.max_turns):
+        runnable, contexts = [], []
+        for tr in trajs:
+            if tr.done:
+                continue
+            ctx = tr.policy_context(cfg.context_steps)
+            if len(ctx) + cfg.max_new_tokens > cfg.max_context_tokens:
+                tr.done, tr.end_reason = True, "budget"
+                continue
+            runnable.append(tr), contexts.append(ctx)
+        if not runnable:
+            break
+        length = max(len(c) for c in contexts)
+        ids = np.full((len(contexts), length), pad, np.int64)
+        mask = np.zeros((len(contexts), length), np.int64)
+        for i, c in enumerate(contexts):
+            ids[i, length - len(c):], mask[i, length - len(c):] = c, 1
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                                 max_new_tokens=cfg.max_new_tokens, eos_token_id=list(fmt.codec.stop_ids),
+                                 pad_token_id=pad, use_cache=True, **kw)
+        counter.generate_s = getattr(counter, "generate_s", 0.0) + time.perf_counter() - t0
+        gen = out[:, length:].numpy()
+        counter.computed += len(contexts) * (length + gen.shape[1] - 1)
+        turns = []
+        for tr, ctx, row in zip(runnable, contexts, gen):
+            cut = fmt.codec.first_stop(list(row))
+            turn = make_turn(fmt, row[: cut or len(row)], None, cut is not None)
+            turn.context_len = len(ctx)
+            turns.append(turn)
+        apply_tools(fmt, tool_env, runnable, turns, cfg)
+    for tr in trajs:
+        if not tr.done:
+            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
+    return trajs
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _same(a, b) -> float:
+    """Share of trajectories with the same ids turn by turn (outputs and tool results)."""
+    def key(tr):
+        return [(list(map(int, t.output_ids)), list(t.observation_ids)) for t in tr.turns]
+
+    return sum(key(x) == key(y) for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def main(argv=None) -> dict:
+    """Run the rollout and decode comparisons; print the tables; return (and write) the JSON."""
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--turns", type=int, default=None, help="max turns (default 4)")
+    p.add_argument("--new", type=int, default=None, help="max new tokens per turn (default 64)")
+    p.add_argument("--questions", type=int, default=None, help="questions (default 16; x --group trajectories)")
+    p.add_argument("--group", type=int, default=4, help="trajectories per question")
+    p.add_argument("--modes", default="full,1", help="context modes")
+    p.add_argument("--engines", default="cached,legacy,transformers")
+    p.add_argument("--no_decode", action="store_true", help="skip the batch-64 decode table")
+    p.add_argument("--decode_only", action="store_true", help="only the batch-64 decode table")
+    p.add_argument("--decode_new", type=int, default=None, help="decode table: new tokens (default 128)")
+    p.add_argument("--decode_prompt", type=int, default=None, help="decode table: prompt tokens (default 128)")
+    p.add_argument("--rows_bucket", type=int, default=None,
+                   help="RolloutConfig.min_rows_bucket (default 64: today's default; the SmolLM2 recipe binds 16)")
+    args = p.parse_args(argv)
+    setup_platform(args.device)
+    import jax
+    import numpy as np
+
+    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+    from mempo_jax.agent.trajectory import parse_context_steps
+
+    small = args.small
+    counter = CompileCounter()
+    fmt, env, questions, model_cfg, graphdef, params, sample_fn, folder = setup_small() if small else setup_smollm2()
+    n_q = args.questions or (4 if small else 16)
+    questions = [questions[i % len(questions)] for i in range(n_q)]
+    engines = args.engines.split(",")
+    hf = hf_tok = None
+    tmp = tempfile.TemporaryDirectory()
+    if "transformers" in engines:
+        if not have_transformers():
+            print("[bench_rollout] torch/transformers not installed: no transformers loop")
+            engines.remove("transformers")
+        else:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from common import hf_same_weights
+
+            if folder is None:
+                hf = hf_same_weights(model_cfg, params, tmp.name)
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                hf_tok = AutoTokenizer.from_pretrained(folder)
+    base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
+                         max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
+                         temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
+                         decode_chunk=4 if small else 16, prefill_chunk=32 if small else 256)
+    rows = []
+    for mode in [] if args.decode_only else args.modes.split(","):
+        cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))
+        done = {}
+        for engine in engines:
+            trajs = new_trajectories(fmt, questions, args.group)
+            pos = Positions()
+            mark, restore = counter.count, None
+            t0 = time.perf_counter()
+            if engine == "transformers":
+                hf_rollout(hf, hf_tok, trajs, fmt, env, cfg, pos)
+                pos.device_s = {"generate": pos.generate_s}
+            elif engine == "legacy":
+                rollout(pos.wrap_legacy(sample_fn), params, trajs, fmt, env, dataclasses.replace(cfg, engine="legacy"),
+                        jax.random.PRNGKey(0))
+            else:
+                restore = pos.patch_cached()
+                try:
+                    rollout(sample_fn, params, trajs, fmt, env, dataclasses.replace(cfg, engine="cached"),
+                            jax.random.PRNGKey(0))
+                finally:
+                    restore()
+            wall = time.perf_counter() - t0
+            compile_s = sum(d for _, d in counter.events[mark:])
+            gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
+            steady = max(wall - compile_s, 1e-9)
+            done[engine] = trajs
+            row = {"mode": mode, "engine": engine, "wall_s": wall, "compile_s": compile_s,
+                   "generated_tokens": gen, "trajectories": len(trajs),
+                   "turns_mean": float(np.mean([len(tr.turns) for tr in trajs])),
+                   "tok_s": gen / wall, "tok_s_steady": gen / steady, "traj_s_steady": len(trajs) / steady,
+                   "useful_fraction": useful_positions(trajs) / max(pos.computed, 1), "computed_positions": pos.computed,
+                   "device_s": dict(pos.device_s), "host_s": wall - sum(pos.device_s.values())}
+            rows.append(row)
+            split = ", ".join(f"{k} {v:.1f} s" for k, v in row["device_s"].items())
+            print(f"[bench_rollout] {mode} {engine}: {gen} tokens in {wall:.1f} s (compile {compile_s:.1f} s; {split}; "
+                  f"host {row['host_s']:.1f} s) -> {row['tok_s_steady']:.1f} tok/s steady, useful "
+                  f"{row['useful_fraction']:.2f}", flush=True)
+        ref = done.get("legacy")
+        for row in rows:
+            if row["mode"] == mode and ref is not None:
+                row["same_as_legacy"] = _same(done[row["engine"]], ref)
+        by = {r["engine"]: r for r in rows if r["mode"] == mode}
+        for other in ("legacy", "transformers"):
+            if "cached" in by and other in by:
+                by["cached"][f"speedup_vs_{other}"] = by["cached"]["tok_s_steady"] / by[other]["tok_s_steady"]
+    print(table("Multi-turn rollout, greedy (generated tokens/s with JAX compile time subtracted)",
+                ["mode", "engine", "tok/s", "traj/s", "useful", "same as legacy", "compile s", "turns"],
+                [[r["mode"], r["engine"], r["tok_s_steady"], r["traj_s_steady"], r["useful_fraction"],
+                  r.get("same_as_legacy", "-"), r["compile_s"], r["turns_mean"]] for r in rows]))
+    decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
+    results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode}
+    tmp.cleanup()
+    config = {"small": small, "min_rows_bucket": base.min_rows_bucket, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,
+              "trajectories": n_q * args.group, "group": args.group, "checkpoint": folder, "dtype": "float32"}
+    return write_json(args.json, "rollout", config, results)
+
+
+def rollout_summary(rows) -> dict:
+    """Target ratios per mode: cached / transformers (>= 3 in full mode) and cached / legacy (>= 2)."""
+    out = {}
+    for r in rows:
+        if r["engine"] == "cached":
+            out[r["mode"]] = {k: r[k] for k in ("speedup_vs_legacy", "speedup_vs_transformers") if k in r}
+    full = out.get("full", {})
+    out["targets_full"] = {"vs_transformers_ge_3": full.get("speedup_vs_transformers", 0) >= 3,
+                           "vs_legacy_ge_2": full.get("speedup_vs_legacy", 0) >= 2}
+    return out
+
+
+def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
+    """Decode at batch 64: prompt 128 (small: 16), 128 new tokens (small: 8), no stops; tokens/s =
+    64 x new / wall of the whole call (prefill included): the cached engine's slot decode, today's
+    ``Sampler``, transformers ``generate``."""
+    import jax
+    import numpy as np
+
+    from mempo_jax.sampling import Sampler, SamplerConfig
+    from mempo_jax.slot_sampler import SlotSampler
+
+    b, prompt, new = 64, args.decode_prompt or (16 if small else 128), args.decode_new or (8 if small else 128)
+    ids = np.random.default_rng(0).integers(1, model_cfg.vocab_size, (b, prompt)).astype(np.int32)
+    slots = SlotSampler(graphdef, model_cfg, (), 0)
+    legacy = Sampler(graphdef, model_cfg, (), 0)
+    key = jax.random.PRNGKey(0)
+    size = slots.cache_size(prompt + new)
+    zeros = np.zeros((b,), np.int32)
+    got = {}
+
+    def cached():
+        st = slots.init_state(b, size, new)
+        st = slots.extend(params, st, np.arange(b, dtype=np.int32), ids, np.full((b,), prompt, np.int32), zeros,
+                          np.ones((b,), bool), zeros, np.arange(b, dtype=np.int32), key, 1.0, 1.0, True)
+        st = slots.decode(params, st, new, key, 1.0, 1.0, True)
+        got["cached"] = np.asarray(jax.block_until_ready(st.tokens))
+
+    def today():
+        out = legacy(params, ids, np.ones((b, prompt), bool), key, SamplerConfig(new, 0.0))
+        got["legacy"] = np.asarray(jax.block_until_ready(out.tokens))
+
+    fns = {"cached": cached, "legacy": today}
+    if hf is not None:
+        import torch
+
+        t_ids = torch.tensor(ids, dtype=torch.long)
+
+        def theirs():
+            with torch.no_grad():
+                out = hf.generate(input_ids=t_ids, attention_mask=torch.ones_like(t_ids), do_sample=False,
+                                  max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+            got["transformers"] = out[:, prompt:].numpy()
+
+        fns["transformers"] = theirs
+    times = alternate(fns, 2 if small else 1)
+    row = {"batch": b, "prompt": prompt, "new_tokens": new}
+    for k, v in times.items():
+        row[f"{k}_tok_s"] = b * new / median(v)
+    if hf is not None:
+        row["cached_over_transformers"] = row["cached_tok_s"] / row["transformers_tok_s"]
+        row["first_tokens_equal_transformers"] = float(np.mean(got["cached"][:, :8] == got["transformers"][:, :8]))
+    row["cached_over_legacy"] = row["cached_tok_s"] / row["legacy_tok_s"]
+    row["first_tokens_equal_legacy"] = float(np.mean(got["cached"][:, :8] == got["legacy"][:, :8]))
+    print(table(f"Decode, batch {b}, prompt {prompt}, {new} new tokens (tokens/s = batch x new / wall)",
+                list(row), [list(row.values())]))
+    return [row]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,223 @@
+"""The cached rollout engine: KV cache kept across turns, stopped rows refilled (continuous batching).
+
+Host half of the engine (device half: ``mempo_jax.slot_sampler``). Every trajectory owns one of a
+fixed number of cache slots from its first turn to its end. A cycle:
+
+1. free slots take waiting trajectories;
+2. every slot whose trajectory needs a turn gets a prefill of *only what its cache lacks*: the
+   longest common prefix of the cached ids and the new policy context stays (in ``full`` mode the
+   whole previous context and the sampled turn: the prefill is the turn's last token and the tool
+   result; in k-step mode the system prompt and question), the rest is written by
+   ``SlotSampler.extend`` in chunks (one batched call per chunk round, rows and length in power-of-
+   two buckets), which samples the turn's first token. A trajectory's first prefill copies the system
+   prompt + question from a slot that holds them (``SlotSampler.copy``: the n trajectories of a group
+   prefill their shared prompt once) and writes only its last prompt token;
+3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot;
+4. slots whose turn ended leave the decode batch; their turns are parsed and their tools run in one
+   batched call (``rollout.apply_tools``), and at the next cycle their next turn — or, when their
+   episode ended, another trajectory — enters with its prefill.
+
+A row that stops therefore never waits for the longest row of its turn, and no context is
+prefilled twice. The recorded turns (ids, log-probs, ``<mem>`` spans, tool results, context
+lengths, end reasons) are those of ``rollout.rollout`` on the same policy: greedy float32 gives the
+same tokens (``tests/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
+trajectory index, turn, step) (``slot_sampler`` module docstring).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from mempo_jax.batching import bucket_length
+from mempo_jax.slot_sampler import SlotSampler
+
+MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
+MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round
+
+
+def num_slots(cfg, num_trajectories: int) -> int:
+    """Cache slots of a rollout: ``cfg.num_slots`` when set (> 0), else
+    ``bucket_length(num_trajectories, cfg.min_rows_bucket)``."""
+    return int(cfg.num_slots) if cfg.num_slots > 0 else bucket_length(max(num_trajectories, 1), cfg.min_rows_bucket)
+
+
+def extend_shapes(cfg, slots: int) -> list[tuple[int, int]]:
+    """Every ``(rows, length)`` a prefill chunk round can run at: rows ``bucket_length(n,
+    min(MIN_EXTEND_ROWS, bucket(slots)))`` for ``1 <= n <= slots``, lengths the powers of two from
+    ``MIN_EXTEND_LENGTH`` to ``cfg.prefill_chunk``."""
+    low = min(MIN_EXTEND_ROWS, bucket_length(slots, 1))
+    rows = sorted({bucket_length(n, low) for n in range(1, slots + 1)})
+    lengths = [min(MIN_EXTEND_LENGTH, cfg.prefill_chunk)]
+    while lengths[-1] < cfg.prefill_chunk:
+        lengths.append(lengths[-1] * 2)
+    return [(r, t) for r in rows for t in lengths]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _donor(slot: int, prompt: Sequence[int], cached, owner, followers) -> Optional[int]:
+    """A slot other than ``slot`` whose cache holds ``prompt`` at its start once this cycle's
+    non-follower prefills ran (a follower's own copy runs later: never a donor), or ``None``."""
+    n = len(prompt)
+    for d, ids in enumerate(cached):
+        if d != slot and owner[d] is not None and d not in followers and len(ids) >= n and ids[:n] == list(prompt):
+            return d
+    return None
+
+
+class _Prefill:
+    """One slot's pending prefill: ``ids`` to write from cache position ``start``."""
+
+    __slots__ = ("slot", "traj", "turn", "ids", "start")
+
+    def __init__(self, slot, traj, turn, ids, start):
+        self.slot, self.traj, self.turn, self.ids, self.start = slot, traj, turn, ids, start
+
+
+def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill], cfg, slots: int, key, greedy: bool):
+    """All pending prefills, ``cfg.prefill_chunk`` tokens per row per call (rounds of chunks)."""
+    low = min(MIN_EXTEND_ROWS, bucket_length(slots, 1))
+    pos = {p.slot: 0 for p in prefills}
+    todo = list(prefills)
+    while todo:
+        chunk = cfg.prefill_chunk
+        rows_n = bucket_length(len(todo), low)
+        pieces = [p.ids[pos[p.slot]: pos[p.slot] + chunk] for p in todo]
+        t = min(bucket_length(max(len(x) for x in pieces), min(MIN_EXTEND_LENGTH, chunk)), chunk)
+        rows = np.full((rows_n,), slots, np.int32)
+        ids = np.full((rows_n, t), sampler.pad_id, np.int32)
+        counts = np.ones((rows_n,), np.int32)
+        starts, first = np.zeros((rows_n,), np.int32), np.zeros((rows_n,), bool)
+        turn, traj = np.zeros((rows_n,), np.int32), np.zeros((rows_n,), np.int32)
+        for r, (p, piece) in enumerate(zip(todo, pieces)):
+            rows[r], counts[r], starts[r] = p.slot, len(piece), p.start + pos[p.slot]
+            ids[r, : len(piece)] = piece
+            first[r] = pos[p.slot] + len(piece) >= len(p.ids)
+            turn[r], traj[r] = p.turn, p.traj
+        state = sampler.extend(params, state, rows, ids, counts, starts, first, turn, traj, key,
+                               cfg.temperature, cfg.top_p, greedy)
+        for p, piece in zip(todo, pieces):
+            pos[p.slot] += len(piece)
+        todo = [p for p in todo if pos[p.slot] < len(p.ids)]
+    return state
+
+
+def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
+                   progress: Optional[Callable[[int, int], None]] = None) -> list:
+    """``rollout.rollout`` on the cached engine: same arguments, with the ``SlotSampler`` in place
+    of ``sample_fn``; the trajectories are finished in place and returned.
+
+    Args:
+      sampler: the policy's ``SlotSampler`` (``Sampler.slots()``).
+      params, trajs, fmt, tool_env, cfg, key: as ``rollout.rollout`` (``cfg.engine`` is not read).
+      progress: optional callback ``(turn, generating slots)`` once per cycle.
+    """
+    from mempo_jax.agent.rollout import apply_tools, make_turn
+
+    slots = num_slots(cfg, len(trajs))
+    size = sampler.cache_size(cfg.max_context_tokens)
+    n_new = cfg.max_new_tokens
+    greedy = cfg.temperature == 0.0
+    state = sampler.init_state(slots, size, n_new)
+    queue = collections.deque(i for i, tr in enumerate(trajs) if not tr.done)
+    owner: list[Optional[int]] = [None] * slots  # trajectory index per slot
+    cached: list[list[int]] = [[] for _ in range(slots)]  # host mirror of each slot's cached ids
+    context: list[list[int]] = [[] for _ in range(slots)]  # the context of the slot's running turn
+    generating: set[int] = set()
+    while True:
+        prefills, followers = [], {}  # followers: slot -> the slot whose cached prompt it copies
+        changed = True
+        while changed:  # admit, start turns; a budget stop frees a slot for the next trajectory
+            changed = False
+            for s in range(slots):
+                if owner[s] is None and queue:
+                    owner[s], cached[s] = queue.popleft(), []
+                i = owner[s]
+                if i is None or s in generating:
+                    continue
+                tr = trajs[i]
+                ctx = tr.policy_context(cfg.context_steps)
+                if len(ctx) + n_new > cfg.max_context_tokens:
+                    tr.done, tr.end_reason = True, "budget"
+                    owner[s], changed = None, True
+                    continue
+                keep = min(_common_prefix(cached[s], ctx), len(ctx) - 1)
+                donor = _donor(s, tr.prompt_ids, cached, owner, followers) if keep == 0 else None
+                if donor is not None:  # the shared prompt is (or will be, after phase 1) in slot donor
+                    keep = min(len(tr.prompt_ids), len(ctx) - 1)
+                    followers[s] = donor
+                prefills.append(_Prefill(s, i, len(tr.turns), ctx[keep:], keep))
+                context[s], cached[s] = ctx, list(ctx)
+                generating.add(s)
+        if not generating:
+            break
+        if progress is not None:
+            progress(max(len(trajs[owner[s]].turns) for s in generating), len(generating))
+        if prefills:  # phase 1: every prefill but the followers'; phase 2: copy the prompts, then theirs
+            first = [p for p in prefills if p.slot not in followers]
+            if first:
+                state = _run_prefills(sampler, params, state, first, cfg, slots, key, greedy)
+            if followers:
+                n = bucket_length(len(followers), min(MIN_EXTEND_ROWS, bucket_length(slots, 1)))
+                src, dst = np.zeros((n,), np.int32), np.full((n,), slots, np.int32)
+                src[: len(followers)], dst[: len(followers)] = list(followers.values()), list(followers)
+                state = sampler.copy(state, src, dst)
+                state = _run_prefills(sampler, params, state, [p for p in prefills if p.slot in followers], cfg,
+                                      slots, key, greedy)
+        state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
+        active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
+        ended = sorted(s for s in generating if not active[s])
+        if not ended:
+            continue
+        tokens, logps = jax.device_get((state.tokens, state.logps))
+        turns, owners = [], []
+        for s in ended:
+            n = int(gen[s])
+            turn = make_turn(fmt, tokens[s, :n], logps[s, :n], bool(stopped[s]))
+            turn.context_len = len(context[s])
+            turns.append(turn)
+            owners.append(trajs[owner[s]])
+            cached[s] = context[s] + [int(x) for x in tokens[s, : n - 1]]  # the last id was never fed
+        apply_tools(fmt, tool_env, owners, turns, cfg)
+        for s in ended:
+            generating.discard(s)
+            if trajs[owner[s]].done:
+                owner[s] = None
+    for tr in trajs:
+        if not tr.done:
+            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
+    return trajs
+
+
+def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: jax.Array) -> int:
+    """Compile every program a ``rollout_cached`` of ``num_trajectories`` can run (each prefill
+    shape of ``extend_shapes`` and the decode chunk) on dummy tokens; returns the number of shapes."""
+    slots = num_slots(cfg, num_trajectories)
+    size = sampler.cache_size(cfg.max_context_tokens)
+    greedy = cfg.temperature == 0.0
+    state = sampler.init_state(slots, size, cfg.max_new_tokens)
+    shapes = extend_shapes(cfg, slots)
+    for r, t in shapes:
+        zeros = np.zeros((r,), np.int32)
+        state = sampler.extend(params, state, np.arange(r, dtype=np.int32) % slots, np.ones((r, t), np.int32),
+                               np.ones((r,), np.int32), zeros, np.ones((r,), bool), zeros, zeros, key,
+                               cfg.temperature, cfg.top_p, greedy)
+    copies = sorted({r for r, _ in shapes})
+    for r in copies:
+        state = sampler.copy(state, np.zeros((r,), np.int32), np.full((r,), slots, np.int32))
+    state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
+    jax.block_until_ready(state.lengths)
+    return len(shapes) + len(copies) + 1
+
+
+__all__ = ["extend_shapes", "num_slots", "rollout_cached", "warm_engine"]
