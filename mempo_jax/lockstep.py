@@ -151,6 +151,12 @@ class LockstepSampleFn:
         self.last_params = None
         sync.sampler = self
 
+    @property
+    def sampler(self):
+        """The ``Sampler`` behind ``sample_fn`` on one process (the cached rollout engine drives its
+        slot programs directly); ``None`` with several processes, where only the legacy engine runs."""
+        return None if self.sync.multiprocess else getattr(self.sample_fn, "sampler", None)
+
     def __call__(self, params, prompt_ids, prompt_mask, key, max_new_tokens, temperature, top_p):
         """Same contract as ``sample_fn`` on this process's ``[B, P]`` rows; returns numpy
         ``SampleOutput`` arrays of ``B`` rows (rows after ``real_rows`` are zero)."""

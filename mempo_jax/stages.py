@@ -264,6 +264,8 @@ class _RLRun:
                           .batch(cfg.rl.questions_per_step))
         self.faults = FaultCounter(cfg.checkpoint.max_consecutive_nonfinite, cfg.rl.num_mini_batches * cfg.rl.ppo_epochs)
         self.start = 0
+        self.sample_fn = lambda *args, **kwargs: self._sample(*args, **kwargs)
+        self.sample_fn.sampler = getattr(ctx.sample_fn, "sampler", None)  # for RolloutConfig.engine = "cached"
         if ctx.rl_state is not None:
             self.learner.params, self.learner.opt_state, meta = ctx.rl_state
             record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.seed, ctx.point.source)
@@ -275,7 +277,7 @@ class _RLRun:
         self.ctx.pre.commit()  # the step's state changes from here: finish it
         return self.ctx.hooks.update_rows(self.ctx.rl_step, rows)
 
-    def sample_fn(self, *args, **kwargs):
+    def _sample(self, *args, **kwargs):
         """The run's sampler, after ``FaultHooks.before_sample``."""
         self.ctx.hooks.before_sample(self.ctx.rl_step, self.ctx.pre)
         return self.ctx.sample_fn(*args, **kwargs)
