@@ -83,7 +83,7 @@ def start_arm(sft_dir: pathlib.Path, arm_dir: pathlib.Path) -> None:
 
 def rl_metric_mean(run_dir: pathlib.Path, name: str) -> tuple[float, float]:
     """``(mean over RL steps, last RL step)`` of a metric in ``run_dir/metrics.jsonl`` (nan if absent)."""
-    from mempo_jax.metrics import maybe, read_jsonl
+    from mempo_jax.run.metrics import maybe, read_jsonl
 
     vals = [maybe(r.get(name)) for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "rl"]
     vals = [v for v in vals if np.isfinite(v)]
@@ -92,8 +92,8 @@ def rl_metric_mean(run_dir: pathlib.Path, name: str) -> tuple[float, float]:
 
 def curve(run_dir: pathlib.Path, steps, sample_fn, fmt, env, rollout, questions, mode, key) -> dict:
     """``{step: held-out EM}`` of the RL checkpoints ``steps`` of ``run_dir`` (greedy, ``mode``)."""
-    from mempo_jax.checkpoint import load_policy
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.run.checkpoint import load_policy
+    from mempo_jax.run.evaluation import evaluate_policy
 
     out = {}
     for step in steps:
@@ -115,8 +115,8 @@ def paired_difference(a: dict, b: dict, held, kinds, mode: str, samples: int, se
     Returns:
       ``{"em": [mean, lo, hi], "f1": [...], "n": pooled questions, "per_seed_em": {seed: mean}}``.
     """
-    from mempo_jax.evaluation import question_kind
-    from mempo_jax.metrics import bootstrap_ci
+    from mempo_jax.run.evaluation import question_kind
+    from mempo_jax.run.metrics import bootstrap_ci
 
     sel = np.array([question_kind(q) in kinds for q in held])
     out: dict = {"per_seed_em": {}}
@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
 
     from mempo_jax.agent.trajectory import parse_context_steps, mode_name
     from mempo_jax.evaluate import checkpoint_steps
-    from mempo_jax.evaluation import evaluate_policy, question_kind
+    from mempo_jax.run.evaluation import evaluate_policy, question_kind
 
     out = pathlib.Path(args.out or REPO / "runs" / ("ablation_small" if args.small else "ablation"))
     seeds = [int(s) for s in (args.seeds or ("0" if args.small else "0,1,2")).split(",") if s.strip()]
@@ -253,7 +253,7 @@ def main(argv=None) -> dict:
                 key = jax.random.PRNGKey(0)
             mode = parse_context_steps(ARMS[arm][2])
             if mode_name(mode) not in sft_curve:  # step 0: the SFT policy, in this mode
-                from mempo_jax.checkpoint import load_policy
+                from mempo_jax.run.checkpoint import load_policy
 
                 params0 = load_policy(sft_dir, folder="sft_checkpoint")[3]
                 sft_curve[mode_name(mode)] = float(evaluate_policy(sample_fn, params0, curve_qs, fmt, env, rollout, mode,

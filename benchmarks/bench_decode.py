@@ -1,7 +1,7 @@
 """Sections 1-2: decode and prefill tokens/s, ours vs transformers on the same weights.
 
 Decode: greedy generation of ``--new`` tokens after a ``--prompt``-token prompt at each batch
-size, with a KV cache on both sides: ours is ``mempo_jax.sampling.Sampler`` (one jitted prefill +
+size, with a KV cache on both sides: ours is ``mempo_jax.agent.sampler.Sampler`` (one jitted prefill +
 ``lax.while_loop`` decode), theirs is ``transformers`` ``generate(do_sample=False,
 use_cache=True, min_new_tokens=max_new_tokens)`` on CPU torch, on the weights exported by
 ``save_hf_checkpoint``. Tokens/s = batch × new tokens / wall time of the whole call (its prefill
@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from mempo_jax.sampling import Sampler, SamplerConfig
+    from mempo_jax.agent.sampler import Sampler, SamplerConfig
 
     small = args.small
     batches = [int(x) for x in (args.batches or ("1,4" if small else "1,16,64")).split(",")]

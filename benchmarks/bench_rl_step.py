@@ -55,9 +55,9 @@ def main(argv=None) -> dict:
 
     counter = CompileCounter()
     from mempo_jax import config as config_lib
-    from mempo_jax.experiment import build_experiment
-    from mempo_jax.learner import Learner, make_optimizer
-    from mempo_jax.rl_step import precompile_rl_step, rl_step
+    from mempo_jax.run.experiment import build_experiment
+    from mempo_jax.rl.learner import Learner, make_optimizer
+    from mempo_jax.rl.step import precompile_rl_step, rl_step
 
     small = args.small
     steps = args.steps or (3 if small else 4)
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     policy = "random init"
     params = exp.params
     if not small and (run_dir / "tokenizer.model").is_file() and (run_dir / "checkpoints").is_dir():
-        from mempo_jax.checkpoint import load_policy
+        from mempo_jax.run.checkpoint import load_policy
 
         same_tok = _sha(run_dir / "tokenizer.model") == _sha(exp.tokenizer.model_path) \
             if hasattr(exp.tokenizer, "model_path") else False

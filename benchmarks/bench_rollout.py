@@ -41,7 +41,7 @@ def setup_smollm2(checkpoint=None):
     """SmolLM2 on HotpotQA as ``configs/smollm2_hotpotqa.gin`` builds it: ``(fmt, tool_env,
     held-out questions, model_cfg, graphdef, params, sample_fn, checkpoint folder)``."""
     from mempo_jax.config import load_config
-    from mempo_jax.experiment import load_checkpoint_policy, load_questions, policy_format
+    from mempo_jax.run.experiment import load_checkpoint_policy, load_questions, policy_format
     from mempo_jax.evaluate import make_sample_fn
     from mempo_jax.model import smollm2
     from mempo_jax.tools.search import ToolEnvironment
@@ -68,8 +68,8 @@ def setup_small():
     from toy_agent import toy_model, toy_world
 
     from mempo_jax.agent.format import AgentFormat
-    from mempo_jax.experiment import make_sampler
-    from mempo_jax.sampling import SamplerConfig
+    from mempo_jax.run.experiment import make_sampler
+    from mempo_jax.agent.sampler import SamplerConfig
 
     tok, env, questions = toy_world()
     model_cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
@@ -110,7 +110,7 @@ class Positions:
         import jax
         import numpy as np
 
-        from mempo_jax.slot_sampler import SlotSampler
+        from mempo_jax.agent.slot_sampler import SlotSampler
 
         ext, dec = SlotSampler.extend, SlotSampler.decode
         me = self
@@ -339,8 +339,8 @@ def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
     import jax
     import numpy as np
 
-    from mempo_jax.sampling import Sampler, SamplerConfig
-    from mempo_jax.slot_sampler import SlotSampler
+    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.slot_sampler import SlotSampler
 
     b, prompt, new = 64, args.decode_prompt or (16 if small else 128), args.decode_new or (8 if small else 128)
     ids = np.random.default_rng(0).integers(1, model_cfg.vocab_size, (b, prompt)).astype(np.int32)

@@ -44,10 +44,10 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mempo_jax.learner import Learner, OptimConfig, make_optimizer
-    from mempo_jax.losses import LossConfig
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
+    from mempo_jax.rl.losses import LossConfig
     from mempo_jax.model.forward import make_logits_fn
-    from mempo_jax.sampling import Sampler, SamplerConfig
+    from mempo_jax.agent.sampler import Sampler, SamplerConfig
 
     small = args.small
     n = args.dot or (256 if small else 2048)

@@ -7,7 +7,7 @@ context (``--mem_len`` tokens, varied) and an answer Z (4 tokens). Three ways to
 
 * stacked packed: ``MemoryRewardScorer`` (default ``packing``) with ``chunk_rows = 2M`` — one
   jitted call over the stacked rows packed end to end (segment ids, per-segment positions,
-  LM head on Z's tokens only; ``mempo_jax.packing``);
+  LM head on Z's tokens only; ``mempo_jax.core.packing``);
 * stacked padded: the same scorer with ``packing=False`` — one call over the stacked ``[2M, L]``
   batch, every row padded to the longest (the reference's single ``compute_log_prob``);
 * two calls: the padded program on the ``[M, L_full]`` full rows, then on the ``[M, L_mem]``
@@ -41,9 +41,9 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from mempo_jax.batching import bucket_length, pad_sequences
+    from mempo_jax.core.batching import bucket_length, pad_sequences
     from mempo_jax.model.forward import make_logits_fn
-    from mempo_jax.scoring import MemoryRewardScorer, build_scoring_batch
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer, build_scoring_batch
 
     small = args.small
     m = args.turns or (4 if small else 16)

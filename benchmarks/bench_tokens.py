@@ -46,12 +46,12 @@ def main(argv=None) -> dict:
     import jax
 
     from mempo_jax.agent.trajectory import FULL, mode_name
-    from mempo_jax.checkpoint import load_policy
+    from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.evaluate import run_rollout_options
-    from mempo_jax.experiment import make_sample_fn
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.run.experiment import make_sample_fn
+    from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
 

@@ -37,7 +37,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# The small run shared by the chaos script and tests/test_resume.py, tests/test_faults.py.
+# The small run shared by the chaos script and tests/run/test_resume.py, tests/run/test_faults.py.
 SMALL_PARAMS = (
     "WorldConfig.num_people=30", "WorldConfig.num_companies=10", "WorldConfig.num_cities=8",
     "WorldConfig.num_countries=3", "WorldConfig.num_single=10", "WorldConfig.num_bridge=10",
@@ -104,7 +104,7 @@ def compare_runs(ref: pathlib.Path, run: pathlib.Path) -> dict:
     import numpy as np
     import jax
 
-    from mempo_jax.checkpoint import read_checkpoint
+    from mempo_jax.run.checkpoint import read_checkpoint
 
     a, b = metric_records(ref / "metrics.jsonl"), metric_records(run / "metrics.jsonl")
     key = lambda r: (r.get("stage"), r.get("step"), r.get("torn"))  # noqa: E731

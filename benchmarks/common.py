@@ -277,11 +277,11 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     Raises:
       ValueError: the run is not a tiny-world run; FileNotFoundError: a missing file or checkpoint.
     """
-    from mempo_jax.checkpoint import load_policy
+    from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.evaluate import make_sample_fn, run_model_options
-    from mempo_jax.experiment import policy_format
+    from mempo_jax.run.experiment import policy_format
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
 

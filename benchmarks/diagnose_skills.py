@@ -25,7 +25,7 @@ def _norm(s):
 def episode_skills(q, traj, tokenizer, world) -> dict:
     """The skill steps of one finished episode (see module doc); values in [0, 1]."""
     from mempo_jax.agent.protocol import parse_turn
-    from mempo_jax.rewards import outcome_reward
+    from mempo_jax.rl.rewards import outcome_reward
 
     turns = [parse_turn(tokenizer.decode(t.output_ids)) for t in traj.turns]
     searches = [_norm(t.argument) for t in turns if t.action == "search"]
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     import jax
 
     from mempo_jax.agent.trajectory import FULL, mode_name
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.run.evaluation import evaluate_policy
 
     cfg, world, sample_fn, params, fmt, env, rollout, policy = tiny_world_policy(args.run_dir, args.stage)
     results: dict = {}

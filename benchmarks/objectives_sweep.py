@@ -56,7 +56,7 @@ def sweep(sample_fn, params, fmt, env, base, singles, objectives, num: int, mode
     """
     from mempo_jax.agent.trajectory import mode_name
     from mempo_jax.data.world import compose_objectives
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.run.evaluation import evaluate_policy
 
     out: dict = {}
     for k in objectives:
@@ -114,7 +114,7 @@ def write_plot(results: dict, path, title: str = "") -> None:
 def _small_policy(cache: str):
     """A random-initialised policy of the smoke test's small world (``--small``)."""
     from mempo_jax.config import load_config
-    from mempo_jax.experiment import build_experiment
+    from mempo_jax.run.experiment import build_experiment
 
     cfg = load_config([TINY_WORLD_GIN], list(SMALL_WORLD_PARAMS) + ["RolloutConfig.max_new_tokens=12",
                                                                    "RolloutConfig.max_turns=2"])

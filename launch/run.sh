@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a gin recipe on every worker of the slice (the same command on all hosts; each is one JAX
-# process: mempo_jax.distributed.maybe_initialize sees MEMPO_MULTIHOST=1). Detached: the job
+# process: mempo_jax.core.distributed.maybe_initialize sees MEMPO_MULTIHOST=1). Detached: the job
 # keeps running after ssh returns; its output goes to ~/mempo_logs/RUN.log on each worker.
 #
 # Usage: launch/run.sh --config CONFIG --name NAME --zone ZONE [--project P]

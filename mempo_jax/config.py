@@ -25,11 +25,11 @@ from mempo_jax.agent.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
-from mempo_jax.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
-from mempo_jax.losses import LossConfig
-from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
-from mempo_jax.rl_step import RLConfig
-from mempo_jax.validation import check, require
+from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
+from mempo_jax.rl.losses import LossConfig
+from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
+from mempo_jax.rl.step import RLConfig
+from mempo_jax.core.validation import check, require
 
 
 DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_world.gin")  # the default recipe
@@ -363,7 +363,7 @@ class ExperimentConfig:
         return self.train_path or self.data_path
 
 
-# MeshConfig / TPUConfig / PlanConfig (mempo_jax.mesh_config) sit beside ExperimentConfig in a pod
+# MeshConfig / TPUConfig / PlanConfig (mempo_jax.core.mesh_config) sit beside ExperimentConfig in a pod
 # recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
                   RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,

@@ -124,7 +124,7 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
                          "--hf_checkpoint DIR (a Hugging Face checkpoint folder)")
     if not run.is_dir():
         raise FileNotFoundError(f"run folder not found: {run}")
-    from mempo_jax.checkpoint import run_tokenizer_path
+    from mempo_jax.run.checkpoint import run_tokenizer_path
 
     if run_tokenizer_path(run) is None:
         raise FileNotFoundError(f"{run / 'tokenizer.model'} (or hf_tokenizer/tokenizer.json) not found: is {run} a run "
@@ -324,7 +324,7 @@ def _check_inputs(args) -> _Inputs:
       ValueError / FileNotFoundError: one line naming the bad argument or file.
     """
     from mempo_jax.agent.trajectory import parse_context_steps
-    from mempo_jax.resume import check_output_folder
+    from mempo_jax.run.resume import check_output_folder
 
     if not args.dataset:
         raise ValueError("pass at least one --dataset NAME=PATH")
@@ -363,9 +363,9 @@ def _check_inputs(args) -> _Inputs:
 def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pathlib.Path], step: Optional[int]):
     """The policy to evaluate (``experiment.make_policy``, as the trainer's): a Hugging Face folder
     (``--dtype``, ``--tags``) or a run folder's checkpoint, prompted as it was trained."""
-    from mempo_jax.checkpoint import load_policy
+    from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import ModelOptions
-    from mempo_jax.experiment import load_checkpoint_policy, make_policy, policy_format
+    from mempo_jax.run.experiment import load_checkpoint_policy, make_policy, policy_format
 
     if hf_dir is not None:
         options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)),
@@ -381,7 +381,7 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
 
 def _prediction(spec, name: str, q, tr) -> dict:
     """One ``predictions.jsonl`` line."""
-    from mempo_jax.rewards import outcome_reward
+    from mempo_jax.rl.rewards import outcome_reward
 
     tt, pt = tr.token_stats()
     return {"dataset": spec.name, "mode": name, "id": q.id, "question": q.question,
@@ -397,7 +397,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
     from tqdm.auto import tqdm
 
     from mempo_jax.agent.trajectory import mode_name
-    from mempo_jax.evaluation import evaluate_policy
+    from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.tools.search import ToolEnvironment
 
     results: dict[str, dict[str, Any]] = {}
@@ -431,7 +431,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
 def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout, corpus_notes: dict,
                    vocab_size: int) -> pathlib.Path:
     """``eval.json``, ``eval_meta.json``, ``predictions.jsonl``, ``eval.md`` and ``eval.png`` under ``--out``."""
-    from mempo_jax.metrics import write_json_atomic
+    from mempo_jax.run.metrics import write_json_atomic
 
     out, hf_dir, run_dir, step = pathlib.Path(args.out), inputs.hf_dir, inputs.run_dir, inputs.step
     meta = {
@@ -476,8 +476,8 @@ def run(args) -> dict:
                                                "max_observation_tokens") if getattr(args, k) is not None}
     backends, corpus_notes = plan_corpora(inputs.specs, args.corpus, args.retriever_url)
 
-    from mempo_jax.batching import bucket_length
-    from mempo_jax.run_context import setup_compilation_cache
+    from mempo_jax.core.batching import bucket_length
+    from mempo_jax.run.context import setup_compilation_cache
 
     setup_compilation_cache()
     policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step)

@@ -124,8 +124,8 @@ def step_shapes(cfg, plan_cfg) -> dict:
     ``train_len``, ``scoring_rows``, ``scoring_len``.
     """
     from mempo_jax.agent.trajectory import FULL
-    from mempo_jax.batching import bucket_length
-    from mempo_jax.scoring import DEFAULT_CHUNK_ROWS
+    from mempo_jax.core.batching import bucket_length
+    from mempo_jax.rl.memory_reward import DEFAULT_CHUNK_ROWS
 
     ro = cfg.rl.rollout
     traj = cfg.rl.questions_per_step * cfg.rl.group_size
@@ -142,7 +142,7 @@ def step_shapes(cfg, plan_cfg) -> dict:
     cache_len = prompt + ro.max_new_tokens
     if ro.engine == "cached":  # the slot cache: one slot per trajectory, prefills of at most prefill_chunk
         from mempo_jax.agent.engine import num_slots
-        from mempo_jax.slot_sampler import slot_cache_size
+        from mempo_jax.agent.slot_sampler import slot_cache_size
 
         rows, cache_len = num_slots(ro, traj), slot_cache_size(ro.max_context_tokens)
         prompt = min(ro.prefill_chunk, cache_len)
@@ -161,7 +161,7 @@ class _Act:
     def elems(self, axes, shape) -> int:
         from jax.sharding import NamedSharding
 
-        from mempo_jax.sharding import logical_to_spec
+        from mempo_jax.core.sharding import logical_to_spec
 
         spec = logical_to_spec(axes, self.rules, self.mesh, shape)
         return math.prod(NamedSharding(self.mesh, spec).shard_shape(tuple(shape)))
@@ -217,11 +217,11 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     """
     import jax
 
-    from mempo_jax.learner import make_optimizer
+    from mempo_jax.rl.learner import make_optimizer
     from mempo_jax.model.decoder import init_cache
     from mempo_jax.model.forward import abstract_model, split_model
     from mempo_jax.model.placement import cache_shardings
-    from mempo_jax.sharding import opt_state_shardings, param_shardings
+    from mempo_jax.core.sharding import opt_state_shardings, param_shardings
 
     model_cfg = model_config(cfg)
     mesh = mesh_cfg.abstract(tpu.num_devices)
@@ -311,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
     args = p.parse_args(argv)
     from mempo_jax import config as config_lib
-    from mempo_jax import mesh_config
+    from mempo_jax.core import mesh_config
 
     try:
         mesh_config.register()

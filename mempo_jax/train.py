@@ -11,7 +11,7 @@ Stages (the default ``configs/tiny_world.gin`` runs all of them on CPU in minute
 5. evaluation after RL; the before/after table is printed and written to ``summary.json``
    with the bootstrap 95 % CI of the k = 1 EM gain. A run from a Hugging Face checkpoint
    (``ModelOptions.checkpoint``) then exports the RL policy to ``RUN_DIR/hf_export``
-   (``mempo_jax.export``: config, safetensors, tokenizer with its tags and chat template).
+   (``mempo_jax.run.export``: config, safetensors, tokenizer with its tags and chat template).
 
 Data: the tiny world, or QA files (``ExperimentConfig.train_path`` / ``eval_path`` in any format
 ``mempo_jax.data.qa_formats`` reads) searched over ``corpus_path`` (local BM25), a
@@ -38,13 +38,13 @@ on a TPU slice, or ``$MEMPO_COORDINATOR`` / ``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_
 Policy, reference, optimizer state, KV cache and batches are placed by ``MeshConfig.rules``;
 ``ExecutionConfig`` holds the micro-batch and chunk rows (``python -m mempo_jax.plan`` reads the
 same). Each process rolls out, calls the tools for and evaluates its share of a step's questions
-and feeds its share of each SFT batch; ``mempo_jax.lockstep`` runs every device program on the
+and feeds its share of each SFT batch; ``mempo_jax.core.lockstep`` runs every device program on the
 global batch (pass-throughs on one process). Process 0 alone writes the logs, evaluation files,
 ``summary.json`` and run artefacts; every process calls the orbax saves and restores. A SIGTERM
 on any process is acted on by all at the next step boundary.
 
-The stages are functions of a ``RunContext`` (``mempo_jax.run_context.open_run`` builds and
-checks it; ``mempo_jax.stages`` holds them); ``main(argv, hooks=FaultHooks(...))`` injects the
+The stages are functions of a ``RunContext`` (``mempo_jax.run.context.open_run`` builds and
+checks it; ``mempo_jax.run.stages`` holds them); ``main(argv, hooks=FaultHooks(...))`` injects the
 test faults (``python -m mempo_jax.train`` reads them from ``$MEMPO_TEST_*``).
 """
 
@@ -74,7 +74,7 @@ def _initialize_distributed() -> bool:
     """``distributed.maybe_initialize()`` once per interpreter (before any JAX device use)."""
     global _DISTRIBUTED
     if _DISTRIBUTED is None:
-        from mempo_jax.distributed import maybe_initialize
+        from mempo_jax.core.distributed import maybe_initialize
 
         _DISTRIBUTED = maybe_initialize()
     return _DISTRIBUTED
@@ -101,11 +101,11 @@ def run(args, hooks=None) -> dict:
       NumericalFault: too many non-finite steps; the last good checkpoint is kept (``main`` exits 3).
     """
     _initialize_distributed()  # joins the other processes of a multi-host job, before any JAX use
-    from mempo_jax import stages
+    from mempo_jax.run import stages
     from mempo_jax.data.messages import read_messages
-    from mempo_jax.experiment import check_qa_inputs
-    from mempo_jax.resume import FaultHooks
-    from mempo_jax.run_context import open_run, setup_compilation_cache
+    from mempo_jax.run.experiment import check_qa_inputs
+    from mempo_jax.run.resume import FaultHooks
+    from mempo_jax.run.context import open_run, setup_compilation_cache
 
     setup_compilation_cache()
     run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
@@ -128,7 +128,7 @@ def run(args, hooks=None) -> dict:
                                                          cfg.rl.steps)
         exported = None
         if cfg.model.checkpoint:  # the RL policy as a Hugging Face folder (every process: a collective)
-            from mempo_jax.export import EXPORT_DIR, export_policy
+            from mempo_jax.run.export import EXPORT_DIR, export_policy
 
             exported = str(export_policy(ctx.run_dir / EXPORT_DIR, ctx.exp.model_cfg, learner.params,
                                          ctx.exp.tokenizer, source=cfg.model.checkpoint))
@@ -149,8 +149,8 @@ def main(argv=None, hooks=None) -> int:
       failed write (disk full, read-only folder; one line on stderr), 3 when non-finite steps
       stopped the run (one line on stderr).
     """
-    from mempo_jax.preemption import Preempted
-    from mempo_jax.resume import NumericalFault
+    from mempo_jax.run.preemption import Preempted
+    from mempo_jax.run.resume import NumericalFault
 
     args = _parse_args(argv)
     try:
@@ -180,7 +180,7 @@ def _cli() -> int:
     """``python -m mempo_jax.train``: ``main`` with the test fault hooks of the environment.
 
     A malformed ``$MEMPO_TEST_*`` value is a one-line error (exit status 2)."""
-    from mempo_jax.resume import FaultHooks
+    from mempo_jax.run.resume import FaultHooks
 
     try:
         hooks = FaultHooks.from_env()

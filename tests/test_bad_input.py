@@ -137,7 +137,7 @@ def test_check_accepts_exactly_the_values_in_range(value, lo, hi, kind):
     import dataclasses
     import math
 
-    from mempo_jax.validation import check
+    from mempo_jax.core.validation import check
 
     @dataclasses.dataclass
     class Cfg:
@@ -209,7 +209,7 @@ def test_an_empty_or_non_utf8_data_file_is_named(raw, message, tmp_path, capsys)
 def _texts():
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.experiment import _tokenizer_texts
+    from mempo_jax.run.experiment import _tokenizer_texts
 
     cfg = load_config([str(REPO / "configs" / "tiny_world.gin")], SMALL_PARAMS)
     world = build_world(cfg.world)
@@ -231,7 +231,7 @@ def test_a_vocabulary_too_small_for_sentencepiece(tmp_path, capsys):
 
 
 def test_a_garbage_cached_tokenizer_is_named(tmp_path, capsys):
-    from mempo_jax.tokenizer import train_sentencepiece
+    from mempo_jax.text.tokenizer import train_sentencepiece
 
     cache = tmp_path / "spm"
     cached = pathlib.Path(train_sentencepiece(_texts(), cache, 400).path)  # the file the run will load
@@ -289,7 +289,7 @@ def test_a_run_folder_without_room_for_a_checkpoint(tmp_path, capsys):
 def test_a_full_disk_while_writing_is_one_line_naming_the_file(tmp_path, capsys):
     """A write that fails with ENOSPC (here the tokenizer cache's temporary file, which /dev/full
     fills at once) is one line naming the file, exit 2: not a traceback."""
-    from mempo_jax.tokenizer import train_sentencepiece
+    from mempo_jax.text.tokenizer import train_sentencepiece
 
     probe = tmp_path / "probe"
     model = pathlib.Path(train_sentencepiece(_texts(), probe, 400).path)

@@ -16,8 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import CompileCounter  # noqa: E402
 
-from mempo_jax.learner import Learner, OptimConfig, make_optimizer, ppo_plan  # noqa: E402
-from mempo_jax.losses import LossConfig  # noqa: E402
+from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer, ppo_plan  # noqa: E402
+from mempo_jax.rl.losses import LossConfig  # noqa: E402
 from mempo_jax.model.forward import make_logits_fn  # noqa: E402
 from toy_agent import toy_model, toy_world  # noqa: E402
 from mempo_jax.agent.format import AgentFormat
@@ -28,9 +28,9 @@ COUNTER = CompileCounter()  # one listener per process (listeners cannot be remo
 def _rl_setup(precompile=True):
     from mempo_jax.agent.protocol import STOP_TAGS
     from mempo_jax.agent.rollout import RolloutConfig
-    from mempo_jax.rl_step import RLConfig
-    from mempo_jax.sampling import Sampler, SamplerConfig
-    from mempo_jax.scoring import MemoryRewardScorer
+    from mempo_jax.rl.step import RLConfig
+    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
     tok, env, questions = toy_world()
     cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
@@ -60,7 +60,7 @@ def _rl_setup(precompile=True):
 
 
 def test_rl_steps_compile_nothing_after_precompile():
-    from mempo_jax.rl_step import rl_step
+    from mempo_jax.rl.step import rl_step
 
     tok, env, questions, rl, sample_fn, scorer, learner, ref = _rl_setup()
     per_step, mem_turns = [], []
@@ -128,7 +128,7 @@ def test_all_padding_mini_batch_does_not_move_the_params():
 
 
 def test_chunked_scoring_equals_one_call():
-    from mempo_jax.scoring import MemoryRewardScorer
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
     cfg, graphdef, params = toy_model(40)
     rng = np.random.default_rng(0)

@@ -11,8 +11,8 @@ from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
 from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.experiment import _tokenizer_texts
-from mempo_jax.tokenizer import train_sentencepiece
+from mempo_jax.run.experiment import _tokenizer_texts
+from mempo_jax.text.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.search import ToolEnvironment
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from mempo_jax import evaluate as ev
-from mempo_jax.checkpoint import Checkpointer, save_run_artifacts
+from mempo_jax.run.checkpoint import Checkpointer, save_run_artifacts
 from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.experiment import _tokenizer_texts
+from mempo_jax.run.experiment import _tokenizer_texts
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, split_model
-from mempo_jax.tokenizer import train_sentencepiece
+from mempo_jax.text.tokenizer import train_sentencepiece
 
 BAMBOOGLE = "bamboogle/bamboogle_125.r1searcher.jsonl"
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
@@ -127,7 +127,7 @@ class ScriptedPolicy:
         return self.turns[2 if "Madison president" in text else 1 if "Citibank founded" in text else 0]
 
     def __call__(self, params, ids, mask, key, max_new_tokens, temperature, top_p):
-        from mempo_jax.sampling import SampleOutput
+        from mempo_jax.agent.sampler import SampleOutput
 
         rows = [self._next(row) for row in np.asarray(ids).tolist()]
         n = max_new_tokens

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from mempo_jax import config as config_lib
-from mempo_jax import mesh_config
+from mempo_jax.core import mesh_config
 
 CONFIG = "configs/qwen2_5_7b_v5p64.gin"
 BASE = ["--name", "mempo-7b", "--zone", "us-east5-a", "--project", "my-proj"]

@@ -9,7 +9,7 @@ import pytest
 
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.world import Question, build_world, compose_objectives
-from mempo_jax.rewards import outcome_reward
+from mempo_jax.rl.rewards import outcome_reward
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -13,16 +13,17 @@ import pytest
 
 from conftest import REPO
 from mempo_jax import config as config_lib
-from mempo_jax import mesh_config, plan
-from mempo_jax.learner import Learner, make_optimizer
-from mempo_jax.losses import LossConfig
-from mempo_jax.mesh_config import MeshConfig, PlanConfig, TPUConfig
+from mempo_jax import plan
+from mempo_jax.core import mesh_config
+from mempo_jax.rl.learner import Learner, make_optimizer
+from mempo_jax.rl.losses import LossConfig
+from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import make_logits_fn
-from mempo_jax.sampling import _compiled_generate
-from mempo_jax.scoring import MemoryRewardScorer
+from mempo_jax.agent.sampler import _compiled_generate
+from mempo_jax.rl.memory_reward import MemoryRewardScorer
 from mempo_jax.model.placement import cache_shardings, init_sharded_params
-from mempo_jax.sharding import logical_to_sharding, make_mesh
+from mempo_jax.core.sharding import logical_to_sharding, make_mesh
 
 SMALL = [
     "ExperimentConfig.model = @ModelOptions()", "ExperimentConfig.rl = @RLConfig()", "RLConfig.rollout = @RolloutConfig()",
@@ -163,7 +164,7 @@ def test_slice_and_mesh_arithmetic():
 def test_cached_engine_plans_the_slot_cache(small, real):
     """``RolloutConfig.engine = "cached"``: the KV cache line is the SlotSampler's cache on the mesh
     (one slot per trajectory, max_context_tokens long), prefill transients at ``prefill_chunk``."""
-    from mempo_jax.slot_sampler import SlotSampler
+    from mempo_jax.agent.slot_sampler import SlotSampler
 
     cfg, pod, legacy = small
     mesh, model_cfg, graphdef, _ = real

@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS  # noqa: E402
 
-# The small run of benchmarks/chaos_resume.py (the shapes of tests/test_resume.py and test_faults.py,
+# The small run of benchmarks/chaos_resume.py (the shapes of tests/run/test_resume.py and test_faults.py,
 # so these runs load their programs from the session's XLA cache), with groups of 4 and both
 # context modes evaluated.
 SMALL = [*SMALL_PARAMS, "SFTConfig.steps=4", "RLConfig.steps=2", "RLConfig.group_size=4",
@@ -87,7 +87,7 @@ def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):
     assert infos and all(i.startswith("<information>") for i in infos)
     # The SFT cold start (scripted searches of supporting titles) is too short to make the random
     # model search well, so real passages are checked on the scripted path through the same tools.
-    from mempo_jax.experiment import hotpotqa_questions
+    from mempo_jax.run.experiment import hotpotqa_questions
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
     from mempo_jax.agent.protocol import parse_turn, render_turn

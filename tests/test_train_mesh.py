@@ -161,7 +161,7 @@ def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
     same final SFT and RL parameters (1e-5 relative), written once, by process 0."""
     import jax
 
-    from mempo_jax.checkpoint import Checkpointer, read_checkpoint
+    from mempo_jax.run.checkpoint import Checkpointer, read_checkpoint
 
     ref, run, logs = runs
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2} over 8 devices, 2 process(es)" in logs[0]

@@ -1,6 +1,6 @@
 """The cached rollout engine: KV cache kept across turns, stopped rows refilled (continuous batching).
 
-Host half of the engine (device half: ``mempo_jax.slot_sampler``). Every trajectory owns one of a
+Host half of the engine (device half: ``mempo_jax.agent.slot_sampler``). Every trajectory owns one of a
 fixed number of cache slots from its first turn to its end. A cycle:
 
 1. free slots take waiting trajectories;
@@ -20,7 +20,7 @@ fixed number of cache slots from its first turn to its end. A cycle:
 A row that stops therefore never waits for the longest row of its turn, and no context is
 prefilled twice. The recorded turns (ids, log-probs, ``<mem>`` spans, tool results, context
 lengths, end reasons) are those of ``rollout.rollout`` on the same policy: greedy float32 gives the
-same tokens (``tests/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
+same tokens (``tests/agent/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
 trajectory index, turn, step) (``slot_sampler`` module docstring).
 """
 
@@ -32,8 +32,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from mempo_jax.batching import bucket_length
-from mempo_jax.slot_sampler import SlotSampler
+from mempo_jax.core.batching import bucket_length
+from mempo_jax.agent.slot_sampler import SlotSampler
 
 MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
 MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from mempo_jax.agent.chat_template import (
+from mempo_jax.text.chat_template import (
     TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame, system_prompt)
 from mempo_jax.agent.protocol import INFORMATION, MEM
 from mempo_jax.agent.tags import TagCodec

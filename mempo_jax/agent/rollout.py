@@ -18,8 +18,8 @@ import numpy as np
 from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFormat
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, ParsedTurn, format_error_observation, parse_turn
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, parse_context_steps
-from mempo_jax.batching import bucket_length, pad_sequences
-from mempo_jax.validation import check, require
+from mempo_jax.core.batching import bucket_length, pad_sequences
+from mempo_jax.core.validation import check, require
 
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
 ENGINES = ("legacy", "cached")  # values of RolloutConfig.engine
@@ -214,7 +214,7 @@ def _slot_sampler(sample_fn):
     """The ``SlotSampler`` behind ``sample_fn.sampler`` (the cached engine's device programs)."""
     sampler = getattr(sample_fn, "sampler", None)
     if sampler is None or not hasattr(sampler, "slot_sampler"):
-        raise ValueError("RolloutConfig.engine = 'cached' needs a sample_fn whose .sampler is a mempo_jax.sampling."
+        raise ValueError("RolloutConfig.engine = 'cached' needs a sample_fn whose .sampler is a mempo_jax.agent.sampler."
                          "Sampler (experiment.make_sample_fn); set RolloutConfig.engine = 'legacy' for this one")
     return sampler.slot_sampler()
 

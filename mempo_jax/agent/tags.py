@@ -9,7 +9,7 @@ Two modes (``ModelOptions.tags``; ``python -m mempo_jax.evaluate --tags``):
   text trajectories writes them). Spans and stops are found on the sampled ids through the bytes
   each token decodes to (``HFTokenizer.token_bytes``) and their offsets, never by re-tokenising
   text (ARCHITECTURE.md, token-in/token-out). The sampler stops a row on the device with the
-  codec's ``stop_automaton`` (``mempo_jax.stop_strings``: a byte automaton over the closing
+  codec's ``stop_automaton`` (``mempo_jax.text.stop_strings``: a byte automaton over the closing
   action tags lifted to ``[states, vocab]`` tables), and ``first_stop`` makes the same lookups on
   the host, so both agree on every row: the first token whose bytes complete ``</search>``,
   ``</access>`` or ``</answer>`` (a tag split across tokens, or ending inside a token such as
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from mempo_jax.agent.protocol import ALL_TAG_PIECES, STOP_TAGS
 from mempo_jax.agent.trajectory import find_span
-from mempo_jax.stop_strings import StopAutomaton, find_text_span, token_bytes
+from mempo_jax.text.stop_strings import StopAutomaton, find_text_span, token_bytes
 
 TAG_MODES = ("tokens", "text")
 

@@ -233,7 +233,7 @@ def build_training_rows(
                 add_turn_tokens(ids, mask, old, turn, row, ti, tr_i)
                 seqs.append(ids), masks.append(mask), olds.append(old), owners.append(tr_i)
 
-    from mempo_jax.batching import bucket_length, pad_sequences
+    from mempo_jax.core.batching import bucket_length, pad_sequences
 
     longest = max((len(s) for s in seqs), default=1)
     length = max_len if max_len is not None else bucket_length(longest)

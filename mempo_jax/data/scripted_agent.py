@@ -31,7 +31,7 @@ from mempo_jax.agent.protocol import parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import Trajectory
 from mempo_jax.data.messages import Conversation, conversation_trajectory
-from mempo_jax.validation import check
+from mempo_jax.core.validation import check
 
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 

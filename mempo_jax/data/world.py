@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from mempo_jax.tools.corpus import Document
-from mempo_jax.validation import check, require
+from mempo_jax.core.validation import check, require
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]

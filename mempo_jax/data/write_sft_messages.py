@@ -49,7 +49,7 @@ def scripted_conversations(cfg, split: str = "train"):
       FileNotFoundError / ValueError: a missing or malformed data file (names it).
     """
     from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.experiment import load_questions
+    from mempo_jax.run.experiment import load_questions
     from mempo_jax.tools.search import ToolEnvironment
 
     train_q, held_q, _, offices, backend, _ = load_questions(cfg)

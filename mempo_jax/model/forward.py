@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mempo_jax.logprobs import token_entropy, token_logprobs
+from mempo_jax.core.logprobs import token_entropy, token_logprobs
 from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import Decoder
@@ -142,7 +142,7 @@ def sequence_logprobs(
 
     Returns:
       ``(logp [B, L], entropy [B, L])`` float32 in nats, shift-by-one convention of
-      ``mempo_jax.logprobs`` (column t scores token t given tokens < t). Both are 0 where token t
+      ``mempo_jax.core.logprobs`` (column t scores token t given tokens < t). Both are 0 where token t
       or its predecessor is padding (nothing real predicts it).
     """
     logits = make_logits_fn(graphdef)(params, input_ids, valid_mask)

@@ -29,11 +29,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mempo_jax.hf_tokenizer import COPIED_FILES
+from mempo_jax.text.hf_tokenizer import COPIED_FILES
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.hf_config import CheckpointError, config_from_hf, config_to_hf
 from mempo_jax.model.forward import abstract_model, split_model
-from mempo_jax.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -2,7 +2,7 @@
 
 Numerics follow ``modeling_qwen2.py`` / ``modeling_llama.py`` in Hugging Face transformers
 (rotate-half RoPE, Llama-3 rope scaling, RMSNorm in float32). Every parameter carries its logical
-axis names as NNX ``out_sharding`` metadata (MaxText style); ``mempo_jax.sharding`` maps them to
+axis names as NNX ``out_sharding`` metadata (MaxText style); ``mempo_jax.core.sharding`` maps them to
 mesh axes. Logical axes used: ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``norm``.
 """

@@ -1,6 +1,6 @@
 """The model's arrays on a device mesh: parameters created in their shardings, the KV cache's shardings.
 
-The model side of ``mempo_jax.sharding`` (which knows meshes and logical-axis rules, not the
+The model side of ``mempo_jax.core.sharding`` (which knows meshes and logical-axis rules, not the
 model): this module imports both, so ``sharding`` never imports ``model`` (no import cycle).
 """
 
@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache
 from mempo_jax.model.forward import abstract_model, create_model, split_model
-from mempo_jax.sharding import DEFAULT_RULES, Rules, logical_to_sharding, param_shardings
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, logical_to_sharding, param_shardings
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v dimensions
 

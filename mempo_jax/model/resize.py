@@ -36,7 +36,7 @@ from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
-from mempo_jax.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
 
 DEFAULT_ROW_MULTIPLE = 64  # transformers' pad_to_multiple_of guidance (tensor cores); also TPU-friendly
 MEAN_RESIZING_EPSILON = 1e-9  # transformers: covariance_matrix = epsilon * covariance

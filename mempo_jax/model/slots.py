@@ -9,7 +9,7 @@ attends with ``blocked_attention``, an online-softmax loop over key blocks that 
 last block any query can see (flash-decoding; Dao et al. 2022, "FlashAttention", Algorithm 1, and
 the split-K decode of FlashDecoding). Blocks past every row's length are never read.
 
-Used by ``mempo_jax.slot_sampler`` (prefill of new tokens into slots, chunked decode). The
+Used by ``mempo_jax.agent.slot_sampler`` (prefill of new tokens into slots, chunked decode). The
 training / scoring forward (``Decoder.__call__``) is not touched.
 """
 

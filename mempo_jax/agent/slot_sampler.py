@@ -1,0 +1,314 @@
+"""A slot KV-cache sampler: prefill new tokens into cache slots, decode all slots in chunks.
+
+The device half of the continuous-batching rollout engine (``mempo_jax.agent.engine``). A fixed
+number S of cache slots each hold one trajectory's context from position 0; the host decides what
+enters which slot. Two jitted programs, both at static shapes and with the state donated (the
+cache is updated in place, never copied):
+
+* ``extend(state, rows [R], ids [R, T], counts [R], starts [R], first [R], ...)`` — writes the
+  ``counts[r]`` new tokens of slot ``rows[r]`` at positions ``starts[r] …`` (a chunk of a prefill:
+  the whole context of a new trajectory, or only what a turn appended — the last sampled token and
+  the tool result — while the rest stays cached, as the gemma sampler carries its cache across tool
+  turns). On a row's last chunk (``first``) it samples the turn's first token and the slot starts
+  generating.
+* ``decode(state, steps)`` — up to ``steps`` decode steps of every generating slot (a
+  ``lax.while_loop`` that exits early when none is left); a slot stops at a stop id, a completed
+  stop string (``stop_strings``) or its token budget, and then idles until the host refills it.
+
+Attention reads the live cache blocks only (``mempo_jax.model.slots.blocked_attention``).
+Sampling is ``mempo_jax.agent.sampler``'s: ``log softmax(logits / temperature)`` log-probs, top-p,
+argmax when greedy. The PRNG key of step j of turn u of trajectory i is
+``fold_in(fold_in(fold_in(key, u), j), i)`` — a pure function of (key, trajectory, turn, step),
+whatever slot or batch it runs in (``Sampler``'s per-row key with the row index replaced by the
+trajectory's, so turn 0 draws the same keys as ``Sampler`` on the rows in trajectory order).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.decoder import KVCache, init_cache
+from mempo_jax.model.slots import slot_forward
+from mempo_jax.agent.sampler import _is_stop, top_p_filter
+
+DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
+
+
+def slot_cache_size(max_context_tokens: int, block: int = DEFAULT_BLOCK) -> int:
+    """Slots' length C: ``max_context_tokens`` rounded up to a multiple of the attention block,
+    the block being ``block`` or, for shorter contexts, the power of two ``>= max_context_tokens``
+    (then C is that power of two). Used by ``SlotSampler`` and the memory plan."""
+    n = 1
+    while n < max_context_tokens:
+        n *= 2
+    blk = min(int(block), n)
+    return -(-int(max_context_tokens) // blk) * blk
+
+
+class SlotState(NamedTuple):
+    """Device state of the slots (all jax arrays; S slots, cache size C, turn budget N).
+
+    Attributes:
+      cache: ``KVCache`` ``[layers, S, kv_heads, C, head_dim]``.
+      lengths: ``[S]`` int32 tokens written in each slot (positions ``0 … lengths-1``).
+      last: ``[S]`` int32 the last sampled token (fed at the next decode step).
+      tokens: ``[S, N]`` int32 the current turn's sampled ids (``pad_id`` after its end).
+      logps: ``[S, N]`` float32 their log-probs.
+      gen: ``[S]`` int32 tokens sampled in the current turn.
+      active: ``[S]`` bool, the slot is generating.
+      stopped: ``[S]`` bool, its turn ended with a stop (False: budget, or still running).
+      fsm: ``[S]`` int32 stop-automaton state.
+      turn, traj: ``[S]`` int32 the turn and trajectory index the slot generates (PRNG keys).
+    """
+
+    cache: KVCache
+    lengths: jax.Array
+    last: jax.Array
+    tokens: jax.Array
+    logps: jax.Array
+    gen: jax.Array
+    active: jax.Array
+    stopped: jax.Array
+    fsm: jax.Array
+    turn: jax.Array
+    traj: jax.Array
+
+
+def _row_keys(key, turn, step, traj):
+    """``[S]`` keys ``fold_in(fold_in(fold_in(key, turn), step), traj)``."""
+    def one(u, j, i):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, u), j), i)
+
+    return jax.vmap(one)(turn, step, traj)
+
+
+def _pick(logits, keys, temperature, top_p, greedy, use_top_p):
+    """``[R, V]`` logits, ``[R]`` keys → (token ``[R]`` int32, log-prob ``[R]`` float32); as
+    ``mempo_jax.agent.sampler._pick`` with one key per row."""
+    scaled = logits.astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    if greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        if use_top_p:
+            scaled = top_p_filter(scaled, top_p)
+        tok = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+
+class SlotSampler:
+    """Jitted ``extend`` / ``decode`` programs over a slot cache of one model.
+
+    Args:
+      graphdef: the policy's graphdef (``split_model``).
+      model_cfg: its ``ModelConfig``.
+      stop_ids: ids that end a turn (emitted and kept).
+      pad_id: written after a turn's end.
+      stop_automaton: optional ``StopAutomaton`` (``Sampler``'s), over ``model_cfg.vocab_size`` ids.
+      block: key-block length of the attention (tokens).
+      mesh, rules: optional device mesh and logical-axis rules: the cache is put on
+        ``sharding.cache_shardings`` (slots over the batch rule); ``None``: one device.
+
+    The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
+    with equal (graphdef, model_cfg, stops, pad, automaton shape, block).
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int, *,
+                 stop_automaton=None, block: int = DEFAULT_BLOCK, mesh=None, rules=None):
+        self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
+        self.pad_id = int(pad_id)
+        self.block = int(block)
+        self.mesh, self.rules = mesh, rules
+        self._tables = None
+        if stop_automaton is not None:
+            if stop_automaton.vocab_size != model_cfg.vocab_size:
+                raise ValueError(f"stop_automaton covers {stop_automaton.vocab_size} ids but the model has "
+                                 f"{model_cfg.vocab_size} embedding rows")
+            self._tables = (jnp.asarray(np.asarray(stop_automaton.next_state, np.int32)),
+                            jnp.asarray(np.asarray(stop_automaton.completes, bool)))
+        fsm = self._tables is not None
+        self._extend = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "extend")
+        self._decode = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "decode")
+        self._copy = _copy_program()
+
+    def cache_size(self, max_context_tokens: int) -> int:
+        """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
+        return slot_cache_size(max_context_tokens, self.block)
+
+    def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
+        """Empty slots: zero cache of ``size`` positions, nothing generating."""
+        cache = init_cache(self.model_cfg, slots, size)
+        if self.mesh is not None:
+            from mempo_jax.core.sharding import DEFAULT_RULES, cache_shardings
+
+            rules = DEFAULT_RULES if self.rules is None else self.rules
+            cache = jax.device_put(cache, cache_shardings(self.model_cfg, slots, size, self.mesh, rules))
+        def z(dtype=jnp.int32):  # distinct buffers: the state is donated leaf by leaf
+            return jnp.zeros((slots,), dtype)
+
+        return SlotState(cache, z(), z(), jnp.full((slots, max_new_tokens), self.pad_id, jnp.int32),
+                         jnp.zeros((slots, max_new_tokens), jnp.float32), z(), z(bool), z(bool), z(), z(), z())
+
+    def extend(self, params, state: SlotState, rows, ids, counts, starts, first, turn, traj, key,
+               temperature: float, top_p: float, greedy: bool) -> SlotState:
+        """Write new tokens into slots; sample the first token of the rows whose prefill ends here.
+
+        Args:
+          params: policy parameters.
+          state: the slots (donated: do not reuse the argument).
+          rows: ``[R]`` int32 slot per row; ``S`` (or more) marks a padding row.
+          ids: ``[R, T]`` int32 new tokens, left-aligned; ``counts[r] >= 1`` real ones per real row.
+          counts, starts: ``[R]`` int32 real tokens and the cache position of the first one; the
+            slot's tokens at positions ``>= starts[r]`` are replaced.
+          first: ``[R]`` bool, True on a row's last chunk: its turn starts (token 0 sampled).
+          turn, traj: ``[R]`` int32 turn and trajectory index (PRNG keys).
+          key: PRNG key of the rollout.
+          temperature, top_p, greedy: as ``SamplerConfig`` (temperature is 1 when greedy).
+
+        Returns:
+          The new ``SlotState``.
+        """
+        extra = () if self._tables is None else (self._tables,)
+        return self._extend(params, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
+                            jnp.asarray(counts, jnp.int32), jnp.asarray(starts, jnp.int32), jnp.asarray(first, bool),
+                            jnp.asarray(turn, jnp.int32), jnp.asarray(traj, jnp.int32), key,
+                            jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), *extra,
+                            greedy=greedy, use_top_p=top_p < 1.0)
+
+    def copy(self, state: SlotState, src, dst) -> SlotState:
+        """Copy the cache of slot ``src[r]`` into slot ``dst[r]`` (every position; ``dst >= S``: a
+        padding row, nothing copied), so that ``dst`` can prefill from a prefix ``src`` holds (the
+        shared system prompt + question of a group's trajectories). State donated; ``lengths`` and
+        the sampling state are not changed (the following ``extend`` of ``dst`` sets them).
+
+        Args:
+          state: the slots.
+          src, dst: ``[R]`` int32 slot indices.
+        """
+        return self._copy(state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+
+    def decode(self, params, state: SlotState, steps: int, key, temperature: float, top_p: float,
+               greedy: bool) -> SlotState:
+        """Up to ``steps`` decode steps of every active slot (state donated)."""
+        extra = () if self._tables is None else (self._tables,)
+        return self._decode(params, state, key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
+                            *extra, steps=int(steps), greedy=greedy, use_top_p=top_p < 1.0)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which):
+    """The jitted ``extend`` or ``decode`` program (state donated). ``fsm``: the stop-automaton
+    tables come as the last positional argument (part of the cache key only)."""
+    del model_cfg, fsm  # cache key: the graphdef carries the model, the call the tables
+    impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block)
+    statics = ("greedy", "use_top_p") + (("steps",) if which == "decode" else ())
+    return jax.jit(impl, static_argnames=statics, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=1)
+def _copy_program():
+    """The jitted slot copy (state donated)."""
+    def copy(state: SlotState, src, dst):
+        s = state.lengths.shape[0]
+        src = jnp.clip(src, 0, s - 1)
+        k = state.cache.k.at[:, dst].set(state.cache.k[:, src], mode="drop")
+        v = state.cache.v.at[:, dst].set(state.cache.v[:, src], mode="drop")
+        return state._replace(cache=KVCache(k, v))
+
+    return jax.jit(copy, donate_argnums=(0,))
+
+
+def _stop_now(tok, fsm_state, stop_ids, tables):
+    """(stop ``[R]`` bool, next automaton state ``[R]``) after token ``tok``."""
+    stop = _is_stop(tok, stop_ids)
+    if tables is None:
+        return stop, fsm_state
+    next_state, completes = tables
+    return stop | completes[fsm_state, tok], next_state[fsm_state, tok]
+
+
+def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, rows, ids, counts, starts, first,
+                 turn, traj, key, temperature, top_p, tables=None, *, greedy, use_top_p):
+    model = nnx.merge(graphdef, params)
+    s, n = state.tokens.shape
+    r, t = ids.shape
+    real = rows < s
+    write = (jnp.arange(t)[None, :] < counts[:, None]) & real[:, None]
+    positions = starts[:, None] + jnp.arange(t)[None, :]
+    bound = jnp.max(jnp.where(write, positions, 0)) + 1
+    logits, cache = slot_forward(model, ids, positions, state.cache, rows, write, bound,
+                                 jnp.maximum(counts - 1, 0), min(block, state.cache.k.shape[3]))
+    keys = _row_keys(key, turn, jnp.zeros_like(turn), traj)
+    tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
+    stop, fsm = _stop_now(tok, jnp.zeros_like(tok), stop_ids, tables)
+    go = real & first
+    srow = jnp.where(real, rows, s)  # scatter index; s = dropped
+
+    def put(arr, val, mask):
+        return arr.at[jnp.where(mask, srow, s)].set(val, mode="drop")
+
+    tokens_row = jnp.full((r, n), pad_id, jnp.int32).at[:, 0].set(tok)
+    logps_row = jnp.zeros((r, n), jnp.float32).at[:, 0].set(lp)
+    return SlotState(
+        cache=cache,
+        lengths=put(state.lengths, starts + counts, real),
+        last=put(state.last, tok, go),
+        tokens=put(state.tokens, tokens_row, go),
+        logps=put(state.logps, logps_row, go),
+        gen=put(state.gen, jnp.ones_like(tok), go),
+        active=put(state.active, ~stop & (n > 1), go),
+        stopped=put(state.stopped, stop, go),
+        fsm=put(state.fsm, fsm, go),
+        turn=put(state.turn, turn, go),
+        traj=put(state.traj, traj, go),
+    )
+
+
+def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, key, temperature, top_p, tables=None,
+                 *, steps, greedy, use_top_p):
+    model = nnx.merge(graphdef, params)
+    s, n = state.tokens.shape
+    slots = jnp.arange(s)
+
+    def cond(carry):
+        i, st = carry
+        return (i < steps) & jnp.any(st.active)
+
+    def body(carry):
+        i, st = carry
+        act = st.active
+        pos = st.lengths
+        bound = jnp.max(jnp.where(act, pos, 0)) + 1
+        logits, cache = slot_forward(model, st.last[:, None], pos[:, None], st.cache, None, act[:, None], bound,
+                                     jnp.zeros((s,), jnp.int32), min(block, st.cache.k.shape[3]))
+        keys = _row_keys(key, st.turn, st.gen, st.traj)
+        tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
+        stop, fsm = _stop_now(tok, st.fsm, stop_ids, tables)
+        col = jnp.where(act, st.gen, n)  # out of range -> dropped
+        gen = st.gen + act
+        return i + 1, SlotState(
+            cache=cache,
+            lengths=pos + act,
+            last=jnp.where(act, tok, st.last),
+            tokens=st.tokens.at[slots, col].set(tok, mode="drop"),
+            logps=st.logps.at[slots, col].set(lp, mode="drop"),
+            gen=gen,
+            active=act & ~stop & (gen < n),
+            stopped=st.stopped | (act & stop),
+            fsm=jnp.where(act, fsm, st.fsm),
+            turn=st.turn,
+            traj=st.traj,
+        )
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+__all__ = ["DEFAULT_BLOCK", "SlotSampler", "SlotState", "slot_cache_size"]

@@ -1,0 +1,175 @@
+"""Per-token log-probabilities and entropies from logits.
+
+One place for the shift-by-one convention shared by the trainer (old, reference and new
+log-probs), the memory-reward scorer and the sampler's parity tests.
+
+Convention: for ``input_ids [batch, seq]`` and the model's ``logits [batch, seq, vocab]``
+(``logits[:, t]`` predicts token ``t + 1``), ``logp[:, t]`` is the log-probability of
+``input_ids[:, t]`` given ``input_ids[:, :t]``; ``logp[:, 0]`` is 0 (nothing predicts the first
+token). Temperature divides the logits before the softmax, as in the sampler (MEMPO_SPEC §5:
+"log-probs in the trainer use the same temperature as the sampler").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _shifted_log_softmax(logits: jax.Array, temperature: float) -> jax.Array:
+    """``[batch, seq, vocab]`` logits → ``[batch, seq, vocab]`` log-softmax aligned to targets.
+
+    Row ``t`` of the result is the distribution over token ``t`` (row 0 is a dummy copy of the
+    distribution over token 1 and must be masked by the caller).
+    """
+    scaled = logits.astype(jnp.float32) / jnp.float32(temperature)
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    return jnp.concatenate([logp_all[:, :1], logp_all[:, :-1]], axis=1)
+
+
+def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Log-probability of each token given its prefix.
+
+    Args:
+      logits: ``[batch, seq, vocab]`` float, ``logits[:, t]`` scores token ``t + 1``.
+      input_ids: ``[batch, seq]`` int32 token ids.
+      temperature: softmax temperature (> 0), the sampler's.
+
+    Returns:
+      ``[batch, seq]`` float32 natural-log probabilities; column 0 is 0.
+
+    Raises:
+      ValueError: if the leading shapes of ``logits`` and ``input_ids`` differ.
+    """
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"logits {logits.shape} and input_ids {input_ids.shape} disagree on [batch, seq]")
+    logp_all = _shifted_log_softmax(logits, temperature)
+    picked = jnp.take_along_axis(logp_all, input_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked.at[:, 0].set(0.0)
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Entropy (nats) of the distribution that produced each token, aligned like ``token_logprobs``.
+
+    Args:
+      logits: ``[batch, seq, vocab]`` float.
+      temperature: softmax temperature (> 0).
+
+    Returns:
+      ``[batch, seq]`` float32; column 0 is 0.
+    """
+    logp_all = _shifted_log_softmax(logits, temperature)
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return ent.at[:, 0].set(0.0)
+
+
+class PackedLogprobs:
+    """Per-token log-probs of padded rows, computed over the rows packed end to end (no gradient).
+
+    The trainer's recompute of the PPO "old" log-probs (verl ``compute_log_prob`` before the
+    update): the real tokens of each ``[R, L]`` row are packed (``mempo_jax.core.packing``: first-fit
+    decreasing, segment ids, positions restarting per segment) into calls of ``[rows, L_p]``,
+    scored with the model's packed call, and scattered back to the row layout.
+
+    Args:
+      packed_fn: ``packed(params, ids, segment_ids, positions) -> logits`` (``logits_fn.packed``
+        of ``model.forward.make_logits_fn``).
+      temperature: the sampler's temperature (> 0).
+      rows_per_call: most packed rows per call (a power of two).
+      min_rows: smallest row bucket (the mesh's batch shards).
+      min_length: smallest length bucket.
+      param_shardings, batch_sharding: optional shardings (as ``Learner``'s): the call then
+        declares ``in_shardings=(params, batch × 3)`` and a replicated output.
+
+    Raises:
+      ValueError: if ``temperature <= 0``.
+    """
+
+    def __init__(self, packed_fn, temperature: float = 1.0, *, rows_per_call: int = 64, min_rows: int = 1,
+                 min_length: int = 128, param_shardings=None, batch_sharding=None):
+        from mempo_jax.core.batching import bucket_length
+
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.packed_fn = packed_fn
+        self.temperature = float(temperature)
+        self.min_rows = max(int(min_rows), 1)
+        self.rows_per_call = bucket_length(int(rows_per_call), self.min_rows)
+        self.min_length = int(min_length)
+        self.param_shardings, self.batch_sharding = param_shardings, batch_sharding
+        self._length_cap = None
+        if param_shardings is not None and batch_sharding is not None:
+            rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+            self._call = jax.jit(self._impl, in_shardings=(param_shardings,) + (batch_sharding,) * 3,
+                                 out_shardings=rep)
+        else:
+            self._call = jax.jit(self._impl)
+
+    def _impl(self, params, ids, segment_ids, positions):
+        params = jax.lax.stop_gradient(params)
+        logits = self.packed_fn(params, ids, segment_ids, positions)
+        return jax.lax.stop_gradient(token_logprobs(logits, ids, self.temperature))
+
+    def __call__(self, params, input_ids, valid):
+        """``[R, L]`` float32 log-probs of ``input_ids`` (``token_logprobs`` convention); 0 where
+        the token or its predecessor is not a real token (nothing real predicts it).
+
+        Args:
+          params: policy parameters (constants).
+          input_ids: ``[R, L]`` int32.
+          valid: ``[R, L]`` bool, True on real tokens (any padding layout).
+        """
+        import numpy as np
+
+        from mempo_jax.core.batching import bucket_length
+        from mempo_jax.core.packing import pack, plan_packing
+
+        input_ids, valid = np.asarray(input_ids), np.asarray(valid, bool)
+        out = np.zeros(input_ids.shape, np.float32)
+        cols = [np.flatnonzero(v) for v in valid]
+        rows = [input_ids[i, c].tolist() for i, c in enumerate(cols)]
+        keep = [i for i, r in enumerate(rows) if len(r) > 1]
+        if not keep:
+            return out
+        sizes = [len(rows[i]) for i in keep]
+        keep_arr = np.asarray(keep, np.int64)
+        colmap = np.zeros((len(keep), max(sizes)), np.int64)  # packed segment column -> column of the padded row
+        for j, i in enumerate(keep):
+            colmap[j, : sizes[j]] = cols[i]
+        d = 2
+        if self._length_cap is not None:
+            base, d = bucket_length(max(sizes), self.min_length), 0
+            while d < 2 and base * 2 ** (d + 1) <= self._length_cap:
+                d += 1
+        length, calls = plan_packing(sizes, self.min_length, self.rows_per_call, self.min_rows, max_doublings=d)
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        for bins in calls:
+            r = bucket_length(len(bins), self.min_rows)
+            pk = pack([rows[i] for i in keep], bins, length, r, 0)
+            batch = (pk.input_ids, pk.segment_ids, pk.positions)
+            if self.batch_sharding is not None:
+                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+            lp = np.asarray(jax.device_get(self._call(params, *batch)), np.float32)
+            sel = pk.col_of >= 1  # a segment's first token is predicted by nothing of its own
+            j, c = pk.row_of[sel], pk.col_of[sel]
+            out[keep_arr[j], colmap[j, c]] = lp[sel]
+        return out
+
+    def precompile(self, params, lengths) -> int:
+        """Compile ``[R, L]`` for every row bucket ``R`` (``min_rows`` … ``rows_per_call``) and
+        ``L`` in ``lengths`` (nothing runs); later calls keep to lengths ``<= max(lengths)``
+        unless one row is longer. Returns the number of programs built."""
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
+        built = 0
+        for length in lengths:
+            r = self.min_rows
+            while r <= self.rows_per_call:
+                self._call.lower(params, *[jax.ShapeDtypeStruct((r, int(length)), jnp.int32, **kw)] * 3).compile()
+                built += 1
+                r *= 2
+        if lengths:
+            self._length_cap = max(int(x) for x in lengths)
+        return built

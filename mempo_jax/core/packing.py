@@ -1,0 +1,144 @@
+"""Sequence packing: many variable-length rows laid end to end in a few fixed-length rows.
+
+A packed row holds several sequences back to back; ``segment_ids`` numbers them 1, 2, … (0 on
+padding), RoPE positions restart at 0 per segment (``model.forward.packed_positions``) and the
+attention mask keeps each token inside its own segment (``model.forward.make_packed_logits_fn``),
+so every sequence gets the logits it would get alone (Krell et al. 2021, "Efficient sequence
+packing without cross-contamination"; the ``segment_ids`` of t5x / MaxText packed batches).
+Rows are assigned to bins by first-fit decreasing (Johnson 1973), ≤ 11/9 OPT + 1 bins.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from mempo_jax.core.batching import bucket_length
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int, weights: Sequence[int] | None = None,
+                         weight_capacity: int | None = None) -> list[list[int]]:
+    """Bins of row indices, each bin's ``sizes`` summing to at most ``capacity`` (and its
+    ``weights`` to at most ``weight_capacity`` when given): rows longest first, each into the
+    first bin where it fits, else a new bin.
+
+    Args:
+      sizes: ``[n]`` non-negative ints (tokens per row).
+      capacity: tokens per bin.
+      weights, weight_capacity: an optional second budget (e.g. answer tokens per packed row).
+
+    Returns:
+      Bins as lists of row indices, in the order they were opened; every index appears once.
+
+    Raises:
+      ValueError: if one row alone exceeds a capacity.
+    """
+    sizes = [int(s) for s in sizes]
+    weights = [0] * len(sizes) if weights is None else [int(w) for w in weights]
+    wcap = 0 if weight_capacity is None else int(weight_capacity)
+    for i, (s, w) in enumerate(zip(sizes, weights)):
+        if s > capacity or (weight_capacity is not None and w > wcap):
+            raise ValueError(f"row {i} ({s} tokens, weight {w}) does not fit a bin of {capacity} (weight {wcap})")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    wroom: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        for b in range(len(bins)):
+            if sizes[i] <= room[b] and (weight_capacity is None or weights[i] <= wroom[b]):
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                wroom[b] -= weights[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - sizes[i])
+            wroom.append(wcap - weights[i])
+    return bins
+
+
+class PackedRows(NamedTuple):
+    """One packed batch (numpy).
+
+    Attributes:
+      input_ids: ``[R, L]`` int32.
+      segment_ids: ``[R, L]`` int32, k ≥ 1 on the k-th sequence of the row, 0 on padding.
+      positions: ``[R, L]`` int32, restarting at 0 per segment.
+      row_of: ``[R, L]`` int32, the index of the source row each column came from (−1 on padding).
+      col_of: ``[R, L]`` int32, the column in the source row (−1 on padding).
+    """
+
+    input_ids: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    row_of: np.ndarray
+    col_of: np.ndarray
+
+
+def pack(rows: Sequence[Sequence[int]], bins: Sequence[Sequence[int]], length: int, num_rows: int,
+         pad_id: int) -> PackedRows:
+    """Lay ``rows`` out as ``bins`` (from ``first_fit_decreasing``) in a ``[num_rows, length]`` batch.
+
+    Args:
+      rows: source token-id lists.
+      bins: row indices per packed row (at most ``num_rows`` bins).
+      length: packed row length L.
+      num_rows: packed rows R (extra rows are all padding).
+      pad_id: padding id.
+
+    Raises:
+      ValueError: if there are more bins than ``num_rows`` or a bin overflows ``length``.
+    """
+    if len(bins) > num_rows:
+        raise ValueError(f"{len(bins)} bins do not fit {num_rows} packed rows")
+    ids = np.full((num_rows, length), pad_id, np.int32)
+    seg = np.zeros((num_rows, length), np.int32)
+    pos = np.zeros((num_rows, length), np.int32)
+    row_of = np.full((num_rows, length), -1, np.int32)
+    col_of = np.full((num_rows, length), -1, np.int32)
+    for r, members in enumerate(bins):
+        c = 0
+        for k, i in enumerate(members):
+            n = len(rows[i])
+            if c + n > length:
+                raise ValueError(f"packed row {r} overflows {length} tokens")
+            ids[r, c : c + n] = rows[i]
+            seg[r, c : c + n] = k + 1
+            pos[r, c : c + n] = np.arange(n)
+            row_of[r, c : c + n] = i
+            col_of[r, c : c + n] = np.arange(n)
+            c += n
+    return PackedRows(ids, seg, pos, row_of, col_of)
+
+
+def plan_packing(sizes: Sequence[int], min_length: int, rows_per_call: int, min_rows: int = 1,
+                 weights: Sequence[int] | None = None, weight_fraction: int | None = None,
+                 max_doublings: int = 2) -> tuple[int, list[list[list[int]]]]:
+    """Pick the packed length and the per-call bins that cost the fewest computed positions.
+
+    Candidates ``L = L0, 2·L0, … (max_doublings times)`` with ``L0 = bucket_length(longest row,
+    min_length)`` (raised until every row's weight fits ``L // weight_fraction``); for each, rows
+    are packed by ``first_fit_decreasing`` and the bins split into calls of at most
+    ``rows_per_call`` rows, each call padded to ``bucket_length(bins, min_rows)`` rows. The cost
+    is ``Σ rows × L`` over the calls; ties go to the shorter L.
+
+    Returns:
+      ``(L, calls)``: ``calls`` is a list of bin lists (one per device call).
+    """
+    longest = max((int(s) for s in sizes), default=1)
+    length = bucket_length(longest, min_length)
+    wcap = None
+    if weights is not None and weight_fraction:
+        while max((int(w) for w in weights), default=0) > length // weight_fraction:
+            length *= 2
+    best = None
+    for _ in range(max_doublings + 1):
+        if weight_fraction and weights is not None:
+            wcap = length // weight_fraction
+        bins = first_fit_decreasing(sizes, length, weights, wcap)
+        calls = [bins[s : s + rows_per_call] for s in range(0, len(bins), rows_per_call)]
+        cost = sum(bucket_length(len(c), min_rows) * length for c in calls)
+        if best is None or cost < best[0]:
+            best = (cost, length, calls)
+        length *= 2
+    return best[1], best[2]

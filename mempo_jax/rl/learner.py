@@ -1,0 +1,456 @@
+"""Jitted numeric steps of training: log-probs, the SFT step and the PPO update.
+
+The learner owns the policy parameters and the optimizer state. All functions are jitted once
+per (rows, seq) bucket; mini-batches are split into micro-batches that accumulate gradients
+with one denominator for the whole mini-batch (MEMPO_SPEC §5: gradient accumulation equals the
+full-batch gradient; tunix-style (sum, denominator) losses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mempo_jax.core.batching import bucket_length
+from mempo_jax.core.logprobs import token_entropy, token_logprobs
+from mempo_jax.rl.losses import LossConfig, mempo_loss
+from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
+                                param_shardings, replicated)
+from mempo_jax.core.validation import check
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and global-norm clipping.
+
+    Attributes:
+      learning_rate: peak learning rate.
+      warmup_steps: linear warm-up length (optimizer steps).
+      weight_decay: AdamW decoupled weight decay.
+      grad_clip: global gradient-norm clip.
+      b1, b2: Adam moments.
+      decay_steps: optimizer steps of a cosine decay after the warm-up, from ``learning_rate``
+        to ``final_lr_fraction * learning_rate`` (then held); 0 keeps the rate constant.
+      final_lr_fraction: the rate at the end of the decay, as a share of the peak.
+
+    Raises:
+      ValueError: from ``__post_init__`` for a value out of range (names the field).
+    """
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.98
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.1
+
+    def __post_init__(self):
+        check(self, "learning_rate", float, lo=0.0)
+        for name in ("warmup_steps", "decay_steps"):
+            check(self, name, int, lo=0)
+        check(self, "weight_decay", float, lo=0.0)
+        check(self, "grad_clip", float, gt=0.0)
+        for name in ("b1", "b2"):
+            check(self, name, float, lo=0.0, lt=1.0)
+        check(self, "final_lr_fraction", float, lo=0.0, hi=1.0)
+
+
+def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Learning rate per optimizer step: linear warm-up ``lr·(step+1)/warmup`` (the first update
+    already moves the parameters), then constant or a cosine decay over ``decay_steps`` to
+    ``final_lr_fraction·lr`` (optax ``cosine_decay_schedule``, as tunix / verl ``lr_scheduler``).
+
+    Raises:
+      ValueError: for a negative ``warmup_steps`` / ``decay_steps`` or a fraction outside [0, 1].
+    """
+    if cfg.warmup_steps < 0 or cfg.decay_steps < 0:
+        raise ValueError(f"OptimConfig.warmup_steps / decay_steps must be >= 0, got {cfg.warmup_steps}, {cfg.decay_steps}")
+    if not 0.0 <= cfg.final_lr_fraction <= 1.0:
+        raise ValueError(f"OptimConfig.final_lr_fraction must be in [0, 1], got {cfg.final_lr_fraction}")
+    warm = max(cfg.warmup_steps, 1)
+    after = (optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, alpha=cfg.final_lr_fraction)
+             if cfg.decay_steps else optax.constant_schedule(cfg.learning_rate))
+    return optax.join_schedules(
+        [optax.linear_schedule(cfg.learning_rate / warm, cfg.learning_rate, warm - 1) if warm > 1
+         else optax.constant_schedule(cfg.learning_rate), after],
+        [warm],
+    )
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """optax chain: clip by global norm → AdamW on ``lr_schedule(cfg)``."""
+    schedule = lr_schedule(cfg)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+DEFAULT_MICRO_BATCH_ROWS = 32  # ExecutionConfig.micro_batch_rows: the one default of the update micro-batch
+DEFAULT_LOGPROB_CHUNK_ROWS = 64  # ExecutionConfig.logprob_chunk_rows
+
+
+def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
+    return x.reshape((n_micro, x.shape[0] // n_micro) + x.shape[1:])
+
+
+class Learner:
+    """Policy parameters, optimizer state and the jitted steps that use them.
+
+    Args:
+      logits_fn: ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits [B,L,V] f32``.
+      params: the policy parameters (a pytree; nnx.State).
+      optimizer: an optax transformation.
+      temperature: the sampler's temperature, used for every log-prob the trainer computes.
+      micro_batch_rows: rows per micro-batch in gradient accumulation.
+      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh).
+        ``params`` (an ``nnx.State``) are placed by their logical-axis rules, the optimizer state
+        by ``opt_state_shardings``, batches ``[B, L]`` over the ``batch`` rule, and every jitted
+        step declares these in/out shardings (metrics and log-probs come back replicated). Batch
+        rows must divide by ``batch_shards(mesh)``.
+      rules: logical → mesh axis rules (``mempo_jax.core.sharding.DEFAULT_RULES``).
+      before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
+        its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
+        ``resume.FaultHooks.update_rows``).
+    """
+
+    def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
+                 micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
+                 logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
+                 before_update=None):
+        self.logits_fn = logits_fn
+        self.params = params
+        self.optimizer = optimizer
+        self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.micro_batch_rows = int(micro_batch_rows)
+        self.logprob_chunk_rows = int(logprob_chunk_rows)
+        self.num_updates = 0
+        self.before_update = before_update
+        self.mesh = mesh = mesh_or_local(mesh)
+        self.rules = rules
+        ps = self.param_shardings = param_shardings(params, mesh, rules)
+        opt = self.opt_shardings = opt_state_shardings(optimizer, params, mesh, rules)
+        bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
+        rep = replicated(mesh)
+        self.params = jax.device_put(params, ps)
+        self.opt_state = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)(self.params)
+        self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=(rep, rep))
+        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1),
+                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
+        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1),
+                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
+
+    def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
+        """``batch`` put on the ``batch`` sharding.
+
+        Raises:
+          ValueError: its rows do not divide over the mesh's batch shards.
+        """
+        rows = next(iter(batch.values())).shape[0]
+        shards = batch_shards(self.mesh, self.rules)
+        if rows % shards:
+            raise ValueError(f"batch of {rows} rows does not divide over {shards} batch shards of the mesh "
+                             f"{dict(self.mesh.shape)}")
+        return jax.device_put(dict(batch), self.batch_sharding)
+
+    def _split_micro_sharded(self, batch, n_micro):
+        """``[B, ...]`` → ``[n_micro, B / n_micro, ...]``; the micro-batch rows stay on the
+        ``batch`` axes (constraint with the shape-aware rule, so an indivisible micro-batch is
+        replicated rather than failing)."""
+        micro = jax.tree.map(lambda x: _split_micro(x, n_micro), batch)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
+
+    # ---- log-probs -------------------------------------------------------------------------
+    def _logprobs_impl(self, params, ids, valid):
+        logits = self.logits_fn(params, ids, valid)
+        return token_logprobs(logits, ids, self.temperature), token_entropy(logits, self.temperature)
+
+    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
+        """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
+
+        Every device call is ``[chunk_rows, L]`` (``chunk_rows`` rounded up to a multiple of the
+        mesh's batch shards): the last (or only) chunk is padded with all-invalid rows, so the
+        program compiles once per length ``L`` whatever the row count.
+
+        Args:
+          params: policy or reference parameters.
+          input_ids: ``[R, L]`` int32.
+          valid: ``[R, L]`` bool, True on real tokens.
+          chunk_rows: rows per device call (default ``self.logprob_chunk_rows``, the
+            ``logprob_chunk_rows`` constructor argument: ``ExecutionConfig.logprob_chunk_rows`` in a run).
+
+        Returns:
+          ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).
+        """
+        out = []
+        target = self._logprob_call_rows(chunk_rows)
+        params = jax.device_put(params, self.param_shardings)
+        for s in range(0, input_ids.shape[0], target):
+            ids, v = input_ids[s : s + target], valid[s : s + target]
+            n = ids.shape[0]
+            if n < target:
+                ids = np.pad(ids, ((0, target - n), (0, 0)))
+                v = np.pad(v, ((0, target - n), (0, 0)))
+            ids, v = jax.device_put((ids, v), self.batch_sharding)
+            lp, _ = self._logprobs(params, ids, v)
+            out.append(np.asarray(lp)[:n])
+        return np.concatenate(out, axis=0)
+
+    def _logprob_call_rows(self, chunk_rows: int | None) -> int:
+        """Rows of one ``logprobs`` device call: ``chunk_rows`` (default ``logprob_chunk_rows``)
+        rounded up to a multiple of the mesh's batch shards."""
+        shards = batch_shards(self.mesh, self.rules)
+        rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
+        return -(-int(rows) // shards) * shards
+
+    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
+                   logprob_rows: int | None = None) -> int:
+        """Compile the log-prob and PPO programs ahead of time (``jit.lower(...).compile()``;
+        nothing runs, no buffer is donated) at every length in ``lengths``.
+
+        Args:
+          lengths: sequence lengths ``L`` (the training-row length buckets).
+          ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
+            (``ppo_plan(...).rows`` and ``rows // micro``).
+          loss_cfg: the loss options (a static argument of the PPO program).
+          logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with (default
+            ``logprob_chunk_rows``).
+
+        Returns:
+          The number of programs built.
+        """
+        lp_rows = self._logprob_call_rows(logprob_rows)
+        sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, sharding=self.batch_sharding)  # noqa: E731
+        for length in lengths:
+            self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32), sds(lp_rows, length, jnp.bool_)).compile()
+            batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
+            batch.update({k: sds(ppo_rows, length, jnp.float32)
+                          for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
+            self._ppo_step.lower(self.params, self.opt_state, batch, int(n_micro), loss_cfg).compile()
+        return 2 * len(lengths)
+
+    # ---- SFT -------------------------------------------------------------------------------
+    def _sft_step_impl(self, params, opt_state, batch, n_micro):
+        denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+        micro = self._split_micro_sharded(batch, n_micro)
+
+        def loss_fn(p, mb):
+            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            logp = token_logprobs(logits, mb["input_ids"], 1.0)
+            return -(logp * mb["loss_mask"]).sum() / denom
+
+        def body(carry, mb):
+            loss, grads = carry
+            l, g = jax.value_and_grad(loss_fn)(params, mb)
+            return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), micro)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"sft/loss": loss, "sft/grad_norm": optax.global_norm(grads)}
+
+    def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
+
+        Args:
+          batch: ``input_ids [B,L] int32``, ``valid [B,L] bool``, ``loss_mask [B,L] float32``;
+            ``B`` a multiple of ``micro_batch_rows`` (or smaller than it).
+        """
+        b = batch["input_ids"].shape[0]
+        n_micro = max(1, b // min(self.micro_batch_rows, b))
+        self.params, self.opt_state, m = self._sft_step(self.params, self.opt_state, self._place_batch(batch), n_micro)
+        self.num_updates += 1
+        return {k: float(v) for k, v in jax.device_get(m).items()}
+
+    # ---- PPO -------------------------------------------------------------------------------
+    def _ppo_step_impl(self, params, opt_state, batch, n_micro, loss_cfg: LossConfig):
+        denom = jnp.maximum(_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode), 1.0)
+        micro = self._split_micro_sharded(batch, n_micro)
+
+        def loss_fn(p, mb):
+            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            logp = token_logprobs(logits, mb["input_ids"], self.temperature)
+            ent = jax.lax.stop_gradient(token_entropy(logits, self.temperature)) if not loss_cfg.entropy_coef \
+                else token_entropy(logits, self.temperature)
+            total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
+                                                    mb["loss_mask"], loss_cfg, entropy=ent)
+            metrics = dict(metrics, _denominator=part_denom)
+            return total / denom, metrics
+
+        def accumulate(carry, mb):
+            grads, msum = carry
+            (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, msum, metrics)
+
+        def body(carry, mb):
+            # A micro-batch without loss tokens (row padding up to the fixed mini-batch shape)
+            # adds exactly zero: it is skipped at run time instead of computed.
+            return jax.lax.cond(jnp.any(mb["loss_mask"] > 0), accumulate, lambda c, _: c, carry, mb), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
+        m0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0)
+        (grads, msum), _ = jax.lax.scan(body, (zeros, m0), micro)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite gradient skips the update (params and optimizer state unchanged); so does a
+        # mini-batch without loss tokens (all padding: Adam's momentum would still move params).
+        apply = finite & jnp.any(batch["loss_mask"] > 0)
+        params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
+        opt_state = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_opt_state, opt_state)
+        msum = dict(msum)
+        part_total = jnp.maximum(msum.pop("_denominator"), 1.0)
+        metrics = {f"actor/{_VERL_NAMES.get(k, k)}": v / part_total for k, v in msum.items()}
+        metrics["actor/grad_norm"] = grad_norm
+        metrics["actor/update_skipped"] = 1.0 - finite.astype(jnp.float32)
+        return params, opt_state, metrics
+
+    def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
+                   rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
+        """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
+
+        Rows are shuffled and split evenly into ``num_mini_batches`` contiguous mini-batches of
+        the shuffled order (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in
+        2 → [65, 65], 1,100 in 4 → [275] · 4; this fixes which rows share an update). Each
+        mini-batch is then padded with all-invalid rows to the plan's fixed row count
+        (``ppo_plan``) and split into micro-batches of ``micro_batch_rows``; micro-batches without
+        loss tokens are skipped inside the program, and a mini-batch without loss tokens is not
+        run at all (no optimizer step: Adam's momentum would otherwise move the parameters on a
+        zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
+        non-finite gradient.
+
+        Args:
+          rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
+            ref_logprobs, advantages [R, L] float32``.
+          loss_cfg: clip, dual clip, KL and aggregation options.
+          num_mini_batches: optimizer steps per epoch (fewer when a mini-batch is all padding).
+          rng: numpy generator for the shuffle.
+          max_rows: an upper bound on ``R`` that depends on the config only (e.g.
+            ``rl_step.training_row_bound``): every mini-batch is then ``[ppo_plan(...).rows, L]``
+            whatever ``R`` is, so the update compiles once per length bucket. ``None``: the
+            mini-batch rows follow ``R`` (one program per row bucket).
+
+        Returns:
+          Metrics averaged over the mini-batches that ran (``actor/pg_loss``, ``actor/ppo_kl``,
+          ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ``actor/grad_norm``,
+          ``actor/update_skipped``, ...); ``{}`` when no row has a loss token.
+
+        Raises:
+          ValueError: as ``ppo_plan``.
+        """
+        if self.before_update is not None:
+            rows = self.before_update(rows)
+        n = rows["input_ids"].shape[0]
+        order = rng.permutation(n)
+        plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
+        out: dict[str, list[float]] = {}
+        for start, stop in mini_batch_slices(n, num_mini_batches):
+            idx = order[start:stop]
+            if not np.any(rows["loss_mask"][idx] > 0):
+                self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
+                continue
+            mb = {}
+            for k, v in rows.items():
+                v = v[idx]
+                mb[k] = np.pad(v, [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1))
+            self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, self._place_batch(mb),
+                                                            plan.rows // plan.micro, loss_cfg)
+            self.num_updates += 1
+            for k, v in jax.device_get(m).items():
+                out.setdefault(k, []).append(float(v))
+        return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+def mini_batch_slices(n: int, num_mini_batches: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``num_mini_batches`` contiguous, near-equal parts of ``n`` rows.
+
+    The first ``n mod k`` parts hold ``ceil(n / k)`` rows, the others ``floor(n / k)`` (the
+    ``numpy.array_split`` rule; verl's ``DataProto.split`` / ``make_iterator`` uses equal
+    mini-batches), so sizes differ by at most one: 130 in 2 → [65, 65], 257 in 2 → [129, 128],
+    1,100 in 4 → [275] · 4; with ``n < k`` some parts are empty.
+
+    Raises:
+      ValueError: if ``num_mini_batches < 1`` or ``n < 0``.
+    """
+    if num_mini_batches < 1 or n < 0:
+        raise ValueError(f"need num_mini_batches >= 1 and n >= 0, got {num_mini_batches}, {n}")
+    base, extra = divmod(int(n), int(num_mini_batches))
+    out, start = [], 0
+    for i in range(num_mini_batches):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+class PPOPlan(NamedTuple):
+    """Row layout of one PPO epoch (see ``ppo_plan``).
+
+    Attributes:
+      total: ``num_mini_batches · bucket_length(ceil(R / k), floor)`` — the epoch's rows once
+        every mini-batch is padded to its natural bucket (``R`` padded as a whole before).
+      per_mb: the most real rows of one mini-batch, ``ceil(R / num_mini_batches)``
+        (``mini_batch_slices``).
+      rows: rows of every ``_ppo_step`` call (``>= per_mb``).
+      micro: rows per micro-batch (divides ``rows``).
+    """
+
+    total: int
+    per_mb: int
+    rows: int
+    micro: int
+
+
+def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int | None = None) -> PPOPlan:
+    """Mini-batch shapes of a PPO epoch over ``n`` rows.
+
+    Mini-batches hold ``mini_batch_slices(n, k)`` real rows (at most ``per_mb = ceil(n / k)``)
+    and are padded to ``rows = bucket_length(ceil(B / k), max(1, max(k, micro_batch_rows) // k))``
+    with ``B = max_rows`` when it is given and ``n <= max_rows``, else ``B = n``: the shape of the
+    update program depends on the config only when a bound is given. For powers of two ``k`` and
+    ``micro_batch_rows`` this equals ``bucket_length(B, max(k, micro)) // k`` (the shapes before
+    mini-batches were split evenly).
+
+    Raises:
+      ValueError: if ``num_mini_batches`` or ``micro_batch_rows`` is < 1, or ``n`` < 0.
+    """
+    if num_mini_batches < 1 or micro_batch_rows < 1:
+        raise ValueError(f"num_mini_batches and micro_batch_rows must be >= 1, got {num_mini_batches}, "
+                         f"{micro_batch_rows}")
+    if n < 0:
+        raise ValueError(f"the row count must be >= 0, got {n}")
+    k = int(num_mini_batches)
+    floor = max(1, max(k, micro_batch_rows) // k)
+    per_mb = -(-int(n) // k)
+    natural = bucket_length(per_mb, floor)
+    rows = natural
+    if max_rows is not None and n <= max_rows:
+        rows = max(natural, bucket_length(-(-int(max_rows) // k), floor))
+    micro = min(micro_batch_rows, rows)
+    while rows % micro:  # powers of two in practice; stay correct otherwise
+        micro -= 1
+    return PPOPlan(k * natural, per_mb, rows, micro)
+
+
+_VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
+
+
+def _denominator(loss_mask: jax.Array, mode: str) -> jax.Array:
+    """The whole mini-batch's denominator for the aggregation mode (see ``losses.aggregate_loss``)."""
+    if mode == "token-mean":
+        return loss_mask.sum()
+    return (loss_mask.sum(-1) > 0).sum().astype(jnp.float32)
+
+
+__all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "mini_batch_slices", "ppo_plan"]

@@ -1,0 +1,371 @@
+"""Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (MEMPO_SPEC §3).
+
+Z is scored after a fixed, never-scored prefix (``answer_prefix``, and ``full_prefix`` on the
+full view only): ``RLConfig.memory_prefix`` picks it (``experiment.answer_prefix_ids``).
+
+A detached extra forward pass: nothing is generated; the answer Z is re-scored under the full
+history snapshot and under the compressed memory view of every ``<mem>`` turn. All 2M contexts
+are stacked into one batch ``[full_0 .. full_{M-1}; mem_0 .. mem_{M-1}]`` with Z repeated twice
+and scored with one jitted call (reference: one ``compute_log_prob`` over the stacked batch).
+Its values enter the advantage as constants (``jax.lax.stop_gradient``).
+
+With a model that has the packed call contract (``logits_fn.packed``, from
+``model.forward.make_logits_fn``) the stacked rows are *packed* end to end (``mempo_jax.core.packing``:
+segment ids, per-segment RoPE positions, attention inside each segment) instead of each being
+padded to the longest row, and the LM head runs on Z's tokens only: the same P values (float32
+rounding aside) for far fewer computed positions. A ``logits_fn`` without ``.packed`` (a test
+table, a custom model) is scored padded, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mempo_jax.core.batching import bucket_length, pad_sequences
+from mempo_jax.core.batching import length_buckets as _length_buckets
+from mempo_jax.core.logprobs import token_logprobs
+from mempo_jax.core.packing import pack, plan_packing
+
+LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+def answer_likelihood(logp: jax.Array, answer_mask: jax.Array) -> jax.Array:
+    """Length-normalised likelihood ``P(Z | c) = exp(Σ_t logp·m / Σ_t m)`` (MEMPO_SPEC §3).
+
+    The geometric mean of Z's token probabilities.
+
+    Args:
+      logp: ``[B, L]`` float32 natural-log token probabilities (``token_logprobs`` convention).
+      answer_mask: ``[B, L]`` bool, True exactly on Z's tokens.
+
+    Returns:
+      ``[B]`` float32 probabilities in [0, 1]; 0.0 for rows without answer tokens.
+    """
+    m = jnp.asarray(answer_mask, bool)
+    n = jnp.sum(m, axis=-1)
+    total = jnp.sum(jnp.where(m, jnp.asarray(logp, jnp.float32), 0.0), axis=-1)
+    mean = total / jnp.maximum(n, 1).astype(jnp.float32)
+    return jnp.where(n > 0, jnp.exp(mean), 0.0)
+
+
+def build_scoring_batch(
+    full_contexts: Sequence[Sequence[int]],
+    mem_contexts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    answer_prefix: Sequence[int],
+    pad_id: int,
+    *,
+    pad_rows_to_bucket: bool = False,
+    min_rows: int = 1,
+    full_prefix: Sequence[int] = (),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stack ``[full_i + full_prefix + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` into one padded batch.
+
+    Row ``i < M`` is ``full_contexts[i] + full_prefix + answer_prefix + answers[i]``, row
+    ``M + i`` is ``mem_contexts[i] + answer_prefix + answers[i]``; right-padded with ``pad_id`` to
+    ``L = bucket_length(longest row)``. With ``pad_rows_to_bucket`` the row count is padded to
+    ``bucket_length(2M, min_rows)`` with all-invalid rows (callers drop them from outputs).
+
+    Args:
+      full_contexts: M token-id lists, ``full_traj[t]`` snapshots.
+      mem_contexts: M token-id lists, ``mem_traj[t]`` views.
+      answers: M token-id lists, the answer Z of each turn (may be empty: its P is 0).
+      answer_prefix: ids between context and Z (e.g. the ``<answer>`` tag); never scored.
+      pad_id: padding id.
+      pad_rows_to_bucket: pad the row count to a power of two (jit sees few shapes).
+      min_rows: smallest row bucket (a power of two, e.g. the data-parallel device count).
+      full_prefix: ids placed on the full view only, before ``answer_prefix`` (e.g. an empty
+        ``<mem></mem>``: ``full_traj[t]`` then ends in a closed memory block as ``mem_traj[t]``
+        does, so the shared prefix is the policy's own continuation on both views); never scored.
+
+    Returns:
+      ``(input_ids [R, L] int32, valid [R, L] bool, answer_mask [R, L] bool)``, ``R = 2M``
+      (or its bucket); ``answer_mask`` is True exactly on Z's tokens (not prefix, not padding).
+
+    Raises:
+      ValueError: if the three lists differ in length, or a non-empty Z would sit at position 0
+        (context and prefix both empty: nothing predicts the first token).
+    """
+    rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix, full_prefix)
+    ids, valid = pad_sequences(rows, pad_id)
+    answer_mask = _answer_mask(valid.shape, spans)
+    m = len(full_contexts)
+    if pad_rows_to_bucket:
+        extra = bucket_length(2 * m, minimum=min_rows) - 2 * m
+        ids = np.concatenate([ids, np.full((extra, ids.shape[1]), pad_id, np.int32)])
+        valid = np.concatenate([valid, np.zeros((extra, ids.shape[1]), bool)])
+        answer_mask = np.concatenate([answer_mask, np.zeros((extra, ids.shape[1]), bool)])
+    return ids, valid, answer_mask
+
+
+def _answer_mask(shape: tuple[int, int], spans) -> np.ndarray:
+    """``[R, L]`` bool, True on Z's ``[start, end)`` span of each of the first ``len(spans)`` rows."""
+    mask = np.zeros(shape, bool)
+    for r, (s, e) in enumerate(spans):
+        mask[r, s:e] = True
+    return mask
+
+
+def _stacked_rows(full_contexts, mem_contexts, answers, answer_prefix,
+                  full_prefix=()) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The 2M rows ``[full_i + full_prefix + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` and
+    Z's ``[start, end)`` in each (see ``build_scoring_batch``; same errors)."""
+    m = len(full_contexts)
+    if len(mem_contexts) != m or len(answers) != m:
+        raise ValueError(f"need as many contexts as answers: {m} full, {len(mem_contexts)} mem, {len(answers)} answers")
+    views = [list(full_prefix) + list(answer_prefix)] * m + [list(answer_prefix)] * m
+    rows, spans = [], []
+    for (ctx, z), prefix in zip(list(zip(full_contexts, answers)) + list(zip(mem_contexts, answers)), views):
+        start = len(ctx) + len(prefix)
+        if start == 0 and len(z) > 0:
+            raise ValueError("an empty context with an empty answer_prefix leaves Z's first token unscored")
+        rows.append(list(ctx) + prefix + list(z))
+        spans.append((start, start + len(z)))
+    return rows, spans
+
+
+DEFAULT_CHUNK_ROWS = 64  # rows per scorer call when none is configured
+DEFAULT_MIN_LENGTH = 64  # smallest length bucket of a scorer call
+ANSWER_FRACTION = 4  # a packed row of L columns scores at most L // 4 answer tokens (the LM head's K)
+
+
+class MemoryRewardOutput(NamedTuple):
+    """Per-turn memory reward (MEMPO_SPEC §3); ``[M]`` float32 numpy arrays, probability units."""
+
+    r_mem: np.ndarray  # p_mem − p_full
+    p_full: np.ndarray  # P(Z | full_traj[t])
+    p_mem: np.ndarray  # P(Z | mem_traj[t])
+
+
+class MemoryRewardScorer:
+    """Scores P(Z | full) and P(Z | mem) for all turns of a batch in one detached jitted call.
+
+    Args:
+      logits_fn: ``logits_fn(params, input_ids [B, L] int32, valid_mask [B, L] bool) -> logits
+        [B, L, V]`` (the policy's uniform call contract; ``logits[:, t]`` predicts token t + 1).
+      pad_id: padding id.
+      answer_prefix: ids placed between context and Z on both views (e.g. ``[id("<answer>")]``).
+      full_prefix: ids placed on the full view only, before ``answer_prefix`` (see
+        ``build_scoring_batch``; ``experiment.answer_prefix_ids`` builds both from
+        ``RLConfig.memory_prefix``).
+      temperature: the sampler's softmax temperature (> 0), as for the trainer's log-probs.
+      min_rows: smallest row bucket; use a multiple of the data-parallel device count.
+      batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.
+      param_shardings: optional shardings of ``params`` (e.g. ``mempo_jax.core.sharding.param_shardings``);
+        with ``batch_sharding`` (a ``NamedSharding``), the jitted call declares
+        ``in_shardings=(param_shardings, batch, batch, batch)`` and a replicated ``[R]`` output.
+      chunk_rows: rows per device call (a power of two; ``None``: ``DEFAULT_CHUNK_ROWS``, raised
+        to ``min_rows`` when smaller). The stacked 2M rows are scored ``chunk_rows`` at a time in
+        calls of fixed shape ``[chunk_rows, L_c]`` (the last chunk padded with all-invalid rows),
+        each chunk padded to its own length bucket ``L_c = bucket_length(longest row of the
+        chunk, min_length)``. The values equal one call over all rows (rows are independent);
+        the shapes depend on the config, not on M, so the program compiles once per length
+        bucket (``length_buckets`` lists them, ``precompile`` builds them ahead of time). With
+        2M ≤ ``chunk_rows`` the whole stacked batch is one call, as in the reference.
+      min_length: smallest length bucket (a power of two).
+      packing: pack the stacked rows (default True) when ``logits_fn`` has the packed contract
+        ``logits_fn.packed(params, ids, segment_ids, positions, logits_at)``. Packed calls are
+        ``[R, L]`` with ``L`` a length bucket (``packing.plan_packing``: the cheapest of
+        ``bucket(longest row)`` and its doublings) and ``R = bucket_length(packed rows,
+        min_rows) <= rows_per_call``; the LM head runs on ``K = L // ANSWER_FRACTION`` columns
+        per row (Z's tokens). ``False``, or a ``logits_fn`` without ``.packed``: every row padded
+        to its chunk's length bucket, full logits (the reference layout).
+
+    Raises:
+      ValueError: if ``temperature <= 0``.
+    """
+
+    def __init__(
+        self,
+        logits_fn: LogitsFn,
+        pad_id: int,
+        answer_prefix: Sequence[int],
+        temperature: float = 1.0,
+        *,
+        min_rows: int = 8,
+        batch_sharding: jax.sharding.Sharding | None = None,
+        param_shardings: Any = None,
+        chunk_rows: int | None = None,
+        min_length: int = DEFAULT_MIN_LENGTH,
+        full_prefix: Sequence[int] = (),
+        packing: bool = True,
+    ):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_rows is not None and (chunk_rows < 1 or chunk_rows & (chunk_rows - 1)):
+            raise ValueError(f"chunk_rows must be a power of two, got {chunk_rows}")
+        self.logits_fn = logits_fn
+        self.pad_id = int(pad_id)
+        self.answer_prefix = [int(t) for t in answer_prefix]
+        self.full_prefix = [int(t) for t in full_prefix]
+        self.temperature = float(temperature)
+        self.min_rows = int(min_rows)
+        self.batch_sharding = batch_sharding
+        self.param_shardings = param_shardings
+        self.chunk_rows = chunk_rows
+        self.min_length = int(min_length)
+        self.rows_per_call = bucket_length(DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows,
+                                           max(self.min_rows, 1))
+        self.packed_fn = getattr(logits_fn, "packed", None) if packing else None
+        self._length_cap = None  # set by ``precompile``: packed lengths never exceed the compiled ones
+        if param_shardings is not None and isinstance(batch_sharding, jax.sharding.NamedSharding):
+            rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+            bs = batch_sharding
+            self.likelihoods = jax.jit(self._likelihoods, in_shardings=(param_shardings, bs, bs, bs),
+                                       out_shardings=rep)
+            self.packed_logprobs = jax.jit(self._packed_logprobs, in_shardings=(param_shardings,) + (bs,) * 5,
+                                           out_shardings=rep)
+        else:
+            self.likelihoods = jax.jit(self._likelihoods)
+            self.packed_logprobs = jax.jit(self._packed_logprobs)
+
+    def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
+        """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
+        params = jax.lax.stop_gradient(params)
+        logits = self.logits_fn(params, input_ids, valid)
+        logp = token_logprobs(logits, input_ids, self.temperature)
+        return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
+
+    def _packed_logprobs(self, params, input_ids, segment_ids, positions, logits_at, targets) -> jax.Array:
+        """``(params, ids, segment_ids, positions [R, L], logits_at, targets [R, K]) -> logp [R, K]``
+        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad."""
+        params = jax.lax.stop_gradient(params)
+        logits = self.packed_fn(params, input_ids, segment_ids, positions, logits_at)
+        logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.float32(self.temperature), axis=-1)
+        picked = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return jax.lax.stop_gradient(picked)
+
+    def _score_packed(self, params, rows, spans) -> np.ndarray:
+        """``P [len(rows)]`` float32 of the stacked rows, packed (see the ``packing`` argument)."""
+        sizes = [len(r) for r in rows]
+        zlens = [e - s for s, e in spans]
+        length, calls = plan_packing(sizes, self.min_length, self.rows_per_call, self.min_rows, zlens, ANSWER_FRACTION,
+                                     max_doublings=self._doublings(sizes))
+        k = length // ANSWER_FRACTION
+        starts = np.asarray([a for a, _ in spans], np.int64)
+        ends = np.asarray([b for _, b in spans], np.int64)
+        total = np.zeros((len(rows),), np.float64)
+        for bins in calls:
+            r = bucket_length(len(bins), max(self.min_rows, 1))
+            pk = pack(rows, bins, length, r, self.pad_id)
+            at = np.zeros((r, k), np.int32)
+            tgt = np.zeros((r, k), np.int32)
+            owner = np.full((r, k), -1, np.int64)
+            src = np.maximum(pk.row_of, 0)
+            is_answer = (pk.row_of >= 0) & (pk.col_of >= starts[src]) & (pk.col_of < ends[src])  # [R, L]
+            for b in range(len(bins)):
+                cols = np.flatnonzero(is_answer[b])
+                at[b, : len(cols)] = cols - 1  # logits at column c - 1 predict the token at c
+                tgt[b, : len(cols)] = pk.input_ids[b, cols]
+                owner[b, : len(cols)] = pk.row_of[b, cols]
+            batch = (pk.input_ids, pk.segment_ids, pk.positions, at, tgt)
+            if self.batch_sharding is not None:
+                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+            logp = np.asarray(jax.device_get(self.packed_logprobs(params, *batch)), np.float64)
+            keep = owner >= 0
+            np.add.at(total, owner[keep], logp[keep])
+        n = np.asarray(zlens, np.float64)
+        return np.where(n > 0, np.exp(total / np.maximum(n, 1.0)), 0.0).astype(np.float32)
+
+    def _doublings(self, sizes) -> int:
+        """How many times ``plan_packing`` may double the packed length (within the compiled lengths)."""
+        if self._length_cap is None:
+            return 2
+        base = bucket_length(max(sizes, default=1), self.min_length)
+        d = 0
+        while d < 2 and base * 2 ** (d + 1) <= self._length_cap:
+            d += 1
+        return d
+
+    def __call__(
+        self,
+        params: Any,
+        full_contexts: Sequence[Sequence[int]],
+        mem_contexts: Sequence[Sequence[int]],
+        answers: Sequence[Sequence[int]],
+    ) -> MemoryRewardOutput:
+        """R_M for M turns from the stacked ``[full; mem]`` batch, ``rows_per_call`` rows per call.
+
+        Args:
+          params: policy parameters (current policy; treated as constants).
+          full_contexts, mem_contexts, answers: M token-id lists each (see ``build_scoring_batch``).
+
+        Returns:
+          ``MemoryRewardOutput`` of ``[M]`` float32 arrays; empty arrays (no model call) if M = 0.
+
+        Raises:
+          ValueError: as ``build_scoring_batch``.
+        """
+        m = len(full_contexts)
+        if m == 0 and len(mem_contexts) == 0 and len(answers) == 0:
+            empty = np.zeros((0,), np.float32)
+            return MemoryRewardOutput(empty, empty.copy(), empty.copy())
+        rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix, self.full_prefix)
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        if self.packed_fn is not None:
+            p = self._score_packed(params, rows, spans)
+            p_full, p_mem = p[:m], p[m : 2 * m]
+            return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
+        c = self.rows_per_call
+        parts = []
+        for s in range(0, len(rows), c):
+            chunk = rows[s : s + c]
+            length = bucket_length(max(len(r) for r in chunk), self.min_length)
+            ids, valid = pad_sequences(chunk + [[]] * (c - len(chunk)), self.pad_id, length)
+            answer_mask = _answer_mask(valid.shape, spans[s : s + c])
+            batch = (ids, valid, answer_mask)
+            if self.batch_sharding is not None:
+                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
+            parts.append(np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32)[: len(chunk)])
+        p = np.concatenate(parts)
+        p_full, p_mem = p[:m], p[m : 2 * m]
+        return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
+
+    def length_buckets(self, max_tokens: int) -> list[int]:
+        """The length buckets a scoring row of at most ``max_tokens`` tokens can land in:
+        ``[min_length, 2·min_length, …, bucket_length(max_tokens, min_length)]``."""
+        return _length_buckets(self.min_length, max_tokens)
+
+    def precompile(self, params: Any, lengths: Sequence[int]) -> int:
+        """Compile the scoring programs at each ``L`` in ``lengths`` ahead of time
+        (``jit.lower(...).compile()``; nothing runs). Later calls at these shapes compile nothing.
+
+        Padded scoring: ``[rows_per_call, L]``. Packed scoring: ``[R, L]`` for every row bucket
+        ``R`` from ``min_rows`` to ``rows_per_call`` (with ``[R, L // ANSWER_FRACTION]`` answer
+        columns); later packed calls keep to lengths ``<= max(lengths)`` unless a single row is
+        longer.
+
+        Args:
+          params: the parameters the scorer will be called with (their shardings count).
+          lengths: length buckets (e.g. ``length_buckets(bound)``).
+
+        Returns:
+          The number of programs built.
+        """
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
+        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, **kw)  # noqa: E731
+        built = 0
+        for length in lengths:
+            length = int(length)
+            if self.packed_fn is None:
+                shape = (self.rows_per_call, length)
+                self.likelihoods.lower(params, *[sds(shape, dt) for dt in (jnp.int32, jnp.bool_, jnp.bool_)]).compile()
+                built += 1
+                continue
+            r = max(self.min_rows, 1)
+            while r <= self.rows_per_call:
+                k = length // ANSWER_FRACTION
+                self.packed_logprobs.lower(params, *[sds((r, length), jnp.int32)] * 3,
+                                           *[sds((r, k), jnp.int32)] * 2).compile()
+                built += 1
+                r *= 2
+        if self.packed_fn is not None and lengths:
+            self._length_cap = max(int(x) for x in lengths)
+        return built

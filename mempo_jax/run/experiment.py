@@ -1,0 +1,440 @@
+"""Building a run's components from its config: questions, corpus, tools, tokenizer, model.
+
+``build_experiment`` is the one place that turns an ``ExperimentConfig`` into objects; the
+training loop (``train.py``) and the evaluation command only consume them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.protocol import ANSWER, MEM, THINK, render_turn
+from mempo_jax.agent.tags import TagCodec
+from mempo_jax.config import ExperimentConfig
+from mempo_jax.data.qa_questions import load_qa_questions
+from mempo_jax.data.world import Question, build_world
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.forward import make_logits_fn
+from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.rl.memory_reward import MemoryRewardScorer
+from mempo_jax.text.tokenizer import train_sentencepiece
+from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.corpus import Document
+from mempo_jax.tools.search import ToolEnvironment
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run needs, built once."""
+
+    cfg: ExperimentConfig
+    train_questions: list
+    heldout_questions: list
+    documents: list
+    offices: dict
+    tokenizer: Any
+    tool_env: ToolEnvironment
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    sample_fn: Any
+    logits_fn: Any
+    scorer: MemoryRewardScorer
+    mesh: Any = None
+    corpus: str = ""  # what the tools search, in words
+    fmt: Any = None  # the AgentFormat (tokenizer, tag codec, prompt template)
+
+
+def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
+    """Questions and the pooled context corpus of a HotpotQA file (HF distractor layout).
+
+    The scripted cold-start plan searches each supporting-fact title in turn, keeps each title's
+    supporting sentences (the bridge fact) in ``<mem>`` and answers the gold answer
+    (``qa_questions.load_qa_questions``).
+
+    Raises:
+      ValueError: naming the file, line and field of a malformed record.
+    """
+    from mempo_jax.data.qa_formats import hotpotqa_example, hotpotqa_supporting_titles
+    from mempo_jax.tools.corpus import pool_hotpotqa_contexts
+
+    return load_qa_questions(path), pool_hotpotqa_contexts(path)
+
+
+def qa_paths(cfg: ExperimentConfig) -> list[str]:
+    """The QA files of a ``dataset != "tiny_world"`` run: the training file, then the held-out one."""
+    return [p for p in (cfg.qa_train_path, cfg.eval_path) if p]
+
+
+def check_qa_inputs(cfg: ExperimentConfig) -> None:
+    """The QA run's inputs, checked before the run folder is touched: the files exist, their
+    format is readable (``qa_formats.detect_format``: e.g. a CSV without a ``question`` column),
+    and a ``retriever_url`` answers. Nothing for the tiny world.
+
+    Raises:
+      FileNotFoundError: naming the config field of a missing file.
+      ValueError: one line naming the file (or the URL) that is unusable.
+    """
+    from mempo_jax.data.qa_formats import detect_format
+    from mempo_jax.tools.backends import connect_retriever
+
+    if cfg.dataset == "tiny_world":
+        return
+    fields = {"train_path" if cfg.train_path else "data_path": cfg.qa_train_path, "eval_path": cfg.eval_path,
+              "corpus_path": cfg.corpus_path}
+    for name, path in fields.items():
+        if path and not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"ExperimentConfig.{name}: no such file: {path}")
+    for path in qa_paths(cfg):
+        detect_format(path)
+    if cfg.retriever_url:
+        connect_retriever(cfg.retriever_url, "ExperimentConfig.retriever_url").close()
+
+
+def load_qa_data(cfg: ExperimentConfig):
+    """Questions and search backend of a QA run (``dataset`` ``"qa"`` / ``"hotpotqa"``).
+
+    Training questions come from ``train_path`` (or ``data_path``), held-out ones from
+    ``eval_path`` (questions asked in both are dropped from training), else a seeded 20 % of the
+    training file (``qa_questions.split_questions``). The backend is ``backends.training_backend``
+    of ``corpus_path`` / ``retriever_url`` / ``pool_contexts`` over both files.
+
+    Returns:
+      ``(train_questions, heldout_questions, documents, backend, note)``; ``documents`` is ``[]``
+      for a retriever, ``note`` describes the backend.
+
+    Raises:
+      ValueError / FileNotFoundError: a missing or malformed file, an unreachable retriever
+        (one line naming the field, file or URL).
+    """
+    from mempo_jax.data.qa_questions import split_questions
+    from mempo_jax.tools.backends import training_backend
+
+    check_qa_inputs(cfg)
+    train = load_qa_questions(cfg.qa_train_path)
+    held = load_qa_questions(cfg.eval_path) if cfg.eval_path else None
+    train_q, held_q, dropped = split_questions(train, held, cfg.seed)
+    backend, docs, note = training_backend(qa_paths(cfg), cfg.corpus_path, cfg.retriever_url, cfg.pool_contexts)
+    if dropped:
+        note += f"; {dropped} training question(s) also in {cfg.eval_path} left out"
+    return train_q, held_q, docs, backend, note
+
+
+def load_questions(cfg: ExperimentConfig):
+    """The run's questions and search backend: ``(train, held-out, documents, offices, backend, note)``.
+
+    ``tiny_world``: the embedded world's splits, BM25 over its passages; ``offices`` maps each
+    company to its ``{city: office head}`` (the scripted agent's lazy guesses). A QA run:
+    ``load_qa_data`` (``offices`` empty). Used by ``build_experiment`` and ``write_sft_messages``.
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed data file, an unreachable retriever.
+    """
+    if cfg.dataset == "tiny_world":
+        world = build_world(cfg.world)
+        docs = world.documents
+        offices = {c["name"]: c["offices"] for c in world.companies}
+        return world.train, world.heldout, docs, offices, BM25Index(docs), f"{len(docs)} passages"
+    train_q, held_q, docs, backend, note = load_qa_data(cfg)
+    return train_q, held_q, docs, {}, backend, note
+
+
+def _tokenizer_texts(documents, questions) -> list[str]:
+    texts = [d.contents for d in documents] + [q.question for q in questions]
+    for q in questions:  # the protocol's own phrases, as the scripted agent renders them
+        for query, facts in q.hops:
+            texts.append(render_turn(" " + "; ".join(facts), " search", "search", " " + query))
+        texts.append(render_turn(" " + q.answer, " answer", "answer", " " + q.answer))
+    # (kept verbatim: this text is part of the tokenizer training data, so the default run's
+    # SentencePiece model, and with it every figure of the default run, stays the same)
+    texts.append("unknown none " + "BOS (when the tokenizer has one; Qwen has none) + system prompt + question, as ids.")
+    return texts
+
+
+MEMORY_PREFIXES = ("empty_mem", "think", "none")  # the values of RLConfig.memory_prefix
+
+
+def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], list[int]]:
+    """``(full_prefix, answer_prefix)``: the never-scored ids between a memory-reward context and
+    Z (``MemoryRewardScorer``), chosen by ``RLConfig.memory_prefix``.
+
+    Built from the protocol's tags only (encoded as text, so it holds for single-token and text
+    tags alike); no think wording is assumed. The answer turn's opening is
+    ``T = <think></think><answer>`` (an empty think: MEMPO_SPEC §1's optional think block).
+
+    * ``"empty_mem"`` (default): full view ``full_traj[t] + <mem></mem> + T + Z``, memory view
+      ``mem_traj[t] + T + Z``. Both views then end in a closed ``<mem>`` block before ``T``, as
+      every policy turn does. Measured on a 300-step SFT tiny-world policy (256 rollouts, 686
+      well-formed ``<mem>`` turns): P(``<think>`` next) is 1.0000 after ``full_traj[t] <mem></mem>``
+      and 1.0000 after ``mem_traj[t]``.
+    * ``"think"``: ``T`` on both views (the earlier layout, then with a `` answer`` think). After
+      ``full_traj[t]`` (ends in ``</information>`` or the prompt) the policy's next token is
+      ``<mem>`` (P 0.9994) and P(``<think>``) is 0.0000, so ``P_full`` is measured off-distribution:
+      mean R_M 0.0025 with 78 % of turns positive, against 0.0010 and 62 % for ``"empty_mem"``
+      (A_M correlation 0.80, same sign on 82 % of turns).
+    * ``"none"``: Z straight after both contexts (the reference's plain continuation): off
+      the policy's distribution on both views (P(Z) ~1e-4, A_M correlation 0.43 with the default).
+
+    The think block is left empty rather than worded (``<think> answer</think>`` is how the
+    scripted agent opens an answer turn, and a checkpoint's policy need not write it); an empty
+    think is equally unlikely on both views (P(``</think>`` right after ``<think>``) 0.0000 and 0.0001).
+
+    Raises:
+      ValueError: for an unknown ``mode`` (names ``RLConfig.memory_prefix``).
+    """
+    if mode not in MEMORY_PREFIXES:
+        raise ValueError(f"RLConfig.memory_prefix must be one of {MEMORY_PREFIXES}, got {mode!r}")
+    if mode == "none":
+        return [], []
+    opening = tokenizer.encode(THINK[0] + THINK[1] + ANSWER[0])
+    full = tokenizer.encode(MEM[0] + MEM[1]) if mode == "empty_mem" else []
+    return full, opening
+
+
+def entity_token_ids(tokenizer, documents) -> list[int]:
+    """Ids of the passage titles that are single pieces (the entity names), the pool of the
+    SFT copy rows; falls back to every title's first piece when none is a single piece."""
+    ids = [tokenizer.encode(" " + d.title) for d in documents]
+    single = [t[0] for t in ids if len(t) == 1]
+    return single or [t[0] for t in ids if t]
+
+
+def policy_format(options, tokenizer, folder=None) -> AgentFormat:
+    """The ``AgentFormat`` a policy is prompted with; the trainer and the evaluation command alike.
+
+    From-scratch models (``options.checkpoint`` empty and no ``folder``): ``AgentFormat.plain``.
+    A checkpoint (``folder``, default ``options.checkpoint``): its own chat template around the
+    MemPO system prompt (``AgentFormat.for_checkpoint``), per ``options.chat_template``:
+    ``"auto"`` uses the template when the folder has one and the plain prompt otherwise,
+    ``"require"`` insists on one, ``"none"`` always uses the plain prompt; either way the tags
+    are written as ``options.tags`` says (``TagCodec``: ``"text"`` or ``"tokens"``).
+
+    Args:
+      options: a ``ModelOptions``.
+      tokenizer: the policy's tokenizer (protocol tags as single ids in tokens mode).
+      folder: where the tokenizer files and template live (a run folder's saved tokenizer).
+
+    Raises:
+      FileNotFoundError: ``chat_template = "require"`` and the folder has no template.
+      ValueError: ``tags = "tokens"`` and a tag is not one token of ``tokenizer``, or
+        ``tags = "text"`` and the tokenizer cannot write a tag (names the tag).
+    """
+    folder = folder or options.checkpoint
+    if not folder:
+        return AgentFormat.plain(tokenizer)
+    has_template = (pathlib.Path(folder, "chat_template.jinja").is_file()
+                    or "chat_template" in _json_or_empty(pathlib.Path(folder, "tokenizer_config.json")))
+    if options.chat_template == "none" or (options.chat_template == "auto" and not has_template):
+        return AgentFormat(tokenizer, TagCodec(tokenizer, options.tags))  # the plain prompt
+    return AgentFormat.for_checkpoint(folder, tokenizer, tags=options.tags, tool_layout=options.tool_layout,
+                                      enabled_tools=("search", "access"),
+                                      system_prompt_path=options.system_prompt_path or None)
+
+
+def _json_or_empty(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_checkpoint_policy(options, mesh=None, rules=None):
+    """Model and tokenizer of a Hugging Face checkpoint folder (``ModelOptions.checkpoint``).
+
+    The weights come from ``load_hf_checkpoint`` (float32 unless ``options.overrides`` binds
+    ``dtype`` / ``param_dtype``); the tokenizer is the folder's ``tokenizer.json``.
+    ``options.tags`` chooses how the protocol tags are written:
+
+    * ``"text"`` (default): the tokenizer as it is; tags are several tokens (``TagCodec`` text mode).
+    * ``"tokens"``: the 12 tags become single tokens (``HFTokenizer.with_protocol_tags``) in spare
+      embedding rows or reserved specials; where those do not suffice the embedding (and an
+      untied LM head) gets new rows initialised as transformers' ``resize_token_embeddings``
+      (``model.resize.resize_vocab``: the old rows' mean, with its 1e-9-scaled covariance noise),
+      the row count rounded up to ``vocab_row_multiple(mesh)``. The new rows are untrained until
+      the SFT cold start.
+
+    ``options.preset`` is not used: the architecture is the checkpoint's ``config.json``.
+
+    Args:
+      options: a ``ModelOptions`` with ``checkpoint`` set.
+      mesh, rules: as ``load_hf_checkpoint`` (params placed straight into their sharding).
+
+    Returns:
+      ``(model_cfg, graphdef, params, tokenizer)``; ``model_cfg.vocab_size`` is the (possibly
+      resized) number of embedding rows.
+
+    Raises:
+      ValueError: for an override other than ``dtype`` / ``param_dtype``;
+        ``CheckpointError`` (a ``ValueError``) / ``FileNotFoundError`` for a bad or missing folder.
+    """
+    from mempo_jax.text.hf_tokenizer import HFTokenizer
+    from mempo_jax.model.hf_io import load_hf_checkpoint
+    from mempo_jax.model.resize import padded_rows, resize_vocab, vocab_row_multiple
+    from mempo_jax.core.sharding import DEFAULT_RULES
+
+    dtypes = dict(options.overrides)
+    if set(dtypes) - {"dtype", "param_dtype"}:
+        raise ValueError(f"ModelOptions.overrides {sorted(set(dtypes) - {'dtype', 'param_dtype'})} cannot change "
+                         f"the architecture of checkpoint {options.checkpoint}; only dtype / param_dtype")
+    if not pathlib.Path(options.checkpoint, "config.json").is_file():
+        raise FileNotFoundError(f"ModelOptions.checkpoint: no config.json in {options.checkpoint}")
+    rules = rules or DEFAULT_RULES
+    model_cfg, graphdef, params = load_hf_checkpoint(options.checkpoint, mesh, rules, **dtypes)
+    tokenizer = HFTokenizer(options.checkpoint)
+    if options.tags == "text":
+        return model_cfg, graphdef, params, tokenizer
+    rows = tokenizer.rows_for_protocol_tags(model_cfg.vocab_size)
+    if rows > model_cfg.vocab_size:  # no spare rows / reserved tokens left: grow the embedding
+        rows = padded_rows(rows, vocab_row_multiple(mesh, rules))
+        model_cfg, graphdef, params = resize_vocab(model_cfg, params, rows, mesh=mesh, rules=rules)
+    return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
+
+
+def make_sampler(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
+    """The policy's ``Sampler``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids and, in
+    tokens mode, the closing action tags) and, in text mode, at the first closing action tag of
+    each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding rows).
+
+    Args:
+      graphdef, model_cfg: the policy model.
+      fmt: its ``AgentFormat``.
+      mesh, rules: as ``Sampler`` (default: ``sharding.local_mesh()``, ``DEFAULT_RULES``).
+    """
+    from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
+
+    return Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
+                   stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
+                   rules=rules or DEFAULT_RULES)
+
+
+def make_sample_fn(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
+    """The rollout's ``sample_fn`` ``(params, ids [B, P] int32, mask [B, P] bool, key, max_new_tokens,
+    temperature, top_p) -> SampleOutput`` over ``make_sampler``'s jitted KV-cache sampler: the one
+    adapter of the package (the trainer, the evaluation command and the benchmarks use it).
+
+    Args:
+      graphdef, model_cfg, fmt, mesh, rules: as ``make_sampler``.
+    """
+    sampler = make_sampler(graphdef, model_cfg, fmt, mesh=mesh, rules=rules)
+
+    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
+
+    sample_fn.sampler = sampler  # the cached rollout engine (RolloutConfig.engine = "cached") reads it
+    return sample_fn
+
+
+def _train_tokenizer(texts, cache_dir, vocab_size: int):
+    """``train_sentencepiece``; with several processes, process 0 trains (or finds) the cached model
+    first and the others load it after a barrier, so no two processes write one cache file."""
+    if jax.process_count() == 1:
+        return train_sentencepiece(texts, cache_dir, vocab_size)
+    from jax.experimental import multihost_utils
+
+    tokenizer = train_sentencepiece(texts, cache_dir, vocab_size) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("mempo_jax tokenizer")
+    return train_sentencepiece(texts, cache_dir, vocab_size) if tokenizer is None else tokenizer
+
+
+@dataclasses.dataclass
+class Policy:
+    """A policy ready to roll out: its model, parameters on the mesh, format and jitted callables.
+
+    Attributes:
+      model_cfg, graphdef, params: the model (``params`` placed by ``sharding.param_shardings``).
+      tokenizer, fmt: its tokenizer and ``AgentFormat``.
+      sample_fn: ``make_sample_fn`` of it (the rollout's sampler adapter).
+      logits_fn: ``(params, ids [B, L] int32, valid [B, L] bool) -> logits [B, L, V] float32``.
+      mesh, rules: where it lives.
+    """
+
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    fmt: Any
+    sample_fn: Any
+    logits_fn: Any
+    mesh: Any
+    rules: Any
+
+
+def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None) -> Policy:
+    """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
+    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_sample_fn`` and
+    ``make_logits_fn`` of the model.
+
+    Args:
+      model_cfg, graphdef, params: the model (params in any placement).
+      tokenizer, fmt: its tokenizer and ``AgentFormat`` (``policy_format``).
+      mesh, rules: default ``sharding.local_mesh()`` and ``DEFAULT_RULES``.
+    """
+    from mempo_jax.core import sharding
+
+    mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
+    params = sharding.shard_params(params, mesh, rules)
+    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_sample_fn(graphdef, model_cfg, fmt, mesh=mesh,
+                                                                              rules=rules),
+                  make_logits_fn(graphdef), mesh, rules)
+
+
+def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
+    """``(model_cfg, graphdef, params)`` of a fresh ``ModelOptions.preset`` model (with its overrides)."""
+    from mempo_jax.model.placement import init_params
+
+    model_cfg = getattr(ModelConfig, cfg.model.preset)
+    model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
+    if cfg.model.overrides:
+        model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
+    return (model_cfg, *init_params(model_cfg, cfg.seed, mesh, rules))
+
+
+def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
+                     scoring_chunk_rows: int | None = None) -> Experiment:
+    """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
+
+    Args:
+      cfg: the run's config.
+      cache_dir: folder for cached artefacts (the SentencePiece model). With
+        ``cfg.model.checkpoint`` set, the model and tokenizer come from that Hugging Face folder
+        instead (``load_checkpoint_policy``) and no SentencePiece model is trained.
+      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh):
+        params are created in (or loaded into) the shardings of their logical-axis rules
+        (``model.placement.init_params``), the sampler (and its KV cache) and the memory-reward
+        scorer declare shardings on it. It may span several processes (each builds the same
+        questions, corpus and tools; process 0 trains the cached tokenizer first).
+      rules: logical → mesh axis rules (default ``mempo_jax.core.sharding.DEFAULT_RULES``).
+      scoring_chunk_rows: rows per memory-reward scorer call (``None``: the scorer's default).
+
+    Raises:
+      ValueError / FileNotFoundError: for a missing or malformed data file (names it).
+    """
+    from mempo_jax.core import sharding
+
+    mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
+    train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
+    if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
+        raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
+                         "with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0")
+    if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
+        model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
+    else:
+        tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
+        model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
+    policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
+                         rules=rules)
+    full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
+    scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
+                                temperature=cfg.rl.rollout.temperature or 1.0, chunk_rows=scoring_chunk_rows,
+                                min_rows=max(8, sharding.batch_shards(mesh, rules)),
+                                batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
+                                param_shardings=sharding.param_shardings(policy.params, mesh, rules))
+    return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, ToolEnvironment(backend, topk=cfg.topk),
+                      model_cfg, graphdef, policy.params, policy.sample_fn, policy.logits_fn, scorer, mesh, corpus,
+                      policy.fmt)

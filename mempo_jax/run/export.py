@@ -1,0 +1,117 @@
+"""Export a trained policy as a Hugging Face checkpoint folder that transformers loads.
+
+``python -m mempo_jax.train`` calls ``export_policy`` after RL for a run from a Hugging Face
+checkpoint (``ModelOptions.checkpoint``): ``RUN_DIR/hf_export`` holds ``config.json`` and the
+safetensors of ``mempo_jax.model.hf_io.save_hf_checkpoint`` plus the tokenizer (``tokenizer.json``
+with the protocol tags the run added, ``tokenizer_config.json`` incl. its chat template,
+``chat_template.jinja``, ``generation_config.json``, ``special_tokens_map.json``: those the source
+had). ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` read it, and
+``python -m mempo_jax.evaluate --hf_checkpoint RUN_DIR/hf_export`` evaluates it.
+
+Any checkpoint of a run folder can be exported later (the source checkpoint's token ids and
+context length are carried over when ``ModelOptions.checkpoint`` of ``RUN_DIR/config.gin`` still
+exists)::
+
+    python -m mempo_jax.run.export --run_dir RUN_DIR [--checkpoint STEP] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+from typing import Optional
+
+import jax
+
+EXPORT_DIR = "hf_export"
+# config.json keys of the source checkpoint that the ModelConfig does not hold (token ids, context).
+CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+
+
+def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
+                  source: Optional[str | os.PathLike] = None) -> pathlib.Path:
+    """Write ``params`` and ``tokenizer`` as a Hugging Face checkpoint folder.
+
+    The folder is written as ``FOLDER.tmp`` and renamed into place when complete (an older export
+    there is replaced only then), so a crash never leaves a half-written export. Every process
+    must call it (sharded arrays are gathered collectively); process 0 alone writes.
+
+    Args:
+      folder: the output folder (e.g. ``RUN_DIR/hf_export``).
+      model_cfg: the policy's ``ModelConfig`` (the architecture of ``config.json``).
+      params: the policy's ``nnx.State`` (written in its own dtype).
+      tokenizer: an ``HFTokenizer`` (its ``save`` writes the tokenizer files).
+      source: the Hugging Face folder the policy came from; its ``CARRIED_CONFIG_KEYS`` go into
+        ``config.json`` (else the tokenizer's EOS / BOS / pad ids).
+
+    Returns:
+      The folder.
+
+    Raises:
+      ValueError: a tokenizer without a Hugging Face form (our SentencePiece model), or a config
+        that the Qwen2 / Llama layout cannot express (``CheckpointError``).
+    """
+    from mempo_jax.model.hf_io import save_hf_checkpoint
+
+    if not callable(getattr(tokenizer, "save", None)):
+        raise ValueError("only a policy with a Hugging Face tokenizer (a run from ModelOptions.checkpoint) can be "
+                         "exported as a Hugging Face checkpoint; this one has a SentencePiece model")
+    folder = pathlib.Path(folder)
+    extra = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id}
+    if source is not None and (pathlib.Path(source) / "config.json").is_file():
+        src = json.loads((pathlib.Path(source) / "config.json").read_text(encoding="utf-8"))
+        extra.update({k: src[k] for k in CARRIED_CONFIG_KEYS if k in src})
+    writer = jax.process_index() == 0
+    tmp = folder.with_name(folder.name + ".tmp")
+    if writer and tmp.exists():
+        shutil.rmtree(tmp)
+    save_hf_checkpoint(tmp, model_cfg, params, extra_config=extra, tokenizer=tokenizer)
+    if writer:
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    return folder
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m mempo_jax.run.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run_dir", required=True, help="run folder of python -m mempo_jax.train (from an HF checkpoint)")
+    p.add_argument("--checkpoint", type=int, default=None, help="RL checkpoint step (default: the newest)")
+    p.add_argument("--out", required=True, help="output folder (created; an existing one is replaced)")
+    return p.parse_args(argv)
+
+
+def run_source_checkpoint(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
+    """The Hugging Face folder a run started from (``ModelOptions.checkpoint`` in
+    ``RUN_DIR/config.gin``) when it still exists, else None."""
+    from mempo_jax.config import load_run_folder_config
+
+    gin_file = pathlib.Path(run_dir) / "config.gin"
+    try:
+        source = load_run_folder_config(gin_file).model.checkpoint if gin_file.is_file() else ""
+    except ValueError:
+        return None
+    return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None
+
+
+def main(argv=None) -> int:
+    """CLI: export a run folder's checkpoint; 0, or 2 after one ``error: …`` line on stderr."""
+    from mempo_jax.run.checkpoint import load_policy
+
+    args = _parse_args(argv)
+    try:
+        tokenizer, model_cfg, _, params = load_policy(args.run_dir, args.checkpoint)
+        out = export_policy(args.out, model_cfg, params, tokenizer, source=run_source_checkpoint(args.run_dir))
+    except (ValueError, FileNotFoundError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

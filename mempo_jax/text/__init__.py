@@ -1,0 +1,1 @@
+"""Text: the SentencePiece and Hugging Face tokenizers, chat templates, stop strings."""

@@ -1,0 +1,224 @@
+"""The cached rollout engine (``agent/engine.py``, ``slot_sampler.py``, ``model/slots.py``) against
+today's engine (``RolloutConfig.engine = "legacy"``): same turns on the toy world, greedy float32
+(full and k = 1, with slot refill, with the token budget); sampled trajectories independent of the
+slot layout; prefills hold only what the cache lacks; nothing compiles after the warm-up; the
+blocked attention equals dense softmax attention computed in numpy."""
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import CompileCounter  # noqa: E402
+from toy_agent import toy_model, toy_world  # noqa: E402
+
+from mempo_jax.agent.format import AgentFormat  # noqa: E402
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, warm_sampler  # noqa: E402
+from mempo_jax.model.slots import blocked_attention  # noqa: E402
+from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+
+COUNTER = CompileCounter()
+
+
+@pytest.fixture(scope="module")
+def world():
+    tok, env, questions = toy_world()
+    cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
+    fmt = AgentFormat.plain(tok)
+    sampler = Sampler(graphdef, cfg, fmt.codec.stop_ids, tok.pad_id)
+
+    def sample_fn(p, ids, mask, key, n, temperature, top_p):
+        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
+
+    sample_fn.sampler = sampler
+    return fmt, env, questions, params, sample_fn
+
+
+BASE = RolloutConfig(max_turns=4, max_new_tokens=10, max_context_tokens=128, max_observation_tokens=8,
+                     temperature=0.0, min_rows_bucket=4, decode_chunk=4, prefill_chunk=32)
+
+
+def _run(world, cfg, key=0, group=2):
+    fmt, env, questions, params, sample_fn = world
+    trajs = new_trajectories(fmt, questions, group)
+    rollout(sample_fn, params, trajs, fmt, env, cfg, jax.random.PRNGKey(key))
+    return trajs
+
+
+def _assert_same(a, b, logprob_atol=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x.end_reason, x.answer, len(x.turns)) == (y.end_reason, y.answer, len(y.turns))
+        for tx, ty in zip(x.turns, y.turns):
+            assert tx.output_ids == ty.output_ids
+            assert tx.observation_ids == ty.observation_ids
+            assert (tx.context_len, tx.mem_span, tx.tool_ok, tx.parsed) == (ty.context_len, ty.mem_span, ty.tool_ok,
+                                                                             ty.parsed)
+            np.testing.assert_allclose(tx.output_logprobs, ty.output_logprobs, atol=logprob_atol, rtol=0)
+
+
+@pytest.mark.parametrize("context_steps,slots,max_context", [("full", 0, 128), (1, 0, 128), ("full", 3, 128),
+                                                             (1, 3, 128), ("full", 0, 60)])
+def test_cached_engine_gives_todays_turns(world, context_steps, slots, max_context):
+    cfg = dataclasses.replace(BASE, context_steps=context_steps, num_slots=slots, max_context_tokens=max_context)
+    legacy = _run(world, dataclasses.replace(cfg, engine="legacy"))
+    cached = _run(world, dataclasses.replace(cfg, engine="cached"))
+    _assert_same(legacy, cached)
+    reasons = {tr.end_reason for tr in legacy}
+    assert reasons == ({"budget"} if max_context == 60 else {"max_turns"})  # the budget case has teeth
+    assert sum(len(t.output_ids) for tr in legacy for t in tr.turns) > 8 * 4 * 2
+
+
+def test_sampled_trajectories_do_not_depend_on_the_slot_layout(world):
+    cfg = dataclasses.replace(BASE, temperature=1.0, engine="cached")
+    one_slot_each = _run(world, cfg, key=5)
+    refilled = _run(world, dataclasses.replace(cfg, num_slots=3), key=5)  # other slots, other batches
+    _assert_same(one_slot_each, refilled)
+    legacy = _run(world, dataclasses.replace(cfg, engine="legacy"), key=5)
+    # turn 0 draws the legacy keys (row index = trajectory index while every trajectory runs)
+    assert [tr.turns[0].output_ids for tr in legacy] == [tr.turns[0].output_ids for tr in one_slot_each]
+    other_key = _run(world, cfg, key=6)
+    assert [tr.turns[0].output_ids for tr in other_key] != [tr.turns[0].output_ids for tr in one_slot_each]
+
+
+def test_prefills_hold_only_what_the_cache_lacks(world, monkeypatch):
+    from mempo_jax.agent.slot_sampler import SlotSampler
+
+    written = []
+    real = SlotSampler.extend
+
+    def counting(self, params, state, rows, ids, counts, *args, **kw):
+        written.append(int(np.sum(np.asarray(counts)[np.asarray(rows) < state.lengths.shape[0]])))
+        return real(self, params, state, rows, ids, counts, *args, **kw)
+
+    monkeypatch.setattr(SlotSampler, "extend", counting)
+    for steps in ("full", 1):
+        written.clear()
+        trajs = _run(world, dataclasses.replace(BASE, context_steps=steps, engine="cached"))
+        expect = 0
+        seen = set()
+        for tr in trajs:  # turn 0: the prompt once per group (then its last id); turn t: what the context adds
+            expect += 1 if tuple(tr.prompt_ids) in seen else len(tr.prompt_ids)
+            seen.add(tuple(tr.prompt_ids))
+            for t in range(1, len(tr.turns)):
+                prev = tr.turns[t - 1]
+                if steps == "full":  # the last sampled id (never fed) + the tool result
+                    expect += 1 + len(prev.observation_ids)
+                else:  # k = 1: the prompt (at least) stays: the longest common prefix with the cache
+                    before = tr.policy_context(1, t - 1) + prev.output_ids[:-1]
+                    ctx = tr.policy_context(1, t)
+                    keep = next((i for i, (a, b) in enumerate(zip(before, ctx)) if a != b), min(len(before), len(ctx)))
+                    keep = min(keep, len(ctx) - 1)  # one id at least is fed: its logits start the turn
+                    assert keep >= len(tr.prompt_ids)
+                    expect += len(ctx) - keep
+        assert sum(written) == expect
+        today = sum(t.context_len for tr in trajs for t in tr.turns)  # legacy prefills every whole context
+        assert sum(written) < (today / 2 if steps == "full" else today)
+
+
+def test_no_compilation_after_warm_up(world):
+    fmt, env, questions, params, sample_fn = world
+    cfg = dataclasses.replace(BASE, engine="cached", temperature=1.0)
+    warm_sampler(sample_fn, params, fmt.tokenizer.pad_id, cfg, 8, jax.random.PRNGKey(0))
+    mark = COUNTER.count
+    for key in (1, 2):
+        _run(world, cfg, key=key)
+    assert COUNTER.since(mark) == []
+    mark = COUNTER.count
+    _run(world, dataclasses.replace(cfg, decode_chunk=5))  # a new chunk length is a new program:
+    assert COUNTER.since(mark) != []  # the counter sees it
+
+
+def _dense_attention(q, k, v, q_pos):
+    """numpy reference: causal-by-position softmax attention, GQA (query head j uses kv head j // g)."""
+    b, t, h, hd = q.shape
+    kvh = k.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for bi in range(b):
+        for ti in range(t):
+            for hi in range(h):
+                kk, vv = k[bi, hi // (h // kvh)], v[bi, hi // (h // kvh)]
+                s = kk[: q_pos[bi, ti] + 1] @ q[bi, ti, hi] / np.sqrt(hd)
+                w = np.exp(s - s.max())
+                out[bi, ti, hi] = (w / w.sum()) @ vv[: q_pos[bi, ti] + 1]
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), t=st.sampled_from([1, 3]), block=st.sampled_from([4, 8, 16]))
+def test_blocked_attention_equals_dense_softmax(seed, t, block):
+    rng = np.random.default_rng(seed)
+    b, h, kvh, hd, size = 3, 4, 2, 8, 32
+    q = rng.normal(size=(b, t, h, hd)).astype(np.float32)
+    k = rng.normal(size=(b, kvh, size, hd)).astype(np.float32)
+    v = rng.normal(size=(b, kvh, size, hd)).astype(np.float32)
+    q_pos = rng.integers(0, size - t, (b, 1)) + np.arange(t)[None]
+    bound = int(q_pos.max()) + 1
+    unread = -(-bound // block) * block  # blocks past the bound are never read: NaN there changes nothing
+    k_junk, v_junk = k.copy(), v.copy()
+    k_junk[:, :, unread:], v_junk[:, :, unread:] = np.nan, np.nan
+    ours = blocked_attention(q, k_junk, v_junk, q_pos.astype(np.int32), np.int32(bound), block)
+    np.testing.assert_allclose(np.asarray(ours), _dense_attention(q, k, v, q_pos), atol=2e-5, rtol=1e-5)
+
+
+def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_dir, context_steps="full"):
+    """The real checkpoint (text tags: the stop automaton, its chat template, BM25 over HotpotQA)."""
+    from bench_rollout import setup_smollm2
+
+    fmt, env, held, _, _, params, sample_fn, _ = setup_smollm2(smollm2_dir)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=24, max_context_tokens=512, max_observation_tokens=24,
+                        temperature=0.0, min_rows_bucket=4, context_steps=context_steps, prefill_chunk=256)
+    out = []
+    for engine in ("legacy", "cached"):
+        trajs = new_trajectories(fmt, held[:2], 2)
+        rollout(sample_fn, params, trajs, fmt, env, dataclasses.replace(cfg, engine=engine), jax.random.PRNGKey(0))
+        out.append(trajs)
+    _assert_same(*out, logprob_atol=1e-4)
+    assert all(len(tr.turns) == 2 for tr in out[0])
+    assert any(t.observation_ids for tr in out[0] for t in tr.turns)
+
+
+def test_bench_rollout_small_writes_its_figures(tmp_path):
+    import json
+
+    import bench_rollout
+
+    bench_rollout.main(["--small", "--modes", "full", "--no_decode", "--questions", "2", "--json",
+                        str(tmp_path / "r.json")])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["engine"]: r for r in doc["results"]["rows"]}
+    assert set(rows) >= {"cached", "legacy"}
+    for r in rows.values():
+        assert r["generated_tokens"] > 0 and r["tok_s_steady"] > 0 and 0 < r["useful_fraction"] <= 1
+        assert r["same_as_legacy"] == 1.0  # greedy float32: the same episodes
+    assert rows["cached"]["useful_fraction"] > rows["legacy"]["useful_fraction"]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2)])
+def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
+    """The mesh ``Sampler``'s slot programs: cache slots over data x fsdp, kv heads over tensor."""
+    from mempo_jax.core.sharding import make_mesh, shard_params
+
+    fmt, env, questions, params, sample_fn = world
+    mesh = make_mesh(*shape)
+    sampler = sample_fn.sampler
+    mesh_sampler = Sampler(sampler.graphdef, sampler.model_cfg, sampler.stop_ids, sampler.pad_id, mesh=mesh)
+
+    def mesh_fn(*a):
+        raise AssertionError("the cached engine calls the slot programs only")
+
+    mesh_fn.sampler = mesh_sampler
+    cfg = dataclasses.replace(BASE, engine="cached", min_rows_bucket=8)
+    ref = _run(world, cfg)
+    trajs = new_trajectories(fmt, questions, 2)
+    rollout(mesh_fn, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+    _assert_same(ref, trajs)
+    cache = mesh_sampler.slot_sampler().init_state(8, 128, 10).cache
+    assert cache.k.sharding.shard_shape(cache.k.shape)[1] == 8 // (shape[0] * shape[1])

@@ -1,0 +1,62 @@
+"""ScriptedAgentConfig.lazy_full_rows = False (issue 14 item 1): whole-history SFT rows from a
+diligent replay of the same question, k-step rows from the (lazy) trajectory itself."""
+
+import numpy as np
+import pytest
+
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.agent.trajectory import FULL, build_training_rows
+from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
+from mempo_jax.data.world import WorldConfig, build_world
+from mempo_jax.run.experiment import _tokenizer_texts
+from mempo_jax.rl.sft import sft_rows
+from mempo_jax.text.tokenizer import train_sentencepiece
+from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.search import ToolEnvironment
+
+
+@pytest.fixture(scope="module")
+def trajs(tmp_path_factory):
+    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
+                                    num_single=20, num_bridge=20, num_multi=20))
+    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
+                              tmp_path_factory.mktemp("spm"), 600)
+    fmt, env = AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1)
+    offices = {c["name"]: c["offices"] for c in world.companies}
+    qs = [q for q in world.train if q.kind == "bridge"][:5]
+
+    def play(lazy, seed):
+        rng = np.random.default_rng(seed)
+        return [scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=lazy, duplicate_prob=0.0),
+                                    RolloutConfig(context_steps=1), rng) for q in qs]
+
+    return tok, qs, play(1.0, 0), play(0.0, 1)
+
+
+def _rows(trajs, steps, pad):
+    r = build_training_rows(trajs, steps, pad)
+    return [(ids[: int(v.sum())].tolist(), m[: int(v.sum())].tolist()) for ids, v, m in zip(r.input_ids, r.valid,
+                                                                                              r.loss_mask)]
+
+
+def test_full_rows_come_from_the_diligent_replay(trajs):
+    tok, qs, lazy, diligent = trajs
+    got = sft_rows(lazy, 1, 1.0, tok.pad_id, np.random.default_rng(0), full_trajs=diligent)
+    k_rows, full_rows = _rows(lazy, 1, tok.pad_id), _rows(diligent, FULL, tok.pad_id)
+    assert got == k_rows + full_rows
+    for (ids, _), q in zip(full_rows, qs):  # the diligent whole-history row ends in the gold answer
+        assert tok.decode(ids).rstrip().endswith(f"<answer> {q.answer}</answer>")
+    assert sft_rows(lazy, 1, 1.0, tok.pad_id, np.random.default_rng(0)) == k_rows + _rows(lazy, FULL, tok.pad_id)
+
+
+def test_the_same_draws_pick_the_same_questions(trajs):
+    tok, qs, lazy, diligent = trajs
+    a = sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7))
+    b = sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7), full_trajs=diligent)
+    n_k = len(_rows(lazy, 1, tok.pad_id))
+    assert a[:n_k] == b[:n_k] and len(a) == len(b)
+    picked = [i for i in range(len(qs)) if _rows([lazy[i]], FULL, tok.pad_id)[0] in a[n_k:]]
+    assert b[n_k:] == [_rows([diligent[i]], FULL, tok.pad_id)[0] for i in picked]
+    with pytest.raises(ValueError, match="4 full_trajs for 5"):
+        sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7), full_trajs=diligent[:4])

@@ -1,0 +1,204 @@
+"""The memory reward's inputs in the RL step: which ``<mem>`` turns are scored (malformed turns are
+not, by default), which ids Z is (the sampled answer ids, never re-encoded), and the prefix
+between each view and Z (``RLConfig.memory_prefix``)."""
+
+import jax
+import numpy as np
+import pytest
+
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.rollout import RolloutConfig, make_turn
+from mempo_jax.agent.tags import TagCodec
+from mempo_jax.agent.trajectory import Trajectory, build_training_rows
+from mempo_jax.rl.step import (RLConfig, answer_ids_of, compute_advantages, memory_contexts, rl_step,
+                               scored_memory_turns)
+from toy_agent import WordTokenizer, toy_model, toy_world
+
+TOK = WordTokenizer()
+FMT = AgentFormat.plain(TOK)
+MALFORMED = {
+    "mem not first": "<think> search</think><mem> alice</mem><search> alice</search>",
+    "nested tag": "<mem> alice<think> x</think> bob</mem><search> alice</search>",
+    "second mem": "<mem> alice</mem><mem> bob</mem><search> alice</search>",
+}
+VALID = "<mem> alice</mem><search> alice</search>"
+ANSWER = "<mem> paris</mem><answer> paris</answer>"
+
+
+def _turn(text, tok=TOK):
+    turn = make_turn(AgentFormat.plain(tok), tok.encode(text), None, True)
+    turn.observation_ids = tok.encode("<information> alice was born in paris</information>")
+    return turn
+
+
+def _trajectory(texts, group_id=0, golds=(("paris",),)):
+    tr = Trajectory("q", group_id, golds, TOK.encode("question where was alice born"))
+    tr.turns = [_turn(t) for t in texts]
+    last = tr.turns[-1].parsed
+    if last.error is None and last.action == "answer":
+        tr.done, tr.answer = True, last.argument.strip()
+    return tr
+
+
+def test_malformed_turns_are_parsed_as_errors_and_keep_a_mem_span():
+    for why, text in MALFORMED.items():
+        turn = _turn(text)
+        assert turn.parsed.error is not None, why
+        assert turn.mem_span is not None, why  # found on the ids: the scorer would see it
+
+
+def test_scored_memory_turns_excludes_format_errors_unless_asked():
+    trajs = [_trajectory([MALFORMED["mem not first"], ANSWER]), _trajectory([VALID, MALFORMED["second mem"], ANSWER]),
+             _trajectory([MALFORMED["nested tag"], ANSWER])]
+    rows = build_training_rows(trajs, 1, TOK.pad_id)
+    assert rows.mem_turn == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+    keep = scored_memory_turns(trajs, rows.mem_turn, include_malformed=False)
+    assert keep.tolist() == [False, True, True, False, True, False, True]
+    assert scored_memory_turns(trajs, rows.mem_turn, include_malformed=True).all()
+    assert scored_memory_turns(trajs, [], False).shape == (0,)
+
+
+def test_excluded_turns_get_no_memory_advantage_and_stay_out_of_the_group_statistics():
+    trajs = [_trajectory([MALFORMED["mem not first"], ANSWER]), _trajectory([VALID, MALFORMED["second mem"], ANSWER]),
+             _trajectory([MALFORMED["nested tag"], VALID, ANSWER])]
+    rows = build_training_rows(trajs, 1, TOK.pad_id)
+    m = len(rows.mem_turn)
+    r_mem = np.linspace(-0.4, 0.9, m).astype(np.float32)
+    keep = scored_memory_turns(trajs, rows.mem_turn, False)
+    rewards = np.asarray([1.0, 0.0, 1.0], np.float32)
+    adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, 1, 1.0, max_rows=16, max_mem=16, mem_valid=keep)
+    kept = r_mem[keep].astype(np.float64)
+    want = (kept - kept.mean()) / (kept.std(ddof=1) + 1e-6)  # one group: z-score over the scored turns only
+    np.testing.assert_allclose(a_m[keep], want, rtol=1e-5, atol=1e-6)
+    assert np.all(a_m[~keep] == 0.0)
+    for j in np.flatnonzero(~keep):  # the excluded <mem> tokens carry A_T alone
+        row, s, e = rows.mem_rows[j], rows.mem_starts[j], rows.mem_ends[j]
+        np.testing.assert_array_equal(adv[row, s:e], np.full(e - s, a_t[rows.traj_index[row]], np.float32))
+    # today's behaviour with the switch on: every turn pooled
+    _, _, a_all = compute_advantages(trajs, rows, rewards, r_mem, 1, 1.0)
+    full = r_mem.astype(np.float64)
+    np.testing.assert_allclose(a_all, (full - full.mean()) / (full.std(ddof=1) + 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="mem_valid"):
+        compute_advantages(trajs, rows, rewards, r_mem, 1, 1.0, mem_valid=keep[:-1])
+
+
+class _Recording:
+    def __init__(self, scorer):
+        self.scorer, self.calls = scorer, []
+
+    def __call__(self, params, full, mem, answers):
+        self.calls.append((list(full), list(mem), list(answers)))
+        return self.scorer(params, full, mem, answers)
+
+
+def _scripted_sample_fn(plan):
+    """A sampler that writes ``plan[turn][row]`` (texts) for each row of each call, in order."""
+    calls = {"n": 0}
+
+    def sample_fn(params, ids, mask, key, max_new_tokens, temperature, top_p):
+        texts = plan[min(calls["n"], len(plan) - 1)]
+        calls["n"] += 1
+        rows = ids.shape[0]
+        tokens = np.zeros((rows, max_new_tokens), np.int32)
+        lengths = np.zeros((rows,), np.int32)
+        for i in range(rows):
+            t = TOK.encode(texts[i % len(texts)])[:max_new_tokens]
+            tokens[i, : len(t)], lengths[i] = t, len(t)
+        logprobs = np.where(np.arange(max_new_tokens)[None] < lengths[:, None], -1.5, 0.0).astype(np.float32)
+
+        class Out:
+            pass
+
+        out = Out()
+        out.tokens, out.logprobs, out.lengths, out.stopped = tokens, logprobs, lengths, np.ones((rows,), bool)
+        return out
+
+    return sample_fn
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
+    from mempo_jax.model.forward import make_logits_fn
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer
+
+    tok, env, questions = toy_world()
+    _, graphdef, params = toy_model(tok.vocab_size, seed=3)
+    logits_fn = make_logits_fn(graphdef)
+    scorer = _Recording(MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], chunk_rows=8))
+    learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
+                      micro_batch_rows=4)
+    ref = jax.tree.map(lambda x: x.copy(), learner.params)
+    first = [MALFORMED["mem not first"], MALFORMED["nested tag"], VALID, MALFORMED["second mem"], VALID, VALID]
+    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_malformed=include,
+                   rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
+                                         max_observation_tokens=8, temperature=1.0, context_steps=1,
+                                         min_rows_bucket=8))
+    m, trajs = rl_step(learner, ref, _scripted_sample_fn([first, [ANSWER]]), scorer, questions[:2],
+                       AgentFormat.plain(tok), env, cfg,
+                       jax.random.PRNGKey(0), np.random.default_rng(0))
+    assert [tr.turns[0].parsed.error is not None for tr in trajs] == [True, True, False, True, False, False]
+    assert m["mem/turns"] == 12.0
+    assert m["mem/excluded_malformed"] == (0.0 if include else 3.0)
+    (full, mem, answers), = scorer.calls
+    assert len(full) == (12 if include else 9)  # the excluded turns are not even scored
+    assert np.isfinite(m["mem/reward/mean"]) and np.isfinite(m["actor/pg_loss"])
+
+
+# ---- Z = the sampled answer ids (MEMPO_SPEC §2), never the re-encoded decoded text ----------
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    from mempo_jax.text.tokenizer import train_sentencepiece
+
+    texts = ["Paris is a city in France", "the answer is Paris", "Rome and Oslo are cities"] * 30
+    return train_sentencepiece(texts, tmp_path_factory.mktemp("spm"), 300)
+
+
+def test_generated_answer_is_scored_as_its_sampled_ids(spm):
+    tok = spm
+    canonical = tok.encode(" Paris")
+    sampled = [tok.piece_id(p) for p in ("▁", "P", "a", "r", "i", "s")]  # a valid, non-canonical spelling
+    assert tok.decode(sampled) == " Paris" and sampled != canonical  # re-encoding would change the ids
+    ids = tok.encode("<mem> x</mem><think> answer</think><answer>") + sampled + tok.encode("</answer>")
+    fmt = AgentFormat.plain(tok)
+    answered = Trajectory("q", 0, (("Rome",),), tok.encode("Q: where?\n"))
+    answered.turns = [make_turn(fmt, tok.encode("<mem> y</mem><search> Paris</search>"), None, True),
+                      make_turn(fmt, ids, None, True)]
+    answered.answer = answered.turns[-1].parsed.argument.strip()
+    unanswered = Trajectory("q", 0, (("Rome",), ("Oslo",)), tok.encode("Q: where?\n"))
+    unanswered.turns = [make_turn(fmt, tok.encode("<mem> y</mem><search> Paris</search>"), None, True)]
+    assert answer_ids_of(answered.turns[-1], fmt.codec) == sampled
+    assert answer_ids_of(unanswered.turns[-1], fmt.codec) is None
+    mem_turn = [(0, 0), (0, 1), (1, 0)]
+    _, _, answers = memory_contexts([answered, unanswered], mem_turn, tok, "generated", codec=fmt.codec)
+    assert answers == [sampled, sampled, tok.encode(" Rome; Oslo")]  # no answer given: the gold
+    assert memory_contexts([answered, unanswered], mem_turn, tok, "generated")[2] == answers  # default codec
+    _, _, gold = memory_contexts([answered, unanswered], mem_turn, tok, "gold")
+    assert gold == [tok.encode(" Rome"), tok.encode(" Rome"), tok.encode(" Rome; Oslo")]
+
+
+def test_answer_ids_of_needs_a_closed_non_empty_block():
+    assert answer_ids_of(_turn("<mem> a</mem><answer></answer>"), FMT.codec) is None
+    assert answer_ids_of(_turn("<mem> a</mem><answer> paris"), FMT.codec) is None
+    assert answer_ids_of(_turn("<mem> a</mem><answer> paris rome</answer>"), FMT.codec) == TOK.encode("paris rome")
+
+
+def test_answer_ids_of_text_tags_on_smollm2(smollm2_dir):
+    """Text mode: every tag is several SmolLM2 tokens; the answer is cut on the tokens' bytes."""
+    from mempo_jax.text.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(smollm2_dir)
+    codec = TagCodec(tok, "text")
+    head, tail = tok.encode("<mem> x</mem><answer>"), tok.encode("</answer>")
+    sampled = tok.encode(" P") + tok.encode("aris")  # non-canonical: encode(" Paris") is one id
+    assert tok.decode(sampled) == " Paris" and sampled != tok.encode(" Paris")
+    turn = make_turn(AgentFormat(tok, codec), head + sampled + tail, None, True)
+    assert turn.parsed.valid and answer_ids_of(turn, codec) == sampled
+    # a token straddling the opening tag's edge ("><": the ">" of <answer> and the "<" of <b>) holds
+    # tag bytes and is left out; the reference is the decoded text of the kept ids
+    straddle = [tok.encode("<")[0], tok.encode("answer")[0]] + tok.encode("><") + tok.encode("b> Paris")
+    assert tok.decode(straddle + tail) == "<answer><b> Paris</answer>"
+    inner = answer_ids_of(make_turn(AgentFormat(tok, codec), straddle + tail, None, True), codec)
+    assert tok.decode(inner) == "b> Paris" and inner == tok.encode("b> Paris")
+    assert answer_ids_of(make_turn(AgentFormat(tok, codec), head + sampled, None, False), codec) is None
