@@ -158,7 +158,7 @@ def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Position
     import numpy as np
     import torch
 
-    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.agent.rollout import apply_tools, make_turn
 
     pad = fmt.tokenizer.pad_id

@@ -24,7 +24,7 @@ def _norm(s):
 
 def episode_skills(q, traj, tokenizer, world) -> dict:
     """The skill steps of one finished episode (see module doc); values in [0, 1]."""
-    from mempo_jax.agent.protocol import parse_turn
+    from mempo_jax.text.protocol import parse_turn
     from mempo_jax.rl.rewards import outcome_reward
 
     turns = [parse_turn(tokenizer.decode(t.output_ids)) for t in traj.turns]

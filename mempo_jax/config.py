@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Sequence
 
 import gin
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES
+from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
@@ -272,7 +272,7 @@ class ExperimentConfig:
       eval_path: the held-out QA file (same formats); its questions are removed from the training
         ones (same question text). Empty: ``max(1, 20 %)`` of ``train_path`` is held out (seeded).
       corpus_path: a Search-R1 / FlashRAG corpus JSONL (``{"id", "contents"}`` rows) searched with
-        a local BM25 index (``mempo_jax.tools.backends.training_backend``).
+        a local BM25 index (``mempo_jax.run.backends.training_backend``).
       retriever_url: a running Search-R1-compatible ``/retrieve`` server instead (e.g.
         ``python -m mempo_jax.tools.retrieval_server``), reached with ``RemoteSearchBackend``'s
         timeouts and retries; checked at start-up (a server that does not answer: one line naming

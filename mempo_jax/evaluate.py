@@ -51,7 +51,7 @@ from typing import Any, Optional, Sequence
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
-from mempo_jax.tools.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
+from mempo_jax.run.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 

@@ -38,7 +38,7 @@ on a TPU slice, or ``$MEMPO_COORDINATOR`` / ``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_
 Policy, reference, optimizer state, KV cache and batches are placed by ``MeshConfig.rules``;
 ``ExecutionConfig`` holds the micro-batch and chunk rows (``python -m mempo_jax.plan`` reads the
 same). Each process rolls out, calls the tools for and evaluates its share of a step's questions
-and feeds its share of each SFT batch; ``mempo_jax.core.lockstep`` runs every device program on the
+and feeds its share of each SFT batch; ``mempo_jax.run.lockstep`` runs every device program on the
 global batch (pass-throughs on one process). Process 0 alone writes the logs, evaluation files,
 ``summary.json`` and run artefacts; every process calls the orbax saves and restores. A SIGTERM
 on any process is acted on by all at the next step boundary.

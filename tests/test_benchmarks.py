@@ -26,7 +26,7 @@ COUNTER = CompileCounter()  # one listener per process (listeners cannot be remo
 
 
 def _rl_setup(precompile=True):
-    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.agent.rollout import RolloutConfig
     from mempo_jax.rl.step import RLConfig
     from mempo_jax.agent.sampler import Sampler, SamplerConfig

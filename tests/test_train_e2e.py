@@ -90,7 +90,7 @@ def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):
     from mempo_jax.run.experiment import hotpotqa_questions
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
-    from mempo_jax.agent.protocol import parse_turn, render_turn
+    from mempo_jax.text.protocol import parse_turn, render_turn
 
     questions, docs = hotpotqa_questions(str(path))
     assert len(docs) == 2967

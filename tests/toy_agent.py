@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES
+from mempo_jax.text.protocol import ALL_TAG_PIECES
 
 WORDS = ("alice", "bob", "carol", "dave", "paris", "rome", "oslo", "lima", "born", "city", "works", "at", "acme",
          "globex", "initech", "who", "where", "was", "is", "the", "of", "in", "search", "remember", "mem", "answer",

@@ -34,6 +34,7 @@ import numpy as np
 
 from mempo_jax.core.batching import bucket_length
 from mempo_jax.agent.slot_sampler import SlotSampler
+from mempo_jax.agent.turns import apply_tools, make_turn
 
 MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
 MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round
@@ -122,7 +123,6 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
       params, trajs, fmt, tool_env, cfg, key: as ``rollout.rollout`` (``cfg.engine`` is not read).
       progress: optional callback ``(turn, generating slots)`` once per cycle.
     """
-    from mempo_jax.agent.rollout import apply_tools, make_turn
 
     slots = num_slots(cfg, len(trajs))
     size = sampler.cache_size(cfg.max_context_tokens)

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from mempo_jax.text.chat_template import (
     TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame, system_prompt)
-from mempo_jax.agent.protocol import INFORMATION, MEM
+from mempo_jax.text.protocol import INFORMATION, MEM
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.tools.clip import OBS_CHARS_PER_TOKEN, clip_text
 

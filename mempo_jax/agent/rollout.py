@@ -16,12 +16,14 @@ import jax
 import numpy as np
 
 from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFormat
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, ParsedTurn, format_error_observation, parse_turn
-from mempo_jax.agent.trajectory import FULL, Trajectory, Turn, parse_context_steps
+from mempo_jax.text.protocol import ALL_TAG_PIECES
+from mempo_jax.agent.trajectory import FULL, Trajectory, parse_context_steps
 from mempo_jax.core.batching import bucket_length, pad_sequences
 from mempo_jax.core.validation import check, require
+from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn  # noqa: F401  (the turn helpers of both engines)
 
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
+SampleFn = Callable[..., object]
 ENGINES = ("legacy", "cached")  # values of RolloutConfig.engine
 
 
@@ -84,58 +86,6 @@ class RolloutConfig:
 def build_prompt(fmt: AgentFormat, question: str) -> list[int]:
     """The prompt ids of a question: ``fmt.prompt_ids`` (system prompt + question, templated)."""
     return fmt.prompt_ids(question)
-
-
-def encode_observation(fmt: AgentFormat, text: str, max_tokens: int) -> list[int]:
-    """A tool result as ids: ``fmt.observation_ids`` (``<information>`` + text cut to ``max_tokens``
-    ids + ``</information>``, or the template's tool message)."""
-    return fmt.observation_ids(text, max_tokens)
-
-
-def make_turn(fmt: AgentFormat, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
-    """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids
-    (``fmt.mem_span``: by id in tokens mode, by token byte offsets in text mode).
-
-    The parser reads ``fmt.codec.turn_text(ids)``: the decoded ids, in text mode cut right after
-    the first closing action tag (a stop token such as ``>.`` carries text past the tag that the
-    policy did not choose to write). The recorded ids are the sampled ones, unchanged. A turn that
-    ran out of its token budget without a stop tag is a format failure.
-    """
-    ids = [int(i) for i in output_ids]
-    parsed = parse_turn(fmt.codec.turn_text(ids))
-    if not stopped and parsed.error is None:
-        parsed = ParsedTurn(parsed.mem, parsed.think, None, None, "turn ended without a closing action tag")
-    span = fmt.mem_span(ids)
-    return Turn(ids, None if logprobs is None else [float(x) for x in logprobs], [], parsed, span)
-
-
-def apply_tools(fmt: AgentFormat, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg: RolloutConfig) -> None:
-    """Append each turn to its trajectory and answer it: an answer ends the episode; a search or
-    access goes to the tool environment (one batched call); a malformed turn gets an error
-    observation and the episode goes on (MEMPO_SPEC §1)."""
-    pending = []
-    for tr, turn in zip(trajs, turns):
-        tr.turns.append(turn)
-        if turn.parsed.error is None and turn.parsed.action == "answer":
-            tr.done, tr.answer, tr.end_reason = True, (turn.parsed.argument or "").strip(), "answer"
-        elif turn.parsed.error is not None:
-            turn.tool_ok = False
-            turn.observation_ids = encode_observation(
-                fmt, format_error_observation(turn.parsed.error), cfg.max_observation_tokens
-            )
-        else:
-            pending.append(turn)
-    if pending:
-        results = tool_env.execute_batch([t.parsed for t in pending])
-        for turn, res in zip(pending, results):
-            turn.tool_ok = bool(res.ok)
-            turn.observation_ids = encode_observation(fmt, res.observation, cfg.max_observation_tokens)
-    for tr in trajs:
-        if not tr.done and len(tr.turns) >= cfg.max_turns:
-            tr.done, tr.end_reason = True, "max_turns"
-
-
-SampleFn = Callable[..., object]
 
 
 def rollout(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mempo_jax.agent.decoding import is_stop as _is_stop, top_p_filter
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
@@ -74,31 +75,6 @@ class SampleOutput(NamedTuple):
     mask: jax.Array
     lengths: jax.Array
     stopped: jax.Array
-
-
-def top_p_filter(logits: jax.Array, top_p: jax.Array | float) -> jax.Array:
-    """Keep the nucleus: the most probable tokens whose mass first reaches ``top_p``.
-
-    Token j (in descending probability order) is kept when the mass strictly before it is
-    ``< top_p``; the most probable token is always kept. Source: Holtzman et al. 2019, as in
-    HF ``TopPLogitsWarper`` / the gemma sampler.
-
-    Args:
-      logits: ``[B, V]`` float (already divided by the temperature).
-      top_p: scalar in (0, 1].
-
-    Returns:
-      ``[B, V]`` float32 logits with ``-inf`` outside the nucleus.
-    """
-    logits = logits.astype(jnp.float32)
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = (mass_before < top_p).at[:, 0].set(True)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
-    return jnp.where(keep, logits, -jnp.inf)
 
 
 class Sampler:
@@ -255,12 +231,6 @@ def _pick(logits, step, key, temperature, top_p, greedy, use_top_p):
         tok = jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
     lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
     return tok, lp
-
-
-def _is_stop(tok, stop_ids):
-    if not stop_ids:
-        return jnp.zeros(tok.shape, bool)
-    return jnp.any(tok[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
 
 
 def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, prompt_mask, key, temperature,

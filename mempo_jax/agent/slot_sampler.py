@@ -36,7 +36,7 @@ from flax import nnx
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.slots import slot_forward
-from mempo_jax.agent.sampler import _is_stop, top_p_filter
+from mempo_jax.agent.decoding import is_stop as _is_stop, top_p_filter
 
 DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
 

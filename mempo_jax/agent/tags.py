@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, STOP_TAGS
+from mempo_jax.text.protocol import ALL_TAG_PIECES, STOP_TAGS
 from mempo_jax.agent.trajectory import find_span
 from mempo_jax.text.stop_strings import StopAutomaton, find_text_span, token_bytes
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mempo_jax.agent.protocol import ParsedTurn
+from mempo_jax.text.protocol import ParsedTurn
 
 FULL = 0  # context_steps value meaning "full history" (configs write "full")
 

@@ -5,7 +5,7 @@ On a TPU pod slice every worker VM runs the same command (``launch/run.sh`` uses
 point calls ``maybe_initialize()`` first; afterwards ``jax.devices()`` lists every chip of the
 slice and a ``Mesh`` over them spans all processes. Host-side work (questions, tool calls,
 parsing) is split with ``process_slice``; device programs are global (every process calls them
-in the same order, see ``mempo_jax.core.lockstep``); metrics and files are written by the primary
+in the same order, see ``mempo_jax.run.lockstep``); metrics and files are written by the primary
 process only (``is_primary``), checkpoints by orbax (every process calls ``save``, each shard is
 written once). Source: JAX "Multi-process environments" guide; MaxText ``max_utils``.
 """

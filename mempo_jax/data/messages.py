@@ -48,7 +48,7 @@ import os
 import pathlib
 from typing import Any, Iterable, Optional
 
-from mempo_jax.agent.protocol import parse_turn
+from mempo_jax.text.protocol import parse_turn
 from mempo_jax.agent.trajectory import FULL, Trajectory, Turn
 from mempo_jax.tools.records import PathLike, field_error, iter_records
 

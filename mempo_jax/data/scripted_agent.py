@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import parse_turn, render_turn
+from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import Trajectory
 from mempo_jax.data.messages import Conversation, conversation_trajectory

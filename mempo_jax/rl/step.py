@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
-from mempo_jax.agent.protocol import ANSWER
+from mempo_jax.text.protocol import ANSWER
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows

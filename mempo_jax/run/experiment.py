@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import ANSWER, MEM, THINK, render_turn
+from mempo_jax.text.protocol import ANSWER, MEM, THINK, render_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_questions import load_qa_questions
@@ -82,7 +82,7 @@ def check_qa_inputs(cfg: ExperimentConfig) -> None:
       ValueError: one line naming the file (or the URL) that is unusable.
     """
     from mempo_jax.data.qa_formats import detect_format
-    from mempo_jax.tools.backends import connect_retriever
+    from mempo_jax.run.backends import connect_retriever
 
     if cfg.dataset == "tiny_world":
         return
@@ -114,7 +114,7 @@ def load_qa_data(cfg: ExperimentConfig):
         (one line naming the field, file or URL).
     """
     from mempo_jax.data.qa_questions import split_questions
-    from mempo_jax.tools.backends import training_backend
+    from mempo_jax.run.backends import training_backend
 
     check_qa_inputs(cfg)
     train = load_qa_questions(cfg.qa_train_path)

@@ -38,7 +38,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from mempo_jax.agent.protocol import ACCESS, ANSWER, INFORMATION, SEARCH
+from mempo_jax.text.protocol import ACCESS, ANSWER, INFORMATION, SEARCH
 
 TOOL_RESULT_LAYOUTS: tuple[str, ...] = ("assistant", "user", "tool")
 TEMPLATE_FILE = "chat_template.jinja"

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, STOP_TAGS
+from mempo_jax.text.protocol import ALL_TAG_PIECES, STOP_TAGS
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES
+from mempo_jax.text.protocol import ALL_TAG_PIECES
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 

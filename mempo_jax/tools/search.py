@@ -15,7 +15,7 @@ import dataclasses
 import re
 from typing import Literal, Protocol, Sequence
 
-from mempo_jax.agent.protocol import ParsedTurn, format_error_observation, neutralize_tags
+from mempo_jax.text.protocol import ParsedTurn, format_error_observation, neutralize_tags
 from mempo_jax.tools.corpus import Document, Hit
 
 Kind = Literal["search", "access", "error"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, MEM
+from mempo_jax.text.protocol import ALL_TAG_PIECES, INFORMATION, MEM
 from mempo_jax.agent.rollout import RolloutConfig, apply_tools, make_turn, new_trajectories, rollout
 from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS
+from mempo_jax.text.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS
 from mempo_jax.agent.rollout import make_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import Trajectory

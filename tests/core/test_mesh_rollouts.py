@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mempo_jax.agent.protocol import STOP_TAGS
+from mempo_jax.text.protocol import STOP_TAGS
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
 from mempo_jax.core.batching import pad_sequences
 from mempo_jax.agent.sampler import Sampler, SamplerConfig

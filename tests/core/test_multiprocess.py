@@ -48,7 +48,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     import jax
 
     from mempo_jax.core import lockstep
-    from mempo_jax.agent.protocol import STOP_TAGS
+    from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.core.distributed import process_slice
     from mempo_jax.rl.learner import OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
@@ -110,7 +110,7 @@ def sft_params():
     """The toy model after 80 SFT steps on scripted episodes (one device, deterministic)."""
     import jax
 
-    from mempo_jax.agent.protocol import parse_turn, render_turn
+    from mempo_jax.text.protocol import parse_turn, render_turn
     from mempo_jax.agent.rollout import build_prompt, encode_observation
     from mempo_jax.core.batching import pad_sequences
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
@@ -314,7 +314,7 @@ def test_one_process_wrappers_pass_through():
 
 
 def test_real_rows_drop_the_rollout_bucket_padding():
-    from mempo_jax.core.lockstep import real_rows
+    from mempo_jax.run.lockstep import real_rows
 
     mask = np.zeros((6, 8), bool)
     mask[:3, 2:] = True  # three real contexts

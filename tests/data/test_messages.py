@@ -18,7 +18,7 @@ from conftest import SPM_CACHE
 from hypothesis import given, settings, strategies as st
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import MEM, parse_turn, render_turn
+from mempo_jax.text.protocol import MEM, parse_turn, render_turn
 from mempo_jax.agent.rollout import RolloutConfig, apply_tools, make_turn, new_trajectories
 from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.messages import (Conversation, conversation_trajectory, load_sft_trajectories, parse_row,

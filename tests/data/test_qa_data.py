@@ -11,7 +11,7 @@ import pytest
 from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_formats import detect_format, load_dataset
 from mempo_jax.data.qa_questions import load_qa_questions, split_questions
-from mempo_jax.tools.backends import merge_passages, training_backend
+from mempo_jax.run.backends import merge_passages, training_backend
 from mempo_jax.tools.corpus import Document, load_corpus_jsonl, pool_hotpotqa_contexts, write_corpus_jsonl
 
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"

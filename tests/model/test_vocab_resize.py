@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES  # noqa: E402
+from mempo_jax.text.protocol import ALL_TAG_PIECES  # noqa: E402
 from mempo_jax.config import ModelOptions  # noqa: E402
 from mempo_jax.run.experiment import load_checkpoint_policy  # noqa: E402
 from mempo_jax.model.forward import make_logits_fn  # noqa: E402

@@ -251,7 +251,7 @@ def _docs():
 @pytest.mark.parametrize("arg", ["/etc/passwd", "file:///etc/passwd", "../../../../etc/passwd", "~/.ssh/id_rsa",
                                  "http://127.0.0.1:9/secret", "https://example.com/", "0/../doc-1", "*", ""])
 def test_access_serves_only_corpus_documents(arg):
-    from mempo_jax.agent.protocol import parse_turn
+    from mempo_jax.text.protocol import parse_turn
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
 
@@ -266,7 +266,7 @@ def test_access_serves_only_corpus_documents(arg):
 @settings(max_examples=100, deadline=None)
 @given(st.text(max_size=40))
 def test_access_result_is_a_corpus_document_or_an_error(arg):
-    from mempo_jax.agent.protocol import ParsedTurn
+    from mempo_jax.text.protocol import ParsedTurn
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
 
@@ -370,7 +370,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     advantages: no exception; masks, spans and views agree."""
     from toy_agent import WordTokenizer
 
-    from mempo_jax.agent.protocol import MEM
+    from mempo_jax.text.protocol import MEM
     from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
     from mempo_jax.agent.trajectory import FULL, build_training_rows
     from mempo_jax.rl.step import compute_advantages, memory_contexts, score_trajectories

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from mempo_jax.agent.format import AgentFormat
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS, render_turn  # noqa: E402
+from mempo_jax.text.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS, render_turn  # noqa: E402
 from mempo_jax.agent.rollout import RolloutConfig, build_prompt, make_turn, new_trajectories, rollout  # noqa: E402
 from mempo_jax.config import ExperimentConfig, ModelOptions  # noqa: E402
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory  # noqa: E402

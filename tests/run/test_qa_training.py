@@ -39,7 +39,7 @@ transformers = pytest.importorskip("transformers")
 
 from mempo_jax import evaluate as ev  # noqa: E402
 from mempo_jax import train  # noqa: E402
-from mempo_jax.agent.protocol import render_turn  # noqa: E402
+from mempo_jax.text.protocol import render_turn  # noqa: E402
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.agent.rollout import build_prompt  # noqa: E402
 from mempo_jax.run.checkpoint import read_checkpoint  # noqa: E402

@@ -16,7 +16,7 @@ from mempo_jax.agent.format import AgentFormat
 from mempo_jax.text.chat_template import (
     ACTION_DESCRIPTIONS, TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame,
     observation_text, question_messages, system_prompt)
-from mempo_jax.agent.protocol import ACCESS, ANSWER, INFORMATION, MEM, SEARCH, THINK
+from mempo_jax.text.protocol import ACCESS, ANSWER, INFORMATION, MEM, SEARCH, THINK
 from mempo_jax.agent.rollout import SYSTEM_PROMPT, encode_observation
 from mempo_jax.text.hf_tokenizer import HFTokenizer
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from mempo_jax.agent.protocol import STOP_TAGS
+from mempo_jax.text.protocol import STOP_TAGS
 from mempo_jax.text.hf_tokenizer import QWEN_DEFAULT_SYSTEM, HFTokenizer
 from mempo_jax.text.stop_strings import StopAutomaton, token_bytes
 

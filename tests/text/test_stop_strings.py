@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mempo_jax.agent.protocol import STOP_TAGS
+from mempo_jax.text.protocol import STOP_TAGS
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, split_model
 from mempo_jax.agent.sampler import Sampler, SamplerConfig

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from mempo_jax.agent.protocol import parse_turn, render_turn
+from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, write_corpus_jsonl
 from mempo_jax.tools.remote import RemoteSearchBackend

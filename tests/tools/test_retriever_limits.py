@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from mempo_jax.agent.protocol import parse_turn, render_turn
+from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools import retrieval_server
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, write_corpus_jsonl

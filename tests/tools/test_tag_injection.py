@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mempo_jax.agent.protocol import ALL_TAG_PIECES, INFORMATION, NEUTRAL_LT, neutralize_tags, parse_turn, render_turn
+from mempo_jax.text.protocol import ALL_TAG_PIECES, INFORMATION, NEUTRAL_LT, neutralize_tags, parse_turn, render_turn
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import encode_observation
 from mempo_jax.text.hf_tokenizer import HFTokenizer

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mempo_jax.agent.protocol import parse_turn, render_turn
+from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, Hit, load_corpus_jsonl, write_corpus_jsonl
 from mempo_jax.tools.search import ToolEnvironment, ToolError, ToolResult, format_hits

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempo_jax.agent import protocol as P
-from mempo_jax.agent.protocol import (
+from mempo_jax.text.protocol import (
     ALL_TAG_PIECES,
     STOP_TAGS,
     ParsedTurn,

@@ -1,0 +1,61 @@
+"""The host side of one turn, shared by both rollout engines (``rollout.rollout`` and
+``engine.rollout_cached``): record a sampled turn (parse it, find its ``<mem>`` span) and answer it
+(an answer ends the episode; searches and accesses go to the tools in one batched call; a malformed
+turn gets an error observation, MEMPO_SPEC §1)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.trajectory import Trajectory, Turn
+from mempo_jax.text.protocol import ParsedTurn, format_error_observation, parse_turn
+
+
+def encode_observation(fmt: AgentFormat, text: str, max_tokens: int) -> list[int]:
+    """A tool result as ids: ``fmt.observation_ids`` (``<information>`` + text cut to ``max_tokens``
+    ids + ``</information>``, or the template's tool message)."""
+    return fmt.observation_ids(text, max_tokens)
+
+
+def make_turn(fmt: AgentFormat, output_ids: Sequence[int], logprobs: Optional[Sequence[float]], stopped: bool) -> Turn:
+    """Record one generated turn: parse its text, locate its ``<mem>`` span on the ids
+    (``fmt.mem_span``: by id in tokens mode, by token byte offsets in text mode).
+
+    The parser reads ``fmt.codec.turn_text(ids)``: the decoded ids, in text mode cut right after
+    the first closing action tag (a stop token such as ``>.`` carries text past the tag that the
+    policy did not choose to write). The recorded ids are the sampled ones, unchanged. A turn that
+    ran out of its token budget without a stop tag is a format failure.
+    """
+    ids = [int(i) for i in output_ids]
+    parsed = parse_turn(fmt.codec.turn_text(ids))
+    if not stopped and parsed.error is None:
+        parsed = ParsedTurn(parsed.mem, parsed.think, None, None, "turn ended without a closing action tag")
+    span = fmt.mem_span(ids)
+    return Turn(ids, None if logprobs is None else [float(x) for x in logprobs], [], parsed, span)
+
+
+def apply_tools(fmt: AgentFormat, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg) -> None:
+    """Append each turn to its trajectory and answer it: an answer ends the episode; a search or
+    access goes to the tool environment (one batched call); a malformed turn gets an error
+    observation and the episode goes on (MEMPO_SPEC §1)."""
+    pending = []
+    for tr, turn in zip(trajs, turns):
+        tr.turns.append(turn)
+        if turn.parsed.error is None and turn.parsed.action == "answer":
+            tr.done, tr.answer, tr.end_reason = True, (turn.parsed.argument or "").strip(), "answer"
+        elif turn.parsed.error is not None:
+            turn.tool_ok = False
+            turn.observation_ids = encode_observation(
+                fmt, format_error_observation(turn.parsed.error), cfg.max_observation_tokens
+            )
+        else:
+            pending.append(turn)
+    if pending:
+        results = tool_env.execute_batch([t.parsed for t in pending])
+        for turn, res in zip(pending, results):
+            turn.tool_ok = bool(res.ok)
+            turn.observation_ids = encode_observation(fmt, res.observation, cfg.max_observation_tokens)
+    for tr in trajs:
+        if not tr.done and len(tr.turns) >= cfg.max_turns:
+            tr.done, tr.end_reason = True, "max_turns"
