@@ -42,7 +42,7 @@ def setup_smollm2(checkpoint=None):
     held-out questions, model_cfg, graphdef, params, sample_fn, checkpoint folder)``."""
     from mempo_jax.config import load_config
     from mempo_jax.run.experiment import load_checkpoint_policy, load_questions, policy_format
-    from mempo_jax.evaluate import make_sample_fn
+    from mempo_jax.run.experiment import make_sample_fn
     from mempo_jax.model import smollm2
     from mempo_jax.tools.search import ToolEnvironment
 

@@ -280,7 +280,8 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.evaluate import make_sample_fn, run_model_options
+    from mempo_jax.evaluate import run_model_options
+    from mempo_jax.run.experiment import make_sample_fn
     from mempo_jax.run.experiment import policy_format
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment

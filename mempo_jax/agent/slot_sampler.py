@@ -35,7 +35,9 @@ from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
+from mempo_jax.model.placement import cache_shardings
 from mempo_jax.model.slots import slot_forward
+from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 from mempo_jax.agent.decoding import is_stop as _is_stop, top_p_filter
 
 DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
@@ -113,8 +115,9 @@ class SlotSampler:
       pad_id: written after a turn's end.
       stop_automaton: optional ``StopAutomaton`` (``Sampler``'s), over ``model_cfg.vocab_size`` ids.
       block: key-block length of the attention (tokens).
-      mesh, rules: optional device mesh and logical-axis rules: the cache is put on
-        ``sharding.cache_shardings`` (slots over the batch rule); ``None``: one device.
+      mesh, rules: device mesh and logical-axis rules: the cache is put on
+        ``placement.cache_shardings`` (slots over the batch rule); ``None``: the one-device mesh
+        (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
     with equal (graphdef, model_cfg, stops, pad, automaton shape, block).
@@ -126,7 +129,7 @@ class SlotSampler:
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
         self.block = int(block)
-        self.mesh, self.rules = mesh, rules
+        self.mesh, self.rules = mesh_or_local(mesh), (DEFAULT_RULES if rules is None else rules)
         self._tables = None
         if stop_automaton is not None:
             if stop_automaton.vocab_size != model_cfg.vocab_size:
@@ -146,11 +149,8 @@ class SlotSampler:
     def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
         """Empty slots: zero cache of ``size`` positions, nothing generating."""
         cache = init_cache(self.model_cfg, slots, size)
-        if self.mesh is not None:
-            from mempo_jax.core.sharding import DEFAULT_RULES, cache_shardings
+        cache = jax.device_put(cache, cache_shardings(self.model_cfg, slots, size, self.mesh, self.rules))
 
-            rules = DEFAULT_RULES if self.rules is None else self.rules
-            cache = jax.device_put(cache, cache_shardings(self.model_cfg, slots, size, self.mesh, rules))
         def z(dtype=jnp.int32):  # distinct buffers: the state is donated leaf by leaf
             return jnp.zeros((slots,), dtype)
 
