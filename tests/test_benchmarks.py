@@ -178,6 +178,6 @@ def test_tokens_script_skips_without_a_run(tmp_path):
 def test_run_all_lists_every_section():
     import run_all
 
-    assert [s[0] for s in run_all.SECTIONS] == ["decode", "scoring", "rl_step", "tokens", "roofline"]
+    assert [s[0] for s in run_all.SECTIONS] == ["decode", "scoring", "rl_step", "tokens", "roofline", "rollout"]
     for _, script, _ in run_all.SECTIONS:
         assert (REPO / "benchmarks" / script).is_file()

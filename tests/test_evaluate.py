@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mempo_jax import evaluate as ev
+from mempo_jax.run import experiment
 from mempo_jax.run.checkpoint import Checkpointer, save_run_artifacts
 from mempo_jax.data.world import WorldConfig, build_world
 from mempo_jax.run.experiment import _tokenizer_texts
@@ -149,7 +150,7 @@ def test_scripted_policy_scores_through_the_cli(run_dir, shared_data, tmp_path, 
     """Search, search, answer: Bamboogle idx 1's gold is "james madison", idx 2–4's are not, so
     EM = F1 = 1/4 in both modes, 3 turns and 2 tool calls per episode, no format failure. The
     answer turn's k = 1 context drops the first search and its result, so k1 has fewer tokens."""
-    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, fmt: ScriptedPolicy(fmt.tokenizer))
+    monkeypatch.setattr(experiment, "make_sample_fn", lambda graphdef, cfg, fmt, **_: ScriptedPolicy(fmt.tokenizer))
     out = tmp_path / "out"
     results = _scripted_eval(run_dir, shared_data, out, ["--corpus", str(shared_data / CORPUS)])["bamboogle"]
     for mode in ("k1", "full"):
@@ -176,7 +177,7 @@ def test_retriever_url_gives_the_local_corpus_results(run_dir, shared_data, tmp_
     from mempo_jax.tools.corpus import load_corpus_jsonl
     from mempo_jax.tools.retrieval_server import create_app
 
-    monkeypatch.setattr(ev, "make_sample_fn", lambda graphdef, cfg, fmt: ScriptedPolicy(fmt.tokenizer))
+    monkeypatch.setattr(experiment, "make_sample_fn", lambda graphdef, cfg, fmt, **_: ScriptedPolicy(fmt.tokenizer))
     local = _scripted_eval(run_dir, shared_data, tmp_path / "local", ["--corpus", str(shared_data / CORPUS)])
     app = create_app(BM25Index(load_corpus_jsonl(shared_data / CORPUS)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -88,8 +88,8 @@ def test_rank_deficient_rows_get_exactly_the_mean():
 def test_old_logits_unchanged_and_mesh_placement(tmp_path):
     model = _hf_llama(300, 16, tied=False)
     model.save_pretrained(tmp_path)
-    cfg, graphdef, params = load_hf_checkpoint(tmp_path)
     mesh = make_mesh(2, 2, 2)
+    cfg, graphdef, params = load_hf_checkpoint(tmp_path, mesh=mesh)  # every parameter on the mesh
     cfg2, graphdef2, params2 = resize_vocab(cfg, params, 320, mesh=mesh)
     assert params2["embed"].get_value().sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
     ids = jnp.asarray([[1, 5, 299, 7]], jnp.int32)
