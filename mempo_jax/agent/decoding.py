@@ -38,3 +38,18 @@ def is_stop(tok: jax.Array, stop_ids) -> jax.Array:
     if not stop_ids:
         return jnp.zeros(tok.shape, bool)
     return jnp.any(tok[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
+
+
+def pick(logits: jax.Array, keys: jax.Array, temperature, top_p, greedy: bool, use_top_p: bool):
+    """One token per row: ``[R, V]`` logits and ``[R]`` PRNG keys → (token ``[R]`` int32, its
+    log-prob ``[R]`` float32 under the temperature-scaled softmax). Greedy takes the argmax; otherwise
+    a categorical draw per row, inside the top-p nucleus when ``use_top_p`` (static)."""
+    scaled = logits.astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    if greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        if use_top_p:
+            scaled = top_p_filter(scaled, top_p)
+        tok = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]

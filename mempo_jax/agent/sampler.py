@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mempo_jax.agent.decoding import is_stop as _is_stop, top_p_filter
+from mempo_jax.agent.decoding import is_stop as _is_stop, pick
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
@@ -218,19 +218,11 @@ def _generate_with_automaton(impl, params, prompt_ids, prompt_mask, key, tempera
 
 
 def _pick(logits, step, key, temperature, top_p, greedy, use_top_p):
-    """``[B, V]`` logits → (token ``[B]`` int32, its log-prob ``[B]`` float32)."""
-    scaled = logits.astype(jnp.float32) / temperature
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    if greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        if use_top_p:
-            scaled = top_p_filter(scaled, top_p)
-        step_key = jax.random.fold_in(key, step)
-        row_keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(jnp.arange(logits.shape[0]))
-        tok = jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
-    lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
-    return tok, lp
+    """``[B, V]`` logits → (token ``[B]`` int32, its log-prob ``[B]`` float32); row b of step i
+    draws with ``fold_in(fold_in(key, i), b)`` (``decoding.pick``)."""
+    step_key = jax.random.fold_in(key, step)
+    row_keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(jnp.arange(logits.shape[0]))
+    return pick(logits, row_keys, temperature, top_p, greedy, use_top_p)
 
 
 def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, prompt_mask, key, temperature,

@@ -38,7 +38,7 @@ from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
 from mempo_jax.model.slots import slot_forward
 from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
-from mempo_jax.agent.decoding import is_stop as _is_stop, top_p_filter
+from mempo_jax.agent.decoding import is_stop as _is_stop, pick as _pick
 
 DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
 
@@ -89,20 +89,6 @@ def _row_keys(key, turn, step, traj):
         return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, u), j), i)
 
     return jax.vmap(one)(turn, step, traj)
-
-
-def _pick(logits, keys, temperature, top_p, greedy, use_top_p):
-    """``[R, V]`` logits, ``[R]`` keys → (token ``[R]`` int32, log-prob ``[R]`` float32); as
-    ``mempo_jax.agent.sampler._pick`` with one key per row."""
-    scaled = logits.astype(jnp.float32) / temperature
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    if greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        if use_top_p:
-            scaled = top_p_filter(scaled, top_p)
-        tok = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
 class SlotSampler:

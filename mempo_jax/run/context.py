@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from mempo_jax.core import distributed
 
-from mempo_jax.core import lockstep
+from mempo_jax.run import lockstep
 from mempo_jax.run.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
 from mempo_jax.rl.learner import make_optimizer
 from mempo_jax.core.mesh_config import MeshConfig

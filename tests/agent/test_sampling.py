@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from mempo_jax.core.batching import pad_sequences
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, sequence_logprobs, split_model
-from mempo_jax.agent.sampler import Sampler, SamplerConfig, top_p_filter
+from mempo_jax.agent.decoding import top_p_filter
+from mempo_jax.agent.sampler import Sampler, SamplerConfig
 
 VOCAB = 96
 PAD = 0

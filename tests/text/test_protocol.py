@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mempo_jax.agent import protocol as P
+from mempo_jax.text import protocol as P
 from mempo_jax.text.protocol import (
     ALL_TAG_PIECES,
     STOP_TAGS,

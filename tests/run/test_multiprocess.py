@@ -47,7 +47,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     """
     import jax
 
-    from mempo_jax.core import lockstep
+    from mempo_jax.run import lockstep
     from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.core.distributed import process_slice
     from mempo_jax.rl.learner import OptimConfig, make_optimizer
@@ -152,7 +152,7 @@ def _flat(params) -> list[np.ndarray]:
 
 
 def worker(argv) -> int:
-    """``python tests/core/test_multiprocess.py --process_id I --num_processes N --port P --params F --out D``."""
+    """``python tests/run/test_multiprocess.py --process_id I --num_processes N --port P --params F --out D``."""
     ap = argparse.ArgumentParser()
     for name in ("--process_id", "--num_processes", "--port"):
         ap.add_argument(name, type=int, required=True)
@@ -297,7 +297,7 @@ def test_maybe_initialize_decides_from_arguments_and_environment(monkeypatch):
 
 
 def test_one_process_wrappers_pass_through():
-    from mempo_jax.core import lockstep
+    from mempo_jax.run import lockstep
     from mempo_jax.core.distributed import allgather, concat_processes, gather_lists, gather_rows, mean_metrics
 
     sync = lockstep.HostSync()
