@@ -83,9 +83,9 @@ def start_arm(sft_dir: pathlib.Path, arm_dir: pathlib.Path) -> None:
 
 def rl_metric_mean(run_dir: pathlib.Path, name: str) -> tuple[float, float]:
     """``(mean over RL steps, last RL step)`` of a metric in ``run_dir/metrics.jsonl`` (nan if absent)."""
-    from mempo_jax.run.metrics import maybe, read_jsonl
+    from mempo_jax.run.metrics import read_jsonl
 
-    vals = [maybe(r.get(name)) for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "rl"]
+    vals = [float("nan") if r.get(name) is None else float(r[name]) for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "rl"]
     vals = [v for v in vals if np.isfinite(v)]
     return (float(np.mean(vals)), float(vals[-1])) if vals else (float("nan"), float("nan"))
 
