@@ -159,7 +159,7 @@ def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Position
     import torch
 
     from mempo_jax.text.protocol import STOP_TAGS
-    from mempo_jax.agent.rollout import apply_tools, make_turn
+    from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
     pad = fmt.tokenizer.pad_id
     kw = {"stop_strings": list(STOP_TAGS), "tokenizer": hf_tokenizer} if fmt.codec.mode == "text" else {}
@@ -195,10 +195,7 @@ def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Position
             turn.context_len = len(ctx)
             turns.append(turn)
         apply_tools(fmt, tool_env, runnable, turns, cfg)
-    for tr in trajs:
-        if not tr.done:
-            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
-    return trajs
+    return close_episodes(trajs)
 
 
 # ------------------------------------------------------------------------------------------ main

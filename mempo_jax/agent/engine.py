@@ -34,7 +34,7 @@ import numpy as np
 
 from mempo_jax.core.batching import bucket_length
 from mempo_jax.agent.slot_sampler import SlotSampler
-from mempo_jax.agent.turns import apply_tools, make_turn
+from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
 MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
 MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round
@@ -193,10 +193,7 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
             generating.discard(s)
             if trajs[owner[s]].done:
                 owner[s] = None
-    for tr in trajs:
-        if not tr.done:
-            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
-    return trajs
+    return close_episodes(trajs)
 
 
 def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: jax.Array) -> int:

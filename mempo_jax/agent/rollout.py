@@ -20,7 +20,7 @@ from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.trajectory import FULL, Trajectory, parse_context_steps
 from mempo_jax.core.batching import bucket_length, pad_sequences
 from mempo_jax.core.validation import check, require
-from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn  # noqa: F401  (the turn helpers of both engines)
+from mempo_jax.agent.turns import apply_tools, close_episodes, encode_observation, make_turn  # noqa: F401  (the turn helpers of both engines)
 
 MIN_PROMPT_BUCKET = 128  # smallest prompt-length bucket of a sampling batch (tokens)
 SampleFn = Callable[..., object]
@@ -154,10 +154,7 @@ def rollout(
             turn.context_len = len(ctx)
             turns.append(turn)
         apply_tools(fmt, tool_env, runnable, turns, cfg)
-    for tr in trajs:
-        if not tr.done:
-            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
-    return trajs
+    return close_episodes(trajs)
 
 
 def _slot_sampler(sample_fn):

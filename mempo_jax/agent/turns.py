@@ -59,3 +59,12 @@ def apply_tools(fmt: AgentFormat, tool_env, trajs: Sequence[Trajectory], turns: 
     for tr in trajs:
         if not tr.done and len(tr.turns) >= cfg.max_turns:
             tr.done, tr.end_reason = True, "max_turns"
+
+
+def close_episodes(trajs: Sequence[Trajectory]) -> Sequence[Trajectory]:
+    """End every trajectory still open when a rollout stops turning (its turn budget is spent):
+    ``done`` with ``end_reason`` ``"max_turns"`` unless one was already set. Returns ``trajs``."""
+    for tr in trajs:
+        if not tr.done:
+            tr.done, tr.end_reason = True, tr.end_reason or "max_turns"
+    return trajs
