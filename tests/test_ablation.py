@@ -48,6 +48,7 @@ def test_arm_folder_is_the_sft_folder_without_rl_state(tmp_path):
     assert (tmp_path / "arm" / "metrics.jsonl").read_text() == "kept"
 
 
+@pytest.mark.slow  # the trainer, in-process: one SFT start and three RL arms
 def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
     out = tmp_path / "abl"
     doc = ablation.main(["--small", "--rl_steps", "1", "--out", str(out), "--json", str(tmp_path / "a.json")])

@@ -40,39 +40,54 @@ def _train(run_dir, params, gin_file="configs/tiny_world.gin"):
     return out
 
 
-@pytest.mark.parametrize("context_steps", ["1", '"full"'])
-def test_main_job_trains_in_both_context_modes(tmp_path, context_steps):
-    run = tmp_path / "run"
-    out = _train(run, SMALL + [f"RolloutConfig.context_steps={context_steps}"])
+def _check_main_job_outputs(run, stdout: str, params, modes, rl_steps: int):
+    """What the main job writes: summary.json's schema (each stage, each evaluated mode), the
+    verl-named RL metrics, TensorBoard events, checkpoints and tokenizer, the printed table, and
+    per-kind EM (``eval/<kind>/em``) equal to the stored per-question EM over the held-out kinds."""
     summary = json.loads((run / "summary.json").read_text())
     for stage in ("sft", "rl"):
-        for mode in ("k1", "full"):
+        for mode in modes:
             m = summary["eval"][stage][mode]
             assert set(m) >= {"em", "f1", "tt", "pt", "turns", "format_fail"}
             assert 0 <= m["em"] <= m["f1"] + 1e-9 <= 1 + 1e-9 and m["pt"] <= m["tt"]
     lo, hi = summary["em_gain_ci95"]
     assert lo <= summary["em_gain"] <= hi
     rl = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"stage": "rl"' in l]
-    assert len(rl) == 2
+    assert len(rl) == rl_steps
     for name in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy",
                  "response_length/mean", "num_turns/mean", "mem/reward/mean", "mem/advantage/std", "tokens/tt", "tokens/pt"):
         assert name in rl[0], name
     assert any(p.name.startswith("events") for p in (run / "tb").iterdir())
     assert (run / "checkpoints").is_dir() and (run / "tokenizer.model").is_file()
-    assert "| rl | k1 |" in out.stdout
-    # per-kind EM (eval/<kind>/em) from the stored per-question EM and the world's held-out kinds
+    assert "| rl | k1 |" in stdout
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
 
-    held = build_world(load_config([str(REPO / "configs/tiny_world.gin")], SMALL).world).heldout[:4]
+    cfg = load_config([str(REPO / "configs/tiny_world.gin")], params)
+    held = build_world(cfg.world).heldout[:cfg.eval.num_questions]
     stored = json.loads((run / "eval_rl.json").read_text())
-    for mode in ("k1", "full"):
+    for mode in modes:
         em = stored["per_question_em"][mode]
         for kind in {q.kind for q in held}:
             want = [e for e, q in zip(em, held) if q.kind == kind]
             assert summary["eval"]["rl"][mode][f"eval/{kind}/em"] == pytest.approx(sum(want) / len(want))
             assert summary["eval"]["rl"][mode][f"eval/{kind}/n"] == len(want)
-    assert "EM single" in out.stdout
+    assert "EM single" in stdout
+
+
+def test_main_job_trains_in_full_context_mode(tmp_path):
+    """``RolloutConfig.context_steps="full"``, evaluated in both context modes."""
+    run = tmp_path / "run"
+    params = SMALL + ['RolloutConfig.context_steps="full"']
+    out = _train(run, params)
+    _check_main_job_outputs(run, out.stdout, params, ("k1", "full"), rl_steps=2)
+
+
+def test_main_job_trains_in_k1_context_mode(small_run):
+    """k = 1 (the default): the session's small run (``chaos_resume.SMALL_PARAMS``, a
+    ``python -m mempo_jax.train`` subprocess) wrote the same outputs."""
+    stdout = (small_run.parent / "output.txt").read_text(errors="replace")
+    _check_main_job_outputs(small_run, stdout, SMALL_PARAMS, ("k1",), rl_steps=6)
 
 
 def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):

@@ -163,17 +163,8 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
             break
         if progress is not None:
             progress(max(len(trajs[owner[s]].turns) for s in generating), len(generating))
-        if prefills:  # phase 1: every prefill but the followers'; phase 2: copy the prompts, then theirs
-            first = [p for p in prefills if p.slot not in followers]
-            if first:
-                state = _run_prefills(sampler, params, state, first, cfg, slots, key, greedy)
-            if followers:
-                n = bucket_length(len(followers), min(MIN_EXTEND_ROWS, bucket_length(slots, 1)))
-                src, dst = np.zeros((n,), np.int32), np.full((n,), slots, np.int32)
-                src[: len(followers)], dst[: len(followers)] = list(followers.values()), list(followers)
-                state = sampler.copy(state, src, dst)
-                state = _run_prefills(sampler, params, state, [p for p in prefills if p.slot in followers], cfg,
-                                      slots, key, greedy)
+        if prefills:
+            state = _prefill_phases(sampler, params, state, prefills, followers, cfg, slots, key, greedy)
         state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
         active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
         ended = sorted(s for s in generating if not active[s])
@@ -194,6 +185,24 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
             if trajs[owner[s]].done:
                 owner[s] = None
     return close_episodes(trajs)
+
+
+def _prefill_phases(sampler: SlotSampler, params, state, prefills: list, followers: dict[int, int], cfg,
+                    slots: int, key: jax.Array, greedy: bool):
+    """Runs this cycle's ``prefills`` in two phases and returns the new slot state: phase 1 every
+    prefill but the followers'; phase 2 copies each follower's shared prompt from its donor slot
+    (``followers``: slot -> donor slot) in one padded copy, then runs the followers' prefills."""
+    first = [p for p in prefills if p.slot not in followers]
+    if first:
+        state = _run_prefills(sampler, params, state, first, cfg, slots, key, greedy)
+    if followers:
+        n = bucket_length(len(followers), min(MIN_EXTEND_ROWS, bucket_length(slots, 1)))
+        src, dst = np.zeros((n,), np.int32), np.full((n,), slots, np.int32)
+        src[: len(followers)], dst[: len(followers)] = list(followers.values()), list(followers)
+        state = sampler.copy(state, src, dst)
+        state = _run_prefills(sampler, params, state, [p for p in prefills if p.slot in followers], cfg,
+                              slots, key, greedy)
+    return state
 
 
 def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: jax.Array) -> int:

@@ -119,6 +119,29 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_maj
     return jnp.einsum(f"bkgts,{kv_spec}->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
 
 
+def _online_softmax_tile(carry, qb: jax.Array, kb: jax.Array, vb: jax.Array, mt: jax.Array, scale: jax.Array):
+    """One key tile of the online softmax (FlashAttention, Alg. 1, lines 8-11).
+
+    Args:
+      carry: ``(m, l, acc)``: running row max and normaliser ``[B, kv, g, bq]`` and unnormalised
+        output ``[B, kv, g, bq, hd]``, all float32.
+      qb: ``[B, bq, kv, g, hd]`` query block; kb, vb: ``[B, kv, bk, hd]`` key and value tile.
+      mt: ``[B, bq, bk]`` bool mask tile; scale: ``1 / sqrt(hd)``.
+
+    Returns:
+      the updated ``(m, l, acc)``.
+    """
+    m, l, acc = carry
+    sc = jnp.einsum("btkgh,bksh->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(mt[:, None, None], sc, _NEG)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+    p = jnp.exp(sc - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(qb.dtype), vb, preferred_element_type=jnp.float32)
+    return m_new, l, acc * corr[..., None] + pv
+
+
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
     """``dense_attention`` computed tile by tile with an online softmax (FlashAttention, Alg. 1).
@@ -176,17 +199,9 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_m
             mt = tile(q0, k0, bq, bk)  # [B, bq, bk]
 
             def update(c):
-                m, l, acc = c
                 kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=2)
                 vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=2)
-                sc = jnp.einsum("btkgh,bksh->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
-                sc = jnp.where(mt[:, None, None], sc, _NEG)
-                m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-                p = jnp.exp(sc - m_new[..., None])
-                corr = jnp.exp(m - m_new)
-                l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
-                return m_new, l, acc * corr[..., None] + pv
+                return _online_softmax_tile(c, qb, kb, vb, mt, scale)
 
             return jax.lax.cond(jnp.any(mt), update, lambda c: c, carry), None
 

@@ -433,15 +433,35 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
         "old_logprobs": old_logp, "ref_logprobs": ref_logp.astype(np.float32),
         "advantages": adv.astype(np.float32),
     }
+    upd = _ppo_epochs(learner, batch, cfg, rng)
+    timings["timing/update_s"] = time.perf_counter() - t2
+
+    metrics = _step_metrics(trajs, rows, rewards, mem_out, scored, a_t, a_m)
+    metrics.update({k: float(np.mean(v)) for k, v in upd.items()})
+    metrics.update(rollout_metrics(trajs))
+    metrics.update(lp_metrics)
+    metrics.update(timings)
+    return metrics, trajs
+
+
+def _ppo_epochs(learner, batch: dict, cfg: RLConfig, rng: np.random.Generator) -> dict[str, list[float]]:
+    """``cfg.ppo_epochs`` passes of ``learner.ppo_update`` over ``batch``; each metric's values, one
+    per epoch, in order."""
     upd: dict[str, list[float]] = {}
     for _ in range(cfg.ppo_epochs):
         for k, v in learner.ppo_update(batch, cfg.loss, cfg.num_mini_batches, rng,
                                        max_rows=training_row_bound(cfg)).items():
             upd.setdefault(k, []).append(v)
-    timings["timing/update_s"] = time.perf_counter() - t2
+    return upd
 
+
+def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, scored: np.ndarray, a_t: np.ndarray,
+                  a_m: np.ndarray) -> dict[str, float]:
+    """The step's reward, memory-reward and batch-shape metrics (verl's names where one exists):
+    ``rewards`` ``[n_traj]`` outcome rewards, ``mem_out`` the scorer's output over the ``scored``
+    (``[n_mem]`` bool) memory turns, ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
     em = score_trajectories(trajs, "em")
-    metrics = {
+    return {
         "critic/score/mean": float(rewards.mean()),
         "critic/em/mean": float(em.mean()),
         "critic/advantages/mean": float(a_t.mean()) if a_t.size else 0.0,
@@ -454,8 +474,3 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
         "train/rows": float(rows.input_ids.shape[0]),
         "train/seq_len": float(rows.input_ids.shape[1]),
     }
-    metrics.update({k: float(np.mean(v)) for k, v in upd.items()})
-    metrics.update(rollout_metrics(trajs))
-    metrics.update(lp_metrics)
-    metrics.update(timings)
-    return metrics, trajs

@@ -76,7 +76,8 @@ def _drop_late_read_completions() -> None:
     """After a failed restore: ignore the ``RuntimeError('Event loop is closed')`` that tensorstore
     raises, as *unraisable* exceptions (``sys.unraisablehook``), when reads still in flight finish
     after orbax has closed the event loop of the failed restore (they are harmless: the restore
-    has already failed and been reported). Any other unraisable exception is passed on."""
+    has already failed and been reported), and the "Future exception was never retrieved" log
+    records of its other reads. Any other unraisable exception or record is passed on."""
     global _unraisable_filter_installed
     if _unraisable_filter_installed:
         return
@@ -89,7 +90,16 @@ def _drop_late_read_completions() -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_drop_unretrieved_read_errors)
     _unraisable_filter_installed = True
+
+
+def _drop_unretrieved_read_errors(record: logging.LogRecord) -> bool:
+    """``asyncio`` log filter, installed after a failed restore: drops the "Future exception was
+    never retrieved" records of that restore's other reads (orbax returns on the first failing
+    read; the futures of the others are logged with a traceback when collected, long after the one
+    line that reports the unreadable checkpoint). Every other record passes."""
+    return not record.getMessage().startswith("Future exception was never retrieved")
 
 
 class CorruptCheckpoint(ValueError):

@@ -141,6 +141,25 @@ class AppendLog:
         self._f.close()
 
 
+def _summary_writer():
+    """``tensorboardX.SummaryWriter``, imported without torch when torch is not loaded yet.
+
+    tensorboardX tries ``import torch`` at import time (only to accept torch tensors as values,
+    which this package never passes); loading the CPU torch build costs ~3 s of every trainer
+    start. A ``None`` entry in ``sys.modules`` makes that optional import fail at once; the entry
+    is removed afterwards, so a later ``import torch`` loads it normally.
+    """
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Appends one JSON line per step to ``metrics.jsonl`` (an ``AppendLog``: flushed and
     fsynced, so a kill never loses a written line, and recreated if deleted during the run) and
@@ -158,9 +177,7 @@ class MetricsWriter:
         self.log = AppendLog(self.path, warn)
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(pathlib.Path(run_dir) / "tb"))
+            self._tb = _summary_writer()(str(pathlib.Path(run_dir) / "tb"))
 
     def write(self, step: int, stage: str, metrics: Mapping[str, float]) -> None:
         """Write ``{"step", "stage", **metrics}``; non-finite values are written as null.

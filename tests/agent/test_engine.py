@@ -168,11 +168,14 @@ def test_blocked_attention_equals_dense_softmax(seed, t, block):
     np.testing.assert_allclose(np.asarray(ours), _dense_attention(q, k, v, q_pos), atol=2e-5, rtol=1e-5)
 
 
-def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_dir, context_steps="full"):
-    """The real checkpoint (text tags: the stop automaton, its chat template, BM25 over HotpotQA)."""
+@pytest.mark.slow  # a real checkpoint through both engines
+def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, context_steps="full"):
+    """The real checkpoint (text tags: the stop automaton, its chat template, BM25 over HotpotQA),
+    cut to its first layers (conftest's ``smollm2_first_layers``; ``MEMPO_SMOLLM2_LAYERS=30`` runs
+    the whole model)."""
     from bench_rollout import setup_smollm2
 
-    fmt, env, held, _, _, params, sample_fn, _ = setup_smollm2(smollm2_dir)
+    fmt, env, held, _, _, params, sample_fn, _ = setup_smollm2(smollm2_first_layers)
     cfg = RolloutConfig(max_turns=2, max_new_tokens=24, max_context_tokens=512, max_observation_tokens=24,
                         temperature=0.0, min_rows_bucket=4, context_steps=context_steps, prefill_chunk=256)
     out = []

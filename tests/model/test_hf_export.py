@@ -5,15 +5,14 @@ SmolLM2 (Llama layout, tied embeddings, ChatML template; Q4_1-dequantized weight
 ``python -m mempo_jax.train`` writes to ``RUN_DIR/hf_export``), and transformers must load the
 export and continue three chat prompts greedily token for token as our sampler does on the
 re-imported export. To stay within the test budget on CPU the model keeps its first
-``LAYERS`` layers (real weights, real tokenizer and template); the full 30-layer model passes the
-same check: ``MEMPO_SMOLLM2_LAYERS=30 python -m pytest -q tests/model/test_hf_export.py``.
+``SMOLLM2_LAYERS`` layers (conftest's ``smollm2_first_layers``: real weights, real tokenizer and
+template); the full 30-layer model passes the same check:
+``MEMPO_SMOLLM2_LAYERS=30 python -m pytest -q tests/model/test_hf_export.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +23,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
 
+from conftest import SMOLLM2_LAYERS  # noqa: E402
 from mempo_jax.run.export import export_policy  # noqa: E402
 from mempo_jax.text.hf_tokenizer import HFTokenizer  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint  # noqa: E402
 from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
 
-LAYERS = int(os.environ.get("MEMPO_SMOLLM2_LAYERS", "4"))  # SmolLM2-135M has 30
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
     [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who wrote Hamlet?"}],
@@ -40,30 +38,10 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2_first_layers(smollm2_dir, tmp_path_factory):
-    """SmolLM2 cut to its first ``LAYERS`` layers: the same tensors, ``num_hidden_layers`` changed."""
-    folder = tmp_path_factory.mktemp("smollm2_cut")
-    keep = {}
-    with safe_open(str(smollm2_dir / "model.safetensors"), framework="np") as st:
-        for key in st.keys():
-            parts = key.split(".")
-            if parts[:2] == ["model", "layers"] and int(parts[2]) >= LAYERS:
-                continue
-            keep[key] = st.get_tensor(key)
-    save_file(keep, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((smollm2_dir / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS}))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (smollm2_dir / name).is_file():
-            shutil.copyfile(smollm2_dir / name, folder / name)
-    return folder
-
-
 def test_smollm2_export_decodes_greedily_as_transformers(smollm2_first_layers, tmp_path):
     src = smollm2_first_layers
     cfg, _, params = load_hf_checkpoint(src)
-    assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.vocab_size == 49152 and cfg.num_layers == LAYERS
+    assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.vocab_size == 49152 and cfg.num_layers == SMOLLM2_LAYERS
     tok = HFTokenizer(src)
     out = export_policy(tmp_path / "hf_export", cfg, params, tok, source=src)
     assert not (tmp_path / "hf_export.tmp").exists()

@@ -20,7 +20,6 @@ from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa
 from mempo_jax.model.resize import mean_resized_rows, padded_rows, resize_vocab, vocab_row_multiple  # noqa: E402
 from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.core.sharding import make_mesh  # noqa: E402
-from test_hf_export import smollm2_first_layers  # noqa: E402,F401  (SmolLM2 cut to 4 layers)
 
 
 def test_row_multiples():
