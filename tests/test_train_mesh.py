@@ -37,7 +37,10 @@ ABS_TOL = 1e-6
 
 
 def _env(devices: int, **extra) -> dict:
-    env = small_env(XLA_CACHE, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}", **extra)
+    """The small run's environment on ``devices`` CPU devices (1: no emulated device count, the
+    flags of every one-device trainer run of the session, whose programs the XLA cache holds)."""
+    count = f"--xla_force_host_platform_device_count={devices} " if devices > 1 else ""
+    env = small_env(XLA_CACHE, XLA_FLAGS=f"{count}{FAST_XLA}", **extra)
     for k in ("MEMPO_COORDINATOR", "MEMPO_NUM_PROCESSES", "MEMPO_PROCESS_ID", "MEMPO_MULTIHOST"):
         env.pop(k, None)
     env.update(extra)
@@ -104,7 +107,7 @@ def test_sft_batch_must_divide_over_the_mesh(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The small run on a (1,1,1) mesh in one process (a sub-mesh of 8 CPU devices), and on a
+    """The small run on a (1,1,1) mesh in one process on one CPU device, and on a
     (2,2,2) mesh over two processes of 4 CPU devices each; the three processes run at once (the
     reference fills the CPU time the two others spend waiting for each other).
 
@@ -114,7 +117,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
     ref, run = root / "mesh111", root / "mesh222"
     port = _free_port()
-    launch = [(train_command(ref, PARAMS + _mesh(1, 1, 1), SPM_CACHE), _env(8))]
+    launch = [(train_command(ref, PARAMS + _mesh(1, 1, 1), SPM_CACHE), _env(1))]
     launch += [(train_command(run, PARAMS + _mesh(2, 2, 2), SPM_CACHE),
                 _env(4, MEMPO_COORDINATOR=f"127.0.0.1:{port}", MEMPO_NUM_PROCESSES="2", MEMPO_PROCESS_ID=str(i)))
                for i in range(2)]
