@@ -28,6 +28,7 @@ Markers. ``slow``: the test runs the trainer end to end (a ``python -m mempo_jax
 subprocess, or a whole run in-process). Slow tests run by default (``python -m pytest -q tests``,
 what CI runs); ``-m "not slow"`` leaves them out for a quick pass.
 """
+import contextlib
 import os
 import pathlib
 import shutil
@@ -224,3 +225,51 @@ def smollm2_first_layers(smollm2_dir, tmp_path_factory):
         if (smollm2_dir / name).is_file():
             shutil.copyfile(smollm2_dir / name, folder / name)
     return folder
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound once by the OS, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def retrieval_server(corpus: pathlib.Path, index_dir: pathlib.Path, num_docs: int, *args: str,
+                     timeout_s: float = 90.0):
+    """``python -m mempo_jax.tools.retrieval_server`` over ``corpus`` on a free loopback port, up
+    when ``/health`` reports ``num_docs`` documents; yields its URL and stops it on exit.
+
+    Fails the test (with the server's output) if it exits or is not up within ``timeout_s``.
+    """
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "mempo_jax.tools.retrieval_server", "--corpus", str(corpus),
+           "--index", str(index_dir), "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).json() == {"status": "ok", "num_docs": num_docs}:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not come up within {timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

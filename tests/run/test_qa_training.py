@@ -23,12 +23,7 @@ import json
 import math
 import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +48,7 @@ from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
 from mempo_jax.tools.corpus import load_corpus_jsonl  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
-from conftest import SPM_CACHE  # noqa: E402  (the session's shared tokenizer cache)
+from conftest import SPM_CACHE, free_port, retrieval_server  # noqa: E402  (the session's tokenizer cache, loopback server)
 from test_hf_train import _bpe  # noqa: E402  (the Qwen2.5-layout byte-level BPE of a test checkpoint)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -122,44 +117,12 @@ def scripted_checkpoint(data, tmp_path_factory):
     return folder, chain, query
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def retriever(data, tmp_path_factory):
     """``python -m mempo_jax.tools.retrieval_server`` over the FlashRAG corpus sample on a free
     loopback port; yields its URL."""
-    tmp = tmp_path_factory.mktemp("server")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mempo_jax.tools.retrieval_server", "--corpus", str(data / CORPUS),
-           "--index", str(tmp / "index"), "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).json() == {"status": "ok", "num_docs": 1000}:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not come up within 90 s")
-            time.sleep(0.2)
+    with retrieval_server(data / CORPUS, tmp_path_factory.mktemp("server") / "index", 1000) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _train_in_process(run_dir, params) -> int:

@@ -6,11 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.server
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,19 +19,14 @@ from mempo_jax.tools.remote import RemoteSearchBackend
 from mempo_jax.tools.retrieval_server import build_index, main
 from mempo_jax.tools.search import ToolEnvironment, ToolError
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from conftest import free_port, retrieval_server
+
 WORDS = ["river", "mountain", "castle", "violin", "comet", "desert", "harbor", "glacier", "orchid", "falcon"]
 # 10 documents; document i mentions WORDS[i] twice and its neighbour once, so rankings are known.
 DOCS = [
     Document(str(i), f"{w.title()} article", f"The {w} is described here. A {w} is near a {WORDS[(i + 1) % 10]}.")
     for i, w in enumerate(WORDS)
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,33 +39,8 @@ def server(tmp_path_factory):
     """``python -m mempo_jax.tools.retrieval_server`` on a free loopback port; yields its URL."""
     tmp = tmp_path_factory.mktemp("server")
     write_corpus_jsonl(DOCS, tmp / "corpus.jsonl")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mempo_jax.tools.retrieval_server", "--corpus", str(tmp / "corpus.jsonl"),
-           "--index", str(tmp / "index"), "--host", "127.0.0.1", "--port", str(port), "--topk", "3"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 45
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).json() == {"status": "ok", "num_docs": 10}:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not come up within 45 s")
-            time.sleep(0.2)
+    with retrieval_server(tmp / "corpus.jsonl", tmp / "index", 10, "--topk", "3", timeout_s=45) as url:
         yield {"url": url, "index_dir": tmp / "index"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def retrieve(url, queries, topk=None, return_scores=True):
