@@ -258,7 +258,8 @@ def paired_gains(after: Mapping[str, Mapping[str, Sequence[float]]], before: Map
 
 
 def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
-    """Markdown table: one row per (stage, mode) with EM, F1, TT, PT, turns, format-fail rate and,
+    """Markdown table: one row per (stage, mode; within a stage the k-step modes in their order,
+    then ``full``) with EM, F1, TT, PT, turns, format-fail rate and,
     for every question kind any row has (``evaluation.kind_metrics``: ``eval/<kind>/em``, kinds
     sorted), a column ``EM <kind> (n)`` ("-" in a row without that kind)."""
     kinds = sorted({k[len("eval/"):-len("/em")] for modes in evals.values() for m in modes.values() for k in m
@@ -273,7 +274,7 @@ def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) ->
     lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |" + head,
              "|---|---|---|---|---|---|---|---|" + "---|" * len(kinds)]
     for stage, modes in evals.items():
-        for mode, m in modes.items():
+        for mode, m in sorted(modes.items(), key=lambda item: item[0] == "full"):  # k-step modes, then full
             cells = "".join(f" {m[f'eval/{kind}/em']:.3f} |" if f"eval/{kind}/em" in m else " - |" for kind in kinds)
             lines.append(
                 f"| {stage} | {mode} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | {m['pt']:.0f} | "

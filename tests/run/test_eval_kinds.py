@@ -58,11 +58,12 @@ def test_table_has_a_column_per_kind():
     m = {"em": 0.25, "f1": 0.3, "tt": 300.4, "pt": 80.0, "turns": 4.0, "format_fail": 0.5}
     evals = {"sft": {"k1": {**m, "eval/bridge/em": 0.0, "eval/bridge/n": 2.0, "eval/single/em": 0.5,
                             "eval/single/n": 2.0}},
-             "rl": {"full": dict(m)}}
+             "rl": {"full": dict(m), "k1": {**m, "em": 0.5, "f1": 0.5}}}  # read back from JSON: sorted keys
     assert format_eval_table(evals).splitlines() == [
         "| stage | mode | EM | F1 | TT | PT | turns | format fail | EM bridge (2) | EM single (2) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         "| sft | k1 | 0.250 | 0.300 | 300 | 80 | 4.00 | 0.500 | 0.000 | 0.500 |",
+        "| rl | k1 | 0.500 | 0.500 | 300 | 80 | 4.00 | 0.500 | - | - |",
         "| rl | full | 0.250 | 0.300 | 300 | 80 | 4.00 | 0.500 | - | - |",
     ]
 
