@@ -7,14 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
-from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.run.experiment import _tokenizer_texts
-from mempo_jax.text.tokenizer import train_sentencepiece
-from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.search import ToolEnvironment
+
+from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -23,11 +19,8 @@ from diagnose_skills import episode_skills  # noqa: E402
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
-                                    num_single=20, num_bridge=20, num_multi=20))
-    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
-                              tmp_path_factory.mktemp("spm"), 600)
-    return world, tok, AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1)
+    world, tok, fmt, env, _ = small_world(tmp_path_factory.mktemp("spm"), 20)
+    return world, tok, fmt, env
 
 
 @pytest.mark.parametrize("lazy", [0.0, 1.0])

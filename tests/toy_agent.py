@@ -1,7 +1,8 @@
 """A toy agent world for sharding and multi-process tests: a word-level tokenizer whose 12
 protocol tags are single ids (so a tiny random model emits tags, ``<mem>`` spans and tool calls
 often), a few BM25 documents, and a handful of questions. Shared by ``test_mesh_steps.py`` and
-``test_multiprocess.py`` (which runs it in worker processes); imports no JAX at module level.
+``test_multiprocess.py`` (which runs it in worker processes); imports no JAX at module level. Also
+the embedded world at test size (``small_world``) for the scripted-agent tests.
 """
 
 from __future__ import annotations
@@ -105,3 +106,33 @@ def toy_model(vocab_size: int, seed: int = 0, std: float = 0.08):
 
     params = jax.tree_util.tree_map_with_path(init, abstract)
     return cfg, graphdef, jax.tree.map(jax.numpy.asarray, params)
+
+
+class SmallWorld(NamedTuple):
+    """The embedded world at test size: ``world`` (``data.world.World``), its SentencePiece
+    tokenizer, the plain-tag ``AgentFormat``, BM25 search over its passages (top 1) and each
+    company's offices (the scripted agent's second hop)."""
+
+    world: object
+    tok: object
+    fmt: object
+    env: object
+    offices: dict
+
+
+def small_world(spm_dir, per_kind: int = 20) -> SmallWorld:
+    """The tiny world with 60 people, 20 companies, 16 cities, 4 countries and ``per_kind``
+    single-hop, bridge and multi-objective questions each; its tokenizer (600 pieces) is trained
+    in ``spm_dir``."""
+    from mempo_jax.agent.format import AgentFormat
+    from mempo_jax.data.world import WorldConfig, build_world
+    from mempo_jax.run.experiment import _tokenizer_texts
+    from mempo_jax.text.tokenizer import train_sentencepiece
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.search import ToolEnvironment
+
+    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
+                                    num_single=per_kind, num_bridge=per_kind, num_multi=per_kind))
+    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout), spm_dir, 600)
+    return SmallWorld(world, tok, AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1),
+                      {c["name"]: c["offices"] for c in world.companies})

@@ -15,22 +15,14 @@ from mempo_jax.text.protocol import ALL_TAG_PIECES, INFORMATION, MEM
 from mempo_jax.agent.rollout import RolloutConfig, apply_tools, make_turn, new_trajectories, rollout
 from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
-from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.run.experiment import _tokenizer_texts
-from mempo_jax.text.tokenizer import train_sentencepiece
-from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.search import ToolEnvironment
 from mempo_jax.agent.format import AgentFormat
+
+from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
-                                    num_single=40, num_bridge=40, num_multi=40))
-    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
-                              tmp_path_factory.mktemp("spm"), 600)
-    env = ToolEnvironment(BM25Index(world.documents), topk=1)
-    offices = {c["name"]: c["offices"] for c in world.companies}
+    world, tok, _, env, offices = small_world(tmp_path_factory.mktemp("spm"), 40)
     rng = np.random.default_rng(0)
     trajs = [scripted_trajectory(q, offices, AgentFormat.plain(tok), env, ScriptedAgentConfig(0.5, 0.3), RolloutConfig(), rng)
              for q in world.train]

@@ -4,26 +4,17 @@ diligent replay of the same question, k-step rows from the (lazy) trajectory its
 import numpy as np
 import pytest
 
-from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
-from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.run.experiment import _tokenizer_texts
 from mempo_jax.rl.sft import sft_rows
-from mempo_jax.text.tokenizer import train_sentencepiece
-from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.search import ToolEnvironment
+
+from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)
 
 
 @pytest.fixture(scope="module")
 def trajs(tmp_path_factory):
-    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
-                                    num_single=20, num_bridge=20, num_multi=20))
-    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
-                              tmp_path_factory.mktemp("spm"), 600)
-    fmt, env = AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1)
-    offices = {c["name"]: c["offices"] for c in world.companies}
+    world, tok, fmt, env, offices = small_world(tmp_path_factory.mktemp("spm"), 20)
     qs = [q for q in world.train if q.kind == "bridge"][:5]
 
     def play(lazy, seed):

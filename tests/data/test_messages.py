@@ -24,12 +24,9 @@ from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.messages import (Conversation, conversation_trajectory, load_sft_trajectories, parse_row,
                                      read_messages, write_messages)
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_conversation, scripted_trajectory
-from mempo_jax.data.world import WorldConfig, build_world
-from mempo_jax.run.experiment import _tokenizer_texts
 from mempo_jax.rl.sft import sft_rows
-from mempo_jax.text.tokenizer import train_sentencepiece
-from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.search import ToolEnvironment
+
+from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMOLLM2 = pathlib.Path(os.environ.get("MEMPO_SMOLLM2_DIR", pathlib.Path.home() / ".cache/mempo_jax/smollm2-135m-instruct"))
@@ -38,13 +35,7 @@ HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
-                                    num_single=20, num_bridge=20, num_multi=20))
-    tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout),
-                              tmp_path_factory.mktemp("spm"), 600)
-    env = ToolEnvironment(BM25Index(world.documents), topk=1)
-    offices = {c["name"]: c["offices"] for c in world.companies}
-    return world, tok, AgentFormat.plain(tok), env, offices
+    return tuple(small_world(tmp_path_factory.mktemp("spm"), 20))
 
 
 def _write_jsonl(path, rows):
