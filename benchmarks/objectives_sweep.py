@@ -92,6 +92,8 @@ def write_plot(results: dict, path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from mempo_jax.evaluate import save_figure
+
     ks = [int(k) for k in results]
     modes = list(dict.fromkeys(m for r in results.values() for m in r))
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
@@ -103,12 +105,7 @@ def write_plot(results: dict, path, title: str = "") -> None:
         ax.set_xlabel("objectives per question")
         ax.set_title(label)
     axes[0].set_ylim(0, 1.02)
-    axes[0].legend(title="context")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, axes[0], path, title)
 
 
 def _small_policy(cache: str):

@@ -49,7 +49,6 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence
 
-from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.run.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
 
@@ -258,7 +257,16 @@ def write_chart(results: dict, path: str | os.PathLike, title: str = "") -> None
         ax.set_ylabel(label)
         ax.set_title(label)
     axes[0].set_ylim(0, 1.05)
-    axes[0].legend(title="context")
+    save_figure(fig, axes[0], path, title)
+
+
+def save_figure(fig, legend_axes, path: str | os.PathLike, title: str = "") -> None:
+    """Writes a matplotlib figure as a PNG (120 dpi) and closes it: a "context" legend on
+    ``legend_axes``, ``title`` (if any) above the panels, tight layout. Shared by this command's
+    plot and ``benchmarks/objectives_sweep.py``'s."""
+    import matplotlib.pyplot as plt
+
+    legend_axes.legend(title="context")
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
