@@ -10,8 +10,12 @@ logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), fo
 step:
 
 * sampling: KV cache + prefill (full ``[rows, P, vocab]`` logits, one layer's transients);
-* log-probs (old / reference, ``Learner.logprobs`` chunks): logits, log-softmax, entropy;
-* memory-reward scoring (``MemoryRewardScorer`` chunks over the stacked ``[2M, L]`` batch);
+* log-probs (reference, ``Learner.logprobs`` chunks; the trainer's packed old-log-prob pass,
+  ``rl.step.policy_old_logprobs``, runs after it on rows of the same length bucket and no more of
+  them per call, so the same bound covers it): logits, log-softmax, entropy;
+* memory-reward scoring, packed (``MemoryRewardScorer.packed_logprobs``: ``[R, L]`` calls of the
+  stacked ``[full; mem]`` rows packed end to end, segment-masked attention ``[R, heads, L, L]``,
+  the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row);
 * update (one PPO micro-batch): activations saved for the backward pass of every layer and two
   layers' backward transients, float32 logits copies and their gradient, plus the gradient
   accumulator and one micro-batch's gradient.
@@ -222,6 +226,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     from mempo_jax.model.forward import abstract_model, split_model
     from mempo_jax.model.placement import cache_shardings
     from mempo_jax.core.sharding import opt_state_shardings, param_shardings
+    from mempo_jax.rl.memory_reward import ANSWER_FRACTION
 
     model_cfg = model_config(cfg)
     mesh = mesh_cfg.abstract(tpu.num_devices)
@@ -249,7 +254,8 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         + act.layer_forward(rows, prompt, size),
         "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, train_len)
         + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len) + act.layer_forward(s_rows, s_len, s_len),
+        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len // ANSWER_FRACTION)
+        + act.layer_forward(s_rows, s_len, s_len),
         # every layer's saved activations + two layers' worth of backward transients
         "update": gradient_bytes + (n_layers + 2) * act.layer_saved(micro, train_len)
         + LOGIT_COPIES["update"] * 4 * act.logits(micro, train_len),

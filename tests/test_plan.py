@@ -21,7 +21,7 @@ from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.agent.sampler import _compiled_generate
-from mempo_jax.rl.memory_reward import MemoryRewardScorer
+from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
 from mempo_jax.model.placement import cache_shardings, init_sharded_params
 from mempo_jax.core.sharding import logical_to_sharding, make_mesh
 
@@ -102,7 +102,11 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, [1], batch_sharding=rows_sh(None),
                                 param_shardings=learner.param_shardings)
     z = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"]), np.int32), rows_sh(None))
-    xla["scoring"] = _temp(scorer.likelihoods.lower(learner.params, z, z > 0, z > 0).compile())
+    at = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"] // ANSWER_FRACTION), np.int32), rows_sh(None))
+    # the packed call the scorer makes (ids, segment ids, positions [R, L]; logits_at, targets [R, K])
+    xla["scoring"] = _temp(scorer.packed_logprobs.lower(learner.params, z, z, z, at, at).compile())
+    padded = _temp(scorer.likelihoods.lower(learner.params, z, z > 0, z > 0).compile())
+    assert xla["scoring"] < padded  # the LM head at the answer positions only
     for phase, got in xla.items():
         estimate = p.phases[phase] - (p.kv_cache if phase == "sampling" else 0)
         assert got <= estimate <= 3 * got, (phase, got, estimate)
