@@ -222,13 +222,19 @@ def run_model_options(run_dir: pathlib.Path):
 
 
 def format_table(results: dict) -> str:
-    """Markdown table, one row per (dataset, mode): n, EM, F1, TT, PT, turns, tool calls, format fail."""
-    lines = ["| dataset | mode | n | EM | F1 | TT | PT | turns | tool calls | format fail |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table, one row per (dataset, mode): n, EM, F1, TT, PT, turns, tool calls, format
+    fail, and EM per question kind (``metrics.kind_columns``: a QA file's ``type``, the tiny world's
+    kinds; "-" where a dataset has no such kind)."""
+    from mempo_jax.run.metrics import kind_cells, kind_columns
+
+    kinds, head, rule = kind_columns([m for modes in results.values() for m in modes.values()])
+    lines = ["| dataset | mode | n | EM | F1 | TT | PT | turns | tool calls | format fail |" + head,
+             "|---|---|---|---|---|---|---|---|---|---|" + rule]
     for name, modes in results.items():
         for mode, m in modes.items():
             lines.append(f"| {name} | {mode} | {m['n']} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | "
-                         f"{m['pt']:.0f} | {m['turns']:.2f} | {m['tool_calls']:.2f} | {m['format_fail']:.3f} |")
+                         f"{m['pt']:.0f} | {m['turns']:.2f} | {m['tool_calls']:.2f} | {m['format_fail']:.3f} |"
+                         + kind_cells(m, kinds))
     return "\n".join(lines)
 
 

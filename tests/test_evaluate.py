@@ -290,3 +290,16 @@ def test_bad_input_exits_2_with_one_line(case, message, run_dir, shared_data, tm
         assert str(tmp_path) in err  # the file is named
     else:
         assert not (out / "eval.json").exists()
+
+
+def test_table_has_an_em_column_per_question_kind():
+    base = {"n": 4, "em": 0.5, "f1": 0.5, "tt": 100.4, "pt": 50.0, "turns": 2.0, "tool_calls": 1.0, "format_fail": 0.0}
+    results = {"hotpotqa": {"k1": {**base, "eval/bridge/em": 0.25, "eval/bridge/n": 2.0,
+                                   "eval/comparison/em": 0.75, "eval/comparison/n": 2.0}},
+               "bamboogle": {"k1": dict(base)}}
+    assert ev.format_table(results).splitlines() == [
+        "| dataset | mode | n | EM | F1 | TT | PT | turns | tool calls | format fail | EM bridge (2) | EM comparison (2) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hotpotqa | k1 | 4 | 0.500 | 0.500 | 100 | 50 | 2.00 | 1.00 | 0.000 | 0.250 | 0.750 |",
+        "| bamboogle | k1 | 4 | 0.500 | 0.500 | 100 | 50 | 2.00 | 1.00 | 0.000 | - | - |",
+    ]

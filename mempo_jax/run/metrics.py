@@ -257,28 +257,41 @@ def paired_gains(after: Mapping[str, Mapping[str, Sequence[float]]], before: Map
     return out
 
 
+def kind_columns(rows: Sequence[Mapping[str, float]]) -> tuple[list[str], str, str]:
+    """The per-kind EM columns of a Markdown table over metric dicts ``rows``.
+
+    Returns:
+      ``(kinds, header, rule)``: every kind any row has (``evaluation.kind_metrics``:
+      ``eval/<kind>/em``), sorted; the header cells ``" EM <kind> (n) |"`` (``n`` from the first
+      row that has ``eval/<kind>/n``) and the matching ``"---|"`` cells.
+    """
+    kinds = sorted({k[len("eval/"):-len("/em")] for m in rows for k in m if k.startswith("eval/") and k.endswith("/em")})
+    counts = {}
+    for m in rows:
+        for kind in kinds:
+            counts.setdefault(kind, m.get(f"eval/{kind}/n"))
+    header = "".join(f" EM {kind}" + (f" ({counts[kind]:.0f})" if counts.get(kind) is not None else "") + " |"
+                     for kind in kinds)
+    return kinds, header, "---|" * len(kinds)
+
+
+def kind_cells(m: Mapping[str, float], kinds: Sequence[str]) -> str:
+    """The per-kind EM cells of one row (``kind_columns``): ``" 0.500 |"`` per kind, ``" - |"`` where
+    the row has no such kind."""
+    return "".join(f" {m[f'eval/{kind}/em']:.3f} |" if f"eval/{kind}/em" in m else " - |" for kind in kinds)
+
+
 def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
     """Markdown table: one row per (stage, mode; within a stage the k-step modes in their order,
-    then ``full``) with EM, F1, TT, PT, turns, format-fail rate and,
-    for every question kind any row has (``evaluation.kind_metrics``: ``eval/<kind>/em``, kinds
-    sorted), a column ``EM <kind> (n)`` ("-" in a row without that kind)."""
-    kinds = sorted({k[len("eval/"):-len("/em")] for modes in evals.values() for m in modes.values() for k in m
-                    if k.startswith("eval/") and k.endswith("/em")})
-    counts = {}
-    for modes in evals.values():
-        for m in modes.values():
-            for kind in kinds:
-                counts.setdefault(kind, m.get(f"eval/{kind}/n"))
-    head = "".join(f" EM {kind}" + (f" ({counts[kind]:.0f})" if counts.get(kind) is not None else "") + " |"
-                   for kind in kinds)
-    lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |" + head,
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(kinds)]
+    then ``full``) with EM, F1, TT, PT, turns, format-fail rate and a column ``EM <kind> (n)`` per
+    question kind (``kind_columns``; "-" in a row without that kind)."""
+    kinds, head, rule = kind_columns([m for modes in evals.values() for m in modes.values()])
+    lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |" + head, "|---|---|---|---|---|---|---|---|" + rule]
     for stage, modes in evals.items():
         for mode, m in sorted(modes.items(), key=lambda item: item[0] == "full"):  # k-step modes, then full
-            cells = "".join(f" {m[f'eval/{kind}/em']:.3f} |" if f"eval/{kind}/em" in m else " - |" for kind in kinds)
             lines.append(
                 f"| {stage} | {mode} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | {m['pt']:.0f} | "
-                f"{m['turns']:.2f} | {m['format_fail']:.3f} |" + cells
+                f"{m['turns']:.2f} | {m['format_fail']:.3f} |" + kind_cells(m, kinds)
             )
     return "\n".join(lines)
 
