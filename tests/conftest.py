@@ -21,8 +21,7 @@ The small run. ``small_run`` is the uninterrupted small run of ``benchmarks/chao
 (1-layer model, tiny world, 6 SFT + 6 RL steps) on one CPU device, once per session (for all
 workers), shared by the resume, fault and end-to-end tests. It starts in the background as soon as
 the tests are collected (when a selected test uses it); its programs fill the XLA cache for every
-later one-device run of those shapes. Modules with ``slow`` tests run first (the longest work
-starts first).
+later one-device run of those shapes.
 
 Markers. ``slow``: the test runs the trainer end to end (a ``python -m mempo_jax.train``
 subprocess, or a whole run in-process). Slow tests run by default (``python -m pytest -q tests``,
@@ -95,12 +94,23 @@ def _start_small_run() -> None:
         SMALL_RUN_DIR.parent.mkdir(parents=True)
     except FileExistsError:
         return
-    with open(SMALL_RUN_LOG, "wb") as log:
-        proc = subprocess.Popen(
-            ["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(SMALL_RUN_RC),
-             *train_command(SMALL_RUN_DIR, (), SPM_CACHE)],
-            env=one_device_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with open(SMALL_RUN_LOG, "wb") as log:
+            proc = subprocess.Popen(
+                ["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(SMALL_RUN_RC),
+                 *train_command(SMALL_RUN_DIR, (), SPM_CACHE)],
+                env=one_device_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        _write_rc(f"not started: {e}")
+        raise
     SMALL_RUN_PID.write_text(str(proc.pid))
+
+
+def _write_rc(status: str) -> None:
+    """Writes the small run's status file atomically (every waiting worker then stops waiting)."""
+    tmp = SMALL_RUN_RC.with_suffix(".tmp")
+    tmp.write_text(status + "\n")
+    os.replace(tmp, SMALL_RUN_RC)
 
 
 def pytest_configure(config):
@@ -110,13 +120,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Runs the test modules that hold ``slow`` tests first, each module kept whole and in its
-    order (its module fixtures are set up once): the longest work starts first, so neither xdist
-    worker is left with a long module at the end while the other idles. The small run trains in
-    the background from the start; a module that needs it before it ends waits for it."""
-    slow = {item.module.__name__ for item in items
-            if item.get_closest_marker("slow") is not None and getattr(item, "module", None)}
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") not in slow)
+    """Moves the test modules that use ``small_run`` after the others (each module kept whole and in
+    its order, so its module fixtures are set up once): in one process (``-n 0``) the fast tests
+    run while the small run trains in the background. Under xdist the ``loadfile`` scheduler hands
+    out whole files, the files with most tests first (its default ``--loadscope-reorder``)."""
+    later = {item.module.__name__ for item in items
+             if "small_run" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in later)
 
 
 def pytest_collection_finish(session):
@@ -141,6 +151,7 @@ def small_run() -> pathlib.Path:
     while not SMALL_RUN_RC.exists():
         if time.monotonic() > deadline:
             _stop_small_run()
+            _write_rc(f"killed after {SMALL_RUN_TIMEOUT_S} s")
             pytest.fail(f"the small run did not end within {SMALL_RUN_TIMEOUT_S} s:\n"
                         f"{SMALL_RUN_LOG.read_text(errors='replace')[-3000:]}")
         time.sleep(0.5)
@@ -150,7 +161,10 @@ def small_run() -> pathlib.Path:
 
 
 def _stop_small_run() -> None:
-    """Kills the small run's process group if it still runs."""
+    """Kills the small run's process group if it still runs (no status file yet: once the run has
+    ended its process id may belong to another process)."""
+    if SMALL_RUN_RC.exists():
+        return
     try:
         os.killpg(int(SMALL_RUN_PID.read_text()), signal.SIGKILL)
     except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):

@@ -86,6 +86,7 @@ def test_main_job_trains_in_full_context_mode(tmp_path):
 def test_main_job_trains_in_k1_context_mode(small_run):
     """k = 1 (the default): the session's small run (``chaos_resume.SMALL_PARAMS``, a
     ``python -m mempo_jax.train`` subprocess) wrote the same outputs."""
+    assert "RolloutConfig.context_steps = 1" in (small_run / "config.gin").read_text().splitlines()
     stdout = (small_run.parent / "output.txt").read_text(errors="replace")
     _check_main_job_outputs(small_run, stdout, SMALL_PARAMS, ("k1",), rl_steps=6)
 

@@ -72,13 +72,18 @@ logging.getLogger("absl").addFilter(_OrbaxTracebacks())
 _unraisable_filter_installed = False
 
 
-def _drop_late_read_completions() -> None:
-    """After a failed restore: ignore the ``RuntimeError('Event loop is closed')`` that tensorstore
-    raises, as *unraisable* exceptions (``sys.unraisablehook``), when reads still in flight finish
-    after orbax has closed the event loop of the failed restore (they are harmless: the restore
-    has already failed and been reported), and the "Future exception was never retrieved" log
-    records of its other reads. Any other unraisable exception or record is passed on."""
+_failed_restores: set[str] = set()  # folders of checkpoints whose restore failed in this process
+
+
+def _drop_late_read_completions(where: str) -> None:
+    """After a failed restore of checkpoint folder ``where``: ignore the ``RuntimeError('Event loop
+    is closed')`` that tensorstore raises, as *unraisable* exceptions (``sys.unraisablehook``), when
+    reads still in flight finish after orbax has closed the event loop of the failed restore (they
+    are harmless: the restore has already failed and been reported), and the "Future exception was
+    never retrieved" log records of its other reads (those that name a file under ``where``). Any
+    other unraisable exception or record is passed on."""
     global _unraisable_filter_installed
+    _failed_restores.update({str(where), str(pathlib.Path(where).resolve())})
     if _unraisable_filter_installed:
         return
     previous = sys.unraisablehook
@@ -98,8 +103,13 @@ def _drop_unretrieved_read_errors(record: logging.LogRecord) -> bool:
     """``asyncio`` log filter, installed after a failed restore: drops the "Future exception was
     never retrieved" records of that restore's other reads (orbax returns on the first failing
     read; the futures of the others are logged with a traceback when collected, long after the one
-    line that reports the unreadable checkpoint). Every other record passes."""
-    return not record.getMessage().startswith("Future exception was never retrieved")
+    line that reports the unreadable checkpoint): those whose message or exception names a file of
+    a checkpoint folder whose restore failed. Every other record passes."""
+    msg = record.getMessage()
+    if not msg.startswith("Future exception was never retrieved"):
+        return True
+    text = msg + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else "")
+    return not any(where in text for where in _failed_restores)
 
 
 class CorruptCheckpoint(ValueError):
@@ -237,7 +247,7 @@ class Checkpointer:
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions for unreadable chunks
-            _drop_late_read_completions()
+            _drop_late_read_completions(where)
             stored = self._stored_shapes(step, list(items))
             wanted = _shape_multiset({k: params if k == "params" else opt_state for k in items})
             if stored is not None and stored != wanted:

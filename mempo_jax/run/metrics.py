@@ -262,15 +262,12 @@ def kind_columns(rows: Sequence[Mapping[str, float]]) -> tuple[list[str], str, s
 
     Returns:
       ``(kinds, header, rule)``: every kind any row has (``evaluation.kind_metrics``:
-      ``eval/<kind>/em``), sorted; the header cells ``" EM <kind> (n) |"`` (``n`` from the first
-      row that has ``eval/<kind>/n``) and the matching ``"---|"`` cells.
+      ``eval/<kind>/em``), sorted; the header cells ``" EM <kind> (n) |"`` (``n``: the rows'
+      ``eval/<kind>/n`` when they all agree, else left out) and the matching ``"---|"`` cells.
     """
     kinds = sorted({k[len("eval/"):-len("/em")] for m in rows for k in m if k.startswith("eval/") and k.endswith("/em")})
-    counts = {}
-    for m in rows:
-        for kind in kinds:
-            counts.setdefault(kind, m.get(f"eval/{kind}/n"))
-    header = "".join(f" EM {kind}" + (f" ({counts[kind]:.0f})" if counts.get(kind) is not None else "") + " |"
+    counts = {kind: {m[f"eval/{kind}/n"] for m in rows if f"eval/{kind}/n" in m} for kind in kinds}
+    header = "".join(f" EM {kind}" + (f" ({next(iter(counts[kind])):.0f})" if len(counts[kind]) == 1 else "") + " |"
                      for kind in kinds)
     return kinds, header, "---|" * len(kinds)
 
@@ -281,14 +278,19 @@ def kind_cells(m: Mapping[str, float], kinds: Sequence[str]) -> str:
     return "".join(f" {m[f'eval/{kind}/em']:.3f} |" if f"eval/{kind}/em" in m else " - |" for kind in kinds)
 
 
+def _mode_order(mode: str) -> tuple[bool, int]:
+    """Sort key of a context mode name: ``k1``, ``k2``, ``k10`` by their k, then ``full``."""
+    return mode == "full", int(mode[1:]) if mode[1:].isdigit() else 0
+
+
 def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
-    """Markdown table: one row per (stage, mode; within a stage the k-step modes in their order,
-    then ``full``) with EM, F1, TT, PT, turns, format-fail rate and a column ``EM <kind> (n)`` per
+    """Markdown table: one row per (stage, mode; within a stage the k-step modes by k, then
+    ``full``) with EM, F1, TT, PT, turns, format-fail rate and a column ``EM <kind> (n)`` per
     question kind (``kind_columns``; "-" in a row without that kind)."""
     kinds, head, rule = kind_columns([m for modes in evals.values() for m in modes.values()])
     lines = ["| stage | mode | EM | F1 | TT | PT | turns | format fail |" + head, "|---|---|---|---|---|---|---|---|" + rule]
     for stage, modes in evals.items():
-        for mode, m in sorted(modes.items(), key=lambda item: item[0] == "full"):  # k-step modes, then full
+        for mode, m in sorted(modes.items(), key=lambda item: _mode_order(item[0])):
             lines.append(
                 f"| {stage} | {mode} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | {m['pt']:.0f} | "
                 f"{m['turns']:.2f} | {m['format_fail']:.3f} |" + kind_cells(m, kinds)

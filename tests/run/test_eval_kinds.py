@@ -76,3 +76,20 @@ def test_hotpotqa_questions_carry_the_files_type(shared_data):
     qs = load_qa_questions(path)
     assert collections.Counter(question_kind(q) for q in qs) == expected and len(expected) == 2
     assert all(q.kind == "hotpotqa" for q in qs)  # the format stays the kind the scripted agent sees
+
+
+def test_kind_counts_come_from_the_rows_that_have_the_kind():
+    from mempo_jax.run.metrics import kind_columns
+
+    # a row without kinds first (a dataset without types), then two rows that agree on n
+    rows = [{"em": 1.0}, {"eval/bridge/em": 0.5, "eval/bridge/n": 2.0}, {"eval/bridge/em": 0.0, "eval/bridge/n": 2.0}]
+    assert kind_columns(rows) == (["bridge"], " EM bridge (2) |", "---|")
+    # rows that disagree on n: no count in the header
+    rows.append({"eval/bridge/em": 1.0, "eval/bridge/n": 5.0})
+    assert kind_columns(rows)[1] == " EM bridge |"
+
+
+def test_modes_sort_by_k_then_full():
+    m = {"em": 0.0, "f1": 0.0, "tt": 1.0, "pt": 1.0, "turns": 1.0, "format_fail": 0.0}
+    table = format_eval_table({"rl": {"full": m, "k10": m, "k2": m}})
+    assert [line.split("|")[2].strip() for line in table.splitlines()[2:]] == ["k2", "k10", "full"]

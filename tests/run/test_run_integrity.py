@@ -308,3 +308,25 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_oserror_and_keeps_the_last_comp
         ck.close()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_no_others(tmp_path):
+    """After checkpoint ``where`` failed to restore, asyncio's "Future exception was never
+    retrieved" records that name a file under it are dropped; such records about anything else,
+    and every other record, still pass."""
+    import logging
+
+    from mempo_jax.run import checkpoint as ck
+
+    where = str(tmp_path / "checkpoints" / "6")
+    ck._drop_late_read_completions(where)
+
+    def record(msg, exc=None):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None,
+                                 (type(exc), exc, None) if exc is not None else None)
+
+    unretrieved = "Future exception was never retrieved\nfuture: <Future finished exception=ValueError(...)>"
+    assert not ck._drop_unretrieved_read_errors(
+        record(unretrieved, ValueError(f'NOT_FOUND: at local file "{where}/params/" does not exist')))
+    assert ck._drop_unretrieved_read_errors(record(unretrieved, ValueError("NOT_FOUND: /elsewhere/params")))
+    assert ck._drop_unretrieved_read_errors(record(f"Task was destroyed but it is pending: {where}"))
