@@ -258,7 +258,8 @@ def main(argv=None) -> dict:
                 params0 = load_policy(sft_dir, folder="sft_checkpoint")[3]
                 sft_curve[mode_name(mode)] = float(evaluate_policy(sample_fn, params0, curve_qs, fmt, env, rollout, mode,
                                                                    0.0, key).metrics["em"])
-            steps = checkpoint_steps(arm_dir)
+            steps = checkpoint_steps(arm_dir)  # a preempted step's extra checkpoint is left out of the curve
+            steps = [st for st in steps if st % every == 0 or st == max(steps, default=0)]
             points = {0: sft_curve[mode_name(mode)], **curve(arm_dir, [s for s in steps if s > 0], sample_fn, fmt, env,
                                                            rollout, curve_qs, mode, key)}
             walls[f"seed{seed}/{arm}/curve"] = time.time() - t
@@ -283,9 +284,9 @@ def main(argv=None) -> dict:
                                                                                                  "mem/reward/mean"]
     text = table(f"Ablation: {len(seeds)} seed(s) {seeds}, held-out questions {len(held)} (mean ± sd over seeds)",
                  header, summarize_arms(per_seed, kinds))
-    curve_rows = [[ARMS[a][0], s, *[f"{v:.3f}" for v in per_seed[a][s]["curve"].values()]]
-                  for a in arms for s in per_seed[a]]
-    steps_hdr = list(next(iter(per_seed[arms[0]].values()))["curve"])
+    steps_hdr = sorted({k for a in arms for s in per_seed[a] for k in per_seed[a][s]["curve"]}, key=int)
+    curve_rows = [[ARMS[a][0], s, *[f"{per_seed[a][s]['curve'][k]:.3f}" if k in per_seed[a][s]["curve"] else "-"
+                                    for k in steps_hdr]] for a in arms for s in per_seed[a]]
     text += "\n\n" + table("Learning curves: held-out EM (first "
                            f"{n_curve} questions) against RL step", ["policy", "seed", *steps_hdr], curve_rows)
     text += (f"\n\nMemPO − GRPO (k1 EM, {'+'.join(HARD_KINDS)}; {diff['n']} paired question-seeds): "
