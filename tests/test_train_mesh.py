@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import small_env, train_command  # noqa: E402
 
-from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE  # noqa: E402  (the session's shared caches)
+from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE, free_port, one_device_flags  # noqa: E402  (the session's caches)
 PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2")
 TIMEOUT_S = 420
 # Absolute slack for values near zero (``actor/ppo_kl`` is ~1e-8 here and differs by rounding).
@@ -39,8 +38,8 @@ ABS_TOL = 1e-6
 def _env(devices: int, **extra) -> dict:
     """The small run's environment on ``devices`` CPU devices (1: no emulated device count, the
     flags of every one-device trainer run of the session, whose programs the XLA cache holds)."""
-    count = f"--xla_force_host_platform_device_count={devices} " if devices > 1 else ""
-    env = small_env(XLA_CACHE, XLA_FLAGS=f"{count}{FAST_XLA}", **extra)
+    flags = one_device_flags() if devices == 1 else f"--xla_force_host_platform_device_count={devices} {FAST_XLA}"
+    env = small_env(XLA_CACHE, XLA_FLAGS=flags, **extra)
     for k in ("MEMPO_COORDINATOR", "MEMPO_NUM_PROCESSES", "MEMPO_PROCESS_ID", "MEMPO_MULTIHOST"):
         env.pop(k, None)
     env.update(extra)
@@ -49,12 +48,6 @@ def _env(devices: int, **extra) -> dict:
 
 def _mesh(data, fsdp, tensor):
     return (f"MeshConfig.data={data}", f"MeshConfig.fsdp={fsdp}", f"MeshConfig.tensor={tensor}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ config path
@@ -116,7 +109,7 @@ def runs(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("mesh")
     ref, run = root / "mesh111", root / "mesh222"
-    port = _free_port()
+    port = free_port()
     launch = [(train_command(ref, PARAMS + _mesh(1, 1, 1), SPM_CACHE), _env(1))]
     launch += [(train_command(run, PARAMS + _mesh(2, 2, 2), SPM_CACHE),
                 _env(4, MEMPO_COORDINATOR=f"127.0.0.1:{port}", MEMPO_NUM_PROCESSES="2", MEMPO_PROCESS_ID=str(i)))

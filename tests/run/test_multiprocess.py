@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -187,17 +186,11 @@ def worker(argv) -> int:
 # -------------------------------------------------------------------------------------- tests
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     import jax
 
-    from conftest import FAST_XLA  # here, not at the top: the worker processes run this file without conftest
+    from conftest import FAST_XLA, free_port  # here, not at the top: the worker processes run this file without conftest
 
     params = sft_params()
     np.savez(tmp_path / "init.npz", **{f"p{i}": x for i, x in enumerate(_flat(params))})
@@ -206,7 +199,7 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     flags = f"--xla_force_host_platform_device_count=2 {FAST_XLA}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(pathlib.Path(__file__)), "--process_id", str(i), "--num_processes",
                                "2", "--port", str(port), "--params", str(tmp_path / "init.npz"), "--out", str(tmp_path)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
