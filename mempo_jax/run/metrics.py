@@ -149,14 +149,14 @@ def _summary_writer():
     start. A ``None`` entry in ``sys.modules`` makes that optional import fail at once; the entry
     is removed afterwards, so a later ``import torch`` loads it normally.
     """
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if block:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
