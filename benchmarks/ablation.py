@@ -259,7 +259,8 @@ def main(argv=None) -> dict:
                 sft_curve[mode_name(mode)] = float(evaluate_policy(sample_fn, params0, curve_qs, fmt, env, rollout, mode,
                                                                    0.0, key).metrics["em"])
             steps = checkpoint_steps(arm_dir)  # a preempted step's extra checkpoint is left out of the curve
-            steps = [st for st in steps if st % every == 0 or st == max(steps, default=0)]
+            last = max(steps, default=0)
+            steps = [st for st in steps if st % every == 0 or st == last]
             points = {0: sft_curve[mode_name(mode)], **curve(arm_dir, [s for s in steps if s > 0], sample_fn, fmt, env,
                                                            rollout, curve_qs, mode, key)}
             walls[f"seed{seed}/{arm}/curve"] = time.time() - t
