@@ -23,6 +23,7 @@ checkpoint's ``tokenizer_config.json`` / ``generation_config.json`` / chat templ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -69,38 +70,44 @@ class _OrbaxTracebacks(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_OrbaxTracebacks())
-_unraisable_filter_installed = False
+_late_read_filters_installed = False
+_failed_restores: set[str] = set()  # checkpoint folders being restored now, or whose restore failed
 
 
-_failed_restores: set[str] = set()  # folders of checkpoints whose restore failed in this process
+@contextlib.contextmanager
+def _quiet_late_reads(where: str):
+    """Around a restore of checkpoint folder ``where``: when the restore fails, tensorstore reads
+    still in flight finish after orbax has closed the restore's event loop; each raises
+    ``RuntimeError('Event loop is closed')`` as an *unraisable* exception (``sys.unraisablehook``,
+    printed as a bare traceback from tensorstore's threads) and the futures of the other failing
+    reads are logged as "Future exception was never retrieved" when collected. Both are harmless
+    (the restore has failed and is reported in one line) and are dropped: the folder is registered
+    *before* the restore starts, since those threads may print before the caller's ``except``
+    runs, and unregistered only when the restore succeeds (no read is left in flight then). Every
+    other unraisable exception or log record is passed on."""
+    global _late_read_filters_installed
+    names = {str(where), str(pathlib.Path(where).resolve())}
+    failed_before = names <= _failed_restores
+    _failed_restores.update(names)
+    if not _late_read_filters_installed:
+        previous = sys.unraisablehook
 
+        def hook(unraisable):
+            e = unraisable.exc_value
+            if _failed_restores and isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+                return
+            previous(unraisable)
 
-def _drop_late_read_completions(where: str) -> None:
-    """After a failed restore of checkpoint folder ``where``: ignore the ``RuntimeError('Event loop
-    is closed')`` that tensorstore raises, as *unraisable* exceptions (``sys.unraisablehook``), when
-    reads still in flight finish after orbax has closed the event loop of the failed restore (they
-    are harmless: the restore has already failed and been reported), and the "Future exception was
-    never retrieved" log records of its other reads (those that name a file under ``where``). Any
-    other unraisable exception or record is passed on."""
-    global _unraisable_filter_installed
-    _failed_restores.update({str(where), str(pathlib.Path(where).resolve())})
-    if _unraisable_filter_installed:
-        return
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        e = unraisable.exc_value
-        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_drop_unretrieved_read_errors)
-    _unraisable_filter_installed = True
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_drop_unretrieved_read_errors)
+        _late_read_filters_installed = True
+    yield
+    if not failed_before:  # not reached when the restore raised: its folder stays registered
+        _failed_restores.difference_update(names)
 
 
 def _drop_unretrieved_read_errors(record: logging.LogRecord) -> bool:
-    """``asyncio`` log filter, installed after a failed restore: drops the "Future exception was
+    """``asyncio`` log filter, installed at the first restore: drops the "Future exception was
     never retrieved" records of that restore's other reads (orbax returns on the first failing
     read; the futures of the others are logged with a traceback when collected, long after the one
     line that reports the unreadable checkpoint): those whose message or exception names a file of
@@ -245,9 +252,9 @@ class Checkpointer:
         if opt_state is not None:
             items["opt_state"] = ocp.args.StandardRestore(jax.tree.map(_abstract, opt_state))
         try:
-            out = self._mgr.restore(step, args=ocp.args.Composite(**items))
+            with _quiet_late_reads(where):
+                out = self._mgr.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - tensorstore raises bare Exceptions for unreadable chunks
-            _drop_late_read_completions(where)
             stored = self._stored_shapes(step, list(items))
             wanted = _shape_multiset({k: params if k == "params" else opt_state for k in items})
             if stored is not None and stored != wanted:

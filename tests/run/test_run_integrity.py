@@ -319,7 +319,8 @@ def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_no_others(t
     from mempo_jax.run import checkpoint as ck
 
     where = str(tmp_path / "checkpoints" / "6")
-    ck._drop_late_read_completions(where)
+    with pytest.raises(KeyError), ck._quiet_late_reads(where):
+        raise KeyError("a failed restore")
 
     def record(msg, exc=None):
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None,
@@ -330,3 +331,37 @@ def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_no_others(t
         record(unretrieved, ValueError(f'NOT_FOUND: at local file "{where}/params/" does not exist')))
     assert ck._drop_unretrieved_read_errors(record(unretrieved, ValueError("NOT_FOUND: /elsewhere/params")))
     assert ck._drop_unretrieved_read_errors(record(f"Task was destroyed but it is pending: {where}"))
+
+
+def test_late_read_errors_are_dropped_from_the_start_of_a_restore_and_until_it_succeeds(tmp_path, monkeypatch):
+    """tensorstore's late reads may print (``sys.unraisablehook``, object ``None``) before the
+    failed restore's ``except`` runs: "Event loop is closed" is dropped while a restore is in
+    flight and after one failed, passed on before any restore and after a successful one; other
+    unraisable exceptions always pass."""
+    import sys
+    import types
+
+    from mempo_jax.run import checkpoint as ck
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    monkeypatch.setattr(ck, "_failed_restores", set())
+    monkeypatch.setattr(ck, "_late_read_filters_installed", False)  # installed on the recording hook
+    monkeypatch.setattr(ck.logging.getLogger("asyncio"), "filters", [])
+    closed, other = RuntimeError("Event loop is closed"), RuntimeError("something else")
+
+    def raise_unraisable(e):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=None,
+                                                 err_msg=None, object=None))
+
+    raise_unraisable(closed)  # before any restore: passed on
+    with ck._quiet_late_reads(str(tmp_path / "checkpoints" / "4")):
+        raise_unraisable(closed)  # during the restore: dropped
+        raise_unraisable(other)
+    raise_unraisable(closed)  # after a successful restore: passed on
+    with pytest.raises(OSError), ck._quiet_late_reads(str(tmp_path / "checkpoints" / "6")):
+        raise OSError("unreadable")
+    raise_unraisable(closed)  # after the failed restore: dropped
+    raise_unraisable(other)
+    assert seen == ["Event loop is closed", "something else", "Event loop is closed", "something else"]
+    assert ck._failed_restores == {str(tmp_path / "checkpoints" / "6"), str((tmp_path / "checkpoints" / "6").resolve())}
