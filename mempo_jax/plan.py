@@ -167,7 +167,7 @@ class _Act:
 
         from mempo_jax.core.sharding import logical_to_spec
 
-        spec = logical_to_spec(axes, self.rules, self.mesh, shape)
+        spec = logical_to_spec(axes, self.rules, self.mesh.shape, shape)
         return math.prod(NamedSharding(self.mesh, spec).shard_shape(tuple(shape)))
 
     def width(self, rows, length, name, size) -> int:

@@ -9,7 +9,8 @@ Parameters carry logical axis names (``vocab``, ``embed``, ``heads``, ...) as NN
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -61,20 +62,21 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices: Sequence[jax.Device] |
 def logical_to_spec(
     logical_axes: Sequence[str | None],
     rules: Rules = DEFAULT_RULES,
-    mesh: Mesh | None = None,
+    mesh_shape: Mapping[str, int] = MappingProxyType({}),
     shape: Sequence[int] | None = None,
 ) -> PartitionSpec:
     """Map logical axis names to a ``PartitionSpec`` of mesh axes.
 
     A mesh axis is used at most once (a later dimension that maps to an already used mesh axis
-    is replicated). With ``mesh`` and ``shape``, mesh axes whose size does not divide the
-    dimension are dropped (that dimension is replicated over them), so e.g. 2 kv heads on an
+    is replicated). With ``shape``, mesh axes whose size (in ``mesh_shape``; an axis absent from it
+    has size 1) does not divide the dimension are dropped (that dimension is replicated over them), so e.g. 2 kv heads on an
     8-way tensor axis stay replicated instead of failing.
 
     Args:
       logical_axes: one name (or None) per array dimension.
       rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs.
-      mesh, shape: optional, for the divisibility check.
+      mesh_shape: mesh axis name -> size (``Mesh.shape``), for the divisibility check.
+      shape: the array's shape, or None for no divisibility check.
 
     Raises:
       ValueError: for a logical name absent from ``rules``, or a shape of the wrong rank.
@@ -96,8 +98,8 @@ def logical_to_spec(
         for axis in axes:
             if axis in used:
                 continue
-            if mesh is not None and shape is not None:
-                size = math.prod(mesh.shape[a] for a in kept + [axis])
+            if shape is not None:
+                size = math.prod(mesh_shape.get(a, 1) for a in kept + [axis])
                 if shape[dim] % size != 0:
                     continue
             kept.append(axis)
@@ -112,12 +114,12 @@ def logical_to_sharding(
     rules: Rules = DEFAULT_RULES,
     shape: Sequence[int] | None = None,
 ) -> NamedSharding:
-    """``NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))``.
+    """``NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh.shape, shape))``.
 
     Raises:
       ValueError: as ``logical_to_spec``.
     """
-    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh.shape, shape))
 
 
 def _is_variable(x) -> bool:

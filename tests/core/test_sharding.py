@@ -72,12 +72,15 @@ def test_sharded_params_have_the_rule_shardings(tiny):
 def test_indivisible_dimension_falls_back_to_replication():
     mesh = make_mesh(1, 1, 8)
     # 2 kv heads cannot split 8 ways; the mlp dimension can.
-    assert logical_to_spec(("embed", "kv_heads", "head_dim"), DEFAULT_RULES, mesh, (128, 2, 32)) == P("fsdp", None, None)
-    assert logical_to_spec(("embed", "mlp"), DEFAULT_RULES, mesh, (128, 384)) == P("fsdp", "tensor")
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), DEFAULT_RULES, mesh.shape, (128, 2, 32)) == P("fsdp", None, None)
+    assert logical_to_spec(("embed", "mlp"), DEFAULT_RULES, mesh.shape, (128, 384)) == P("fsdp", "tensor")
     # batch maps to two axes; only the dividing ones are kept.
     mesh2 = make_mesh(2, 4, 1)
-    assert logical_to_spec(("batch", None), DEFAULT_RULES, mesh2, (2, 5)) == P("data", None)
-    assert logical_to_spec(("batch", None), DEFAULT_RULES, mesh2, (8, 5)) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("batch", None), DEFAULT_RULES, mesh2.shape, (2, 5)) == P("data", None)
+    assert logical_to_spec(("batch", None), DEFAULT_RULES, mesh2.shape, (8, 5)) == P(("data", "fsdp"), None)
+    # any axis -> size mapping; an axis it does not name has size 1
+    assert logical_to_spec(("embed", "mlp"), DEFAULT_RULES, {"tensor": 5}, (128, 384)) == P("fsdp", None)
+    assert logical_to_spec(("embed", "mlp"), DEFAULT_RULES, {}, (128, 384)) == P("fsdp", "tensor")
     with pytest.raises(ValueError, match="unknown_axis"):
         logical_to_spec(("unknown_axis",), DEFAULT_RULES)
 
