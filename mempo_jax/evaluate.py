@@ -75,28 +75,34 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
     return DatasetSpec(name.strip(), pathlib.Path(path.strip()))
 
 
-def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
-    """Steps of the complete checkpoints under ``RUN_DIR/checkpoints``, ascending.
+CHECKPOINT_FOLDERS = ("checkpoints", "sft_checkpoint")  # a run folder's RL and SFT checkpoints
+
+
+def checkpoint_steps(run_dir: str | os.PathLike, folder: str = "checkpoints") -> list[int]:
+    """Steps of the complete checkpoints under ``RUN_DIR/folder`` (``checkpoints``: RL;
+    ``sft_checkpoint``: SFT), ascending.
 
     Orbax writes a step to a temporary folder (``N.orbax-checkpoint-tmp-…``) and renames it to
     ``N`` when complete, so only all-digit folder names count.
     """
-    ckpt = pathlib.Path(run_dir) / "checkpoints"
+    ckpt = pathlib.Path(run_dir) / folder
     if not ckpt.is_dir():
         return []
     return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[pathlib.Path, int]:
-    """The run folder and checkpoint step to evaluate, checked on disk.
+def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[pathlib.Path, int, str]:
+    """The run folder, checkpoint step and checkpoint folder to evaluate, checked on disk.
 
     Args:
       run_dir: ``--run_dir`` (a folder written by ``python -m mempo_jax.train``) or None.
       checkpoint: ``--checkpoint``: an integer step when ``run_dir`` is given, otherwise a path:
-        ``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``.
+        ``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP`` (RL), or
+        ``RUN_DIR/sft_checkpoint`` or ``RUN_DIR/sft_checkpoint/STEP`` (the SFT policy).
 
     Returns:
-      ``(run_dir, step)``; ``step`` defaults to the newest complete checkpoint.
+      ``(run_dir, step, folder)``; ``step`` defaults to the newest complete checkpoint of
+      ``folder`` (one of ``CHECKPOINT_FOLDERS``; ``"checkpoints"`` unless the path names SFT's).
 
     Raises:
       ValueError: neither argument, or a ``--checkpoint`` path that names another run folder.
@@ -105,16 +111,17 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
         the steps present).
     """
     step: Optional[int] = None
+    folder = "checkpoints"
     run: Optional[pathlib.Path] = pathlib.Path(run_dir) if run_dir else None
     if checkpoint is not None:
         if checkpoint.strip().isdigit() and run is not None:
             step = int(checkpoint)
         else:
             p = pathlib.Path(checkpoint)
-            if p.name.isdigit() and p.parent.name == "checkpoints":
-                p, step = p.parent.parent, int(p.name)
-            elif p.name == "checkpoints":
-                p = p.parent
+            if p.name.isdigit() and p.parent.name in CHECKPOINT_FOLDERS:
+                p, step, folder = p.parent.parent, int(p.name), p.parent.name
+            elif p.name in CHECKPOINT_FOLDERS:
+                p, folder = p.parent, p.name
             if run is not None and run.resolve() != p.resolve():
                 raise ValueError(f"--run_dir {run} and --checkpoint {checkpoint} name different run folders")
             run = p
@@ -130,14 +137,14 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
                                 "folder of mempo_jax.train?")
     if not (run / "model_config.json").is_file():
         raise FileNotFoundError(f"{run / 'model_config.json'} not found: is {run} a run folder of mempo_jax.train?")
-    steps = checkpoint_steps(run)
+    steps = checkpoint_steps(run, folder)
     if not steps:
-        raise FileNotFoundError(f"no complete checkpoint under {run / 'checkpoints'}")
+        raise FileNotFoundError(f"no complete checkpoint under {run / folder}")
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise FileNotFoundError(f"checkpoint step {step} not found under {run / 'checkpoints'} (have {steps})")
-    return run, step
+        raise FileNotFoundError(f"checkpoint step {step} not found under {run / folder} (have {steps})")
+    return run, step, folder
 
 
 def resolve_hf_checkpoint(path: str) -> pathlib.Path:
@@ -289,7 +296,8 @@ def _write_text_atomic(path: pathlib.Path, text: str) -> None:
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mempo_jax.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
-    p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP")
+    p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP; "
+                   "RUN_DIR/sft_checkpoint[/STEP] evaluates the SFT policy")
     p.add_argument("--hf_checkpoint", metavar="DIR",
                    help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) instead of --run_dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -301,7 +309,7 @@ def _parse_args(argv):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", help="Search-R1 corpus JSONL ({id, contents}) for a local BM25 index")
     src.add_argument("--retriever_url", help="Search-R1-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--modes", default="1,full", help="context modes: k >= 1 and/or full (default 1,full)")
+    p.add_argument("--modes", default="1,full", help="context modes: k >= 1 (or k1, k2, …) and/or full (default 1,full)")
     p.add_argument("--limit", type=int, default=0, help="first N questions per dataset (0 = all)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--topk", type=int, default=None, help="passages per search (default: the run's, else 3)")
@@ -326,6 +334,7 @@ class _Inputs:
     hf_dir: Optional[pathlib.Path]
     run_dir: Optional[pathlib.Path]
     step: Optional[int]
+    folder: str  # the run folder's checkpoint folder: "checkpoints" (RL) or "sft_checkpoint"
     rollout: Any
     topk: int
     options_from: str
@@ -358,25 +367,28 @@ def _check_inputs(args) -> _Inputs:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
     check_output_folder(args.out, "--out")  # an existing file or a read-only folder fails now, not after the work
     hf_dir = run_dir = step = None
+    folder = "checkpoints"
     if args.hf_checkpoint:
         if args.run_dir or args.checkpoint:
             raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")
         hf_dir = resolve_hf_checkpoint(args.hf_checkpoint)
         base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
     else:
-        run_dir, step = resolve_run(args.run_dir, args.checkpoint)
+        run_dir, step, folder = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
     for name, qs in questions.items():
         if not qs:
             raise ValueError(f"--dataset {name}: no questions to evaluate")
     if run_dir is not None:
         base, run_topk, options_from = run_rollout_options(run_dir)
-    return _Inputs(specs, modes, questions, hf_dir, run_dir, step, base, args.topk or run_topk, options_from)
+    return _Inputs(specs, modes, questions, hf_dir, run_dir, step, folder, base, args.topk or run_topk, options_from)
 
 
-def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pathlib.Path], step: Optional[int]):
+def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pathlib.Path], step: Optional[int],
+                     folder: str = "checkpoints"):
     """The policy to evaluate (``experiment.make_policy``, as the trainer's): a Hugging Face folder
-    (``--dtype``, ``--tags``) or a run folder's checkpoint, prompted as it was trained."""
+    (``--dtype``, ``--tags``) or a run folder's checkpoint (of ``folder``: ``checkpoints`` or
+    ``sft_checkpoint``), prompted as it was trained."""
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import ModelOptions
     from mempo_jax.run.experiment import load_checkpoint_policy, make_policy, policy_format
@@ -387,7 +399,7 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(options)
         fmt = policy_format(options, tokenizer)
     else:
-        tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step)
+        tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder)
         folder = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
         fmt = policy_format(run_model_options(run_dir), tokenizer, folder=folder)
     return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
@@ -450,6 +462,7 @@ def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout,
     out, hf_dir, run_dir, step = pathlib.Path(args.out), inputs.hf_dir, inputs.run_dir, inputs.step
     meta = {
         "run_dir": None if run_dir is None else str(run_dir), "checkpoint_step": step,
+        "checkpoint_folder": None if run_dir is None else inputs.folder,
         "hf_checkpoint": None if hf_dir is None else str(hf_dir), "datasets": {s.name: str(s.path) for s in inputs.specs},
         "corpus": corpus_notes, "topk": inputs.topk, "temperature": args.temperature, "seed": args.seed,
         "limit": args.limit, "multi_objective": args.multi_objective, "rollout_options_from": inputs.options_from,
@@ -465,7 +478,8 @@ def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout,
     if hf_dir is not None:
         policy_name, chart_title = f"the Hugging Face checkpoint {hf_dir}", f"{hf_dir.name} (HF checkpoint, {args.dtype})"
     else:
-        policy_name, chart_title = f"{run_dir} (checkpoint {step})", f"{run_dir.name} @ {step}"
+        what = "checkpoint" if inputs.folder == "checkpoints" else "SFT checkpoint"
+        policy_name, chart_title = f"{run_dir} ({what} {step})", f"{run_dir.name} @ {'' if what == 'checkpoint' else 'sft '}{step}"
     corpus_lines = "\n".join(f"- {n}: {c}" for n, c in corpus_notes.items())
     _write_text_atomic(out / "eval.md", (
         f"# Evaluation of {policy_name}\n\n{table}\n\n"
@@ -494,7 +508,7 @@ def run(args) -> dict:
     from mempo_jax.run.context import setup_compilation_cache
 
     setup_compilation_cache()
-    policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step)
+    policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step, inputs.folder)
     largest = min(args.batch_size, max(len(q) for q in inputs.questions.values()))
     # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
     overrides["min_rows_bucket"] = min(inputs.rollout.min_rows_bucket, bucket_length(largest, 1))

@@ -25,22 +25,25 @@ MUSIQUE = "musique/musique_dev_10_with_paragraphs.hoprag.jsonl"
 CORPUS = "flashrag/corpus_sample.flashrag.jsonl"
 KEYS = ("em", "f1", "tt", "pt", "turns", "format_fail")
 STEP = 7
+SFT_STEP = 3  # the fixture run's SFT checkpoint (other parameters: seed 1)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run folder as ``mempo_jax.train`` writes it: tokenizer.model, model_config.json, checkpoints/7."""
+    """A run folder as ``mempo_jax.train`` writes it: tokenizer.model, model_config.json, checkpoints/7,
+    sft_checkpoint/3."""
     world = build_world(WorldConfig(num_people=30, num_companies=10, num_cities=8, num_countries=3,
                                     num_single=10, num_bridge=10, num_multi=10))
     run = tmp_path_factory.mktemp("run")
     tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout), run / ".cache", 400)
     cfg = ModelConfig.tiny(tok.vocab_size, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
                            head_dim=16, mlp_dim=64)
-    _, params = split_model(create_model(cfg, seed=0))
     save_run_artifacts(run, tok, cfg)
-    ckpt = Checkpointer(run / "checkpoints", async_save=False)
-    ckpt.save(STEP, params, {"count": jnp.zeros((), jnp.int32)}, {"stage": "test", "step": STEP})
-    ckpt.close()
+    for folder, step, seed in (("checkpoints", STEP, 0), ("sft_checkpoint", SFT_STEP, 1)):
+        _, params = split_model(create_model(cfg, seed=seed))
+        ckpt = Checkpointer(run / folder, async_save=False)
+        ckpt.save(step, params, {"count": jnp.zeros((), jnp.int32)}, {"stage": "test", "step": step})
+        ckpt.close()
     return run
 
 
@@ -237,13 +240,33 @@ def test_rollout_options_come_from_the_runs_config_gin(tmp_path):
 
 # -- run folder resolution and bad input --------------------------------------------------------
 def test_checkpoint_accepts_step_or_run_folder(run_dir):
-    assert ev.resolve_run(str(run_dir), None) == (run_dir, STEP)
-    assert ev.resolve_run(str(run_dir), str(STEP)) == (run_dir, STEP)
-    assert ev.resolve_run(None, str(run_dir)) == (run_dir, STEP)
-    assert ev.resolve_run(None, str(run_dir / "checkpoints")) == (run_dir, STEP)
-    assert ev.resolve_run(None, str(run_dir / "checkpoints" / str(STEP))) == (run_dir, STEP)
+    rl = (run_dir, STEP, "checkpoints")
+    assert ev.resolve_run(str(run_dir), None) == rl
+    assert ev.resolve_run(str(run_dir), str(STEP)) == rl
+    assert ev.resolve_run(None, str(run_dir)) == rl
+    assert ev.resolve_run(None, str(run_dir / "checkpoints")) == rl
+    assert ev.resolve_run(None, str(run_dir / "checkpoints" / str(STEP))) == rl
+    sft = (run_dir, SFT_STEP, "sft_checkpoint")  # the SFT policy of the same run
+    assert ev.resolve_run(None, str(run_dir / "sft_checkpoint")) == sft
+    assert ev.resolve_run(str(run_dir), str(run_dir / "sft_checkpoint" / str(SFT_STEP))) == sft
     with pytest.raises(FileNotFoundError, match=r"step 3 not found.*\[7\]"):
         ev.resolve_run(str(run_dir), "3")
+    with pytest.raises(FileNotFoundError, match=r"step 7 not found under .*sft_checkpoint \(have \[3\]\)"):
+        ev.resolve_run(None, str(run_dir / "sft_checkpoint" / "7"))
+    with pytest.raises(ValueError, match="name different run folders"):
+        ev.resolve_run(str(run_dir.parent), str(run_dir / "sft_checkpoint"))
+
+
+def test_the_sft_checkpoint_is_the_policy_evaluated_when_named(run_dir):
+    """``--checkpoint RUN/sft_checkpoint`` evaluates the SFT parameters (seed 1), not the RL ones."""
+    import jax
+
+    cfg = ev.load_eval_policy(None, None, run_dir, STEP).model_cfg
+    for folder, step, seed in (("checkpoints", STEP, 0), ("sft_checkpoint", SFT_STEP, 1)):
+        got = ev.load_eval_policy(None, None, run_dir, step, folder).params
+        want = split_model(create_model(cfg, seed=seed))[1]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("case, message", [

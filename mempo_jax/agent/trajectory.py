@@ -27,16 +27,18 @@ FULL = 0  # context_steps value meaning "full history" (configs write "full")
 
 
 def parse_context_steps(value: int | str) -> int:
-    """``"full"`` (or ``FULL`` itself, 0) → ``FULL``; an int ``k >= 1`` → k.
+    """``"full"`` (or ``FULL`` itself, 0) → ``FULL``; an int ``k >= 1``, or its ``mode_name``
+    ``"k{k}"`` (``"k1"``), → k.
 
     Raises:
       ValueError: for anything else (names the value).
     """
     if isinstance(value, str):
-        if value.strip().lower() == "full":
+        text = value.strip().lower()
+        if text == "full":
             return FULL
         try:
-            value = int(value)
+            value = int(text[1:] if text[:1] == "k" and text[1:].isdigit() and int(text[1:]) >= 1 else text)
         except ValueError:
             raise ValueError(f"context_steps must be 'full' or an integer >= 1, got {value!r}") from None
     if int(value) < 0:

@@ -187,3 +187,20 @@ def test_random_outputs_never_break_bookkeeping(setup, outputs, observations):
     assert rows.loss_mask.sum() == sum(len(t.output_ids) for t in tr.turns)
     for row, s, e in zip(rows.mem_rows, rows.mem_starts, rows.mem_ends):
         assert 0 <= s < e <= rows.input_ids.shape[1] and (rows.loss_mask[row, s:e] == 1).all()
+
+
+@pytest.mark.parametrize("value, want", [("full", 0), (" FULL ", 0), (0, 0), (3, 3), ("2", 2), ("k1", 1), ("K4", 4)])
+def test_context_steps_parse_the_mode_names_of_the_tables(value, want):
+    """``parse_context_steps`` inverts ``mode_name`` ("k1", "full") and takes plain integers."""
+    from mempo_jax.agent.trajectory import mode_name, parse_context_steps
+
+    assert parse_context_steps(value) == want
+    assert parse_context_steps(mode_name(want)) == want
+
+
+@pytest.mark.parametrize("value", ["k0", "k", "kx", "most", -1, "-2", "k-1"])
+def test_context_steps_refuse_anything_else(value):
+    from mempo_jax.agent.trajectory import parse_context_steps
+
+    with pytest.raises(ValueError, match=r"context_steps must be 'full' or an integer >= 1, got"):
+        parse_context_steps(value)
