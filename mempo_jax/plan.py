@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import math
+import pathlib
 import sys
 from typing import Optional, Sequence
 
@@ -49,7 +50,7 @@ class MemoryPlan:
     """Bytes per device of one recipe on one slice (all sizes in bytes unless named otherwise).
 
     Attributes:
-      model: preset name; ``num_params``: parameter count.
+      model: ``model_source`` (checkpoint folder or preset name); ``num_params``: parameter count.
       accelerator, chip, num_devices, hbm_bytes: the slice (HBM per device).
       mesh: ``{"data", "fsdp", "tensor"}`` sizes.
       params, opt_state, reference, kv_cache: resident / cache bytes per device.
@@ -93,11 +94,30 @@ class MemoryPlan:
         return max(self.phases, key=self.phases.get)
 
 
+def model_source(cfg) -> str:
+    """Where the plan's architecture comes from: ``ModelOptions.checkpoint`` when its
+    ``config.json`` is on disk, else ``ModelOptions.preset`` (a pod recipe is planned before its
+    weights are downloaded: its preset is the same architecture)."""
+    if cfg.model.checkpoint and pathlib.Path(cfg.model.checkpoint, "config.json").is_file():
+        return cfg.model.checkpoint
+    return cfg.model.preset
+
+
 def model_config(cfg):
-    """The ``ModelConfig`` of an ``ExperimentConfig`` (as ``build_experiment``; ``tiny`` uses the
-    configured ``vocab_size``)."""
+    """The ``ModelConfig`` of an ``ExperimentConfig`` (as ``build_experiment``), from
+    ``model_source``: the checkpoint's ``config.json`` (its dtype overrides applied; the few rows
+    ``tags = "tokens"`` may add to the vocabulary are not counted), or the preset (``tiny`` uses
+    the configured ``vocab_size``) with its overrides.
+
+    Raises:
+      ValueError: an unknown preset.
+    """
     from mempo_jax.model.config import ModelConfig
 
+    if cfg.model.checkpoint and model_source(cfg) == cfg.model.checkpoint:
+        from mempo_jax.model.hf_io import read_hf_config
+
+        return read_hf_config(cfg.model.checkpoint, **dict(cfg.model.overrides))
     build = getattr(ModelConfig, cfg.model.preset, None)
     if build is None or not callable(build):
         raise ValueError(f"ModelOptions.preset {cfg.model.preset!r} is not a ModelConfig preset")
@@ -263,7 +283,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     shapes["gradient_bytes"] = gradient_bytes
     peak = 2 * p_bytes + o_bytes + max(phases.values())
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
-    return MemoryPlan(cfg.model.preset, model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
+    return MemoryPlan(model_source(cfg), model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
                       tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, p_bytes, c_bytes, phases,
                       shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
 

@@ -179,3 +179,26 @@ def test_cached_engine_plans_the_slot_cache(small, real):
     assert p.kv_cache == _device_bytes(state.cache)
     assert (p.shapes["rollout_rows"], p.shapes["cache_len"], p.shapes["prompt_len"]) == (32, 512, 128)
     assert p.kv_cache < legacy.kv_cache  # 32 slots x 512 against 64 rows x 576
+
+
+def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_dir, capsys):
+    """A recipe with ``ModelOptions.checkpoint`` is planned with the checkpoint's ``config.json``
+    (SmolLM2-135M: 30 layers, vocabulary 49,152, 134.5 M parameters), not the gin file's preset
+    (it used to plan "tiny: 0.00 B parameters" for this recipe)."""
+    from mempo_jax.model.hf_io import read_hf_config
+
+    recipe = str(REPO / "configs" / "smollm2_hotpotqa.gin")
+    binding = f'ModelOptions.checkpoint="{smollm2_dir}"'
+    cfg = config_lib.load_config([recipe], [binding])
+    model_cfg = plan.model_config(cfg)
+    assert model_cfg == read_hf_config(smollm2_dir)
+    assert (model_cfg.num_layers, model_cfg.vocab_size) == (30, 49152)
+    assert abs(model_cfg.num_params() - 134.52e6) < 0.01e6
+    plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
+    out = capsys.readouterr().out
+    assert f"model    {smollm2_dir}: 0.13 B parameters" in out and "update micro-batch 2 x 1024" in out
+    # not downloaded yet: the preset stands for it (the pod recipes bind the same architecture)
+    missing = config_lib.load_config([recipe], [f'ModelOptions.checkpoint="{smollm2_dir}/nowhere"'])
+    from mempo_jax.model.config import ModelConfig
+
+    assert plan.model_source(missing) == "tiny" and plan.model_config(missing) == ModelConfig.tiny(missing.vocab_size)
