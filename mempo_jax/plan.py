@@ -105,8 +105,8 @@ def model_source(cfg) -> str:
 
 def model_config(cfg):
     """The ``ModelConfig`` of an ``ExperimentConfig`` (as ``build_experiment``), from
-    ``model_source``: the checkpoint's ``config.json`` (its dtype overrides applied; the few rows
-    ``tags = "tokens"`` may add to the vocabulary are not counted), or the preset (``tiny`` uses
+    ``model_source``: the checkpoint's ``config.json`` (its dtype overrides applied; ``build_plan``
+    adds the rows ``tags = "tokens"`` may need), or the preset (``tiny`` uses
     the configured ``vocab_size``) with its overrides.
 
     Raises:
@@ -251,6 +251,12 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     model_cfg = model_config(cfg)
     mesh = mesh_cfg.abstract(tpu.num_devices)
     rules = mesh_cfg.rules
+    if cfg.model.tags == "tokens" and model_source(cfg) == cfg.model.checkpoint:  # the rows the tags add
+        from mempo_jax.model.resize import protocol_tag_rows
+        from mempo_jax.text.hf_tokenizer import HFTokenizer
+
+        rows = protocol_tag_rows(HFTokenizer(cfg.model.checkpoint), model_cfg.vocab_size, mesh, rules)
+        model_cfg = model_cfg.replace(vocab_size=rows)
     _, abstract = split_model(abstract_model(model_cfg))  # nnx.eval_shape of the Decoder
     ps = param_shardings(abstract, mesh, rules)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, ps)

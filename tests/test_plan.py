@@ -197,6 +197,12 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
     out = capsys.readouterr().out
     assert f"model    {smollm2_dir}: 0.13 B parameters" in out and "update micro-batch 2 x 1024" in out
+    # tags as added tokens: no spare row in SmolLM2, so 12 new rows, rounded up to 64 (49,216)
+    tokens = '--gin_param=ModelOptions.tags="tokens"'
+    plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", tokens, "--json",
+               '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["num_params"] == model_cfg.replace(vocab_size=49216).num_params() > model_cfg.num_params()
     # not downloaded yet: the preset stands for it (the pod recipes bind the same architecture)
     missing = config_lib.load_config([recipe], [f'ModelOptions.checkpoint="{smollm2_dir}/nowhere"'])
     from mempo_jax.model.config import ModelConfig

@@ -64,6 +64,16 @@ def vocab_row_multiple(mesh=None, rules: Rules = DEFAULT_RULES, base: int = DEFA
     return math.lcm(int(base), max(shards, 1))
 
 
+def protocol_tag_rows(tokenizer, embedding_rows: int, mesh=None, rules: Rules = DEFAULT_RULES) -> int:
+    """Embedding rows of a checkpoint whose protocol tags become single tokens
+    (``ModelOptions.tags = "tokens"``): ``embedding_rows`` when its spare rows or reserved tokens
+    suffice, else ``tokenizer.rows_for_protocol_tags`` rounded up to ``vocab_row_multiple(mesh,
+    rules)`` (the rows ``resize_vocab`` grows the embedding to). ``tokenizer`` is an
+    ``HFTokenizer``; ``mesh`` may be abstract (only its axis sizes are read)."""
+    rows = tokenizer.rows_for_protocol_tags(embedding_rows)
+    return rows if rows <= embedding_rows else padded_rows(rows, vocab_row_multiple(mesh, rules))
+
+
 def mean_resized_rows(old: np.ndarray, new_rows: int, seed: int = 0) -> np.ndarray:
     """``[new_rows, D]``: the ``[V, D]`` rows of ``old`` followed by ``new_rows - V`` rows drawn from
     ``N(μ, 1e-9 Σ)`` (or exactly ``μ`` when that covariance is not positive definite).

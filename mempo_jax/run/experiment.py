@@ -275,7 +275,7 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     """
     from mempo_jax.text.hf_tokenizer import HFTokenizer
     from mempo_jax.model.hf_io import load_hf_checkpoint
-    from mempo_jax.model.resize import padded_rows, resize_vocab, vocab_row_multiple
+    from mempo_jax.model.resize import protocol_tag_rows, resize_vocab
     from mempo_jax.core.sharding import DEFAULT_RULES
 
     dtypes = dict(options.overrides)
@@ -289,9 +289,8 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     tokenizer = HFTokenizer(options.checkpoint)
     if options.tags == "text":
         return model_cfg, graphdef, params, tokenizer
-    rows = tokenizer.rows_for_protocol_tags(model_cfg.vocab_size)
+    rows = protocol_tag_rows(tokenizer, model_cfg.vocab_size, mesh, rules)
     if rows > model_cfg.vocab_size:  # no spare rows / reserved tokens left: grow the embedding
-        rows = padded_rows(rows, vocab_row_multiple(mesh, rules))
         model_cfg, graphdef, params = resize_vocab(model_cfg, params, rows, mesh=mesh, rules=rules)
     return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
 
