@@ -400,8 +400,8 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
         fmt = policy_format(options, tokenizer)
     else:
         tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder)
-        folder = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
-        fmt = policy_format(run_model_options(run_dir), tokenizer, folder=folder)
+        tokenizer_dir = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
+        fmt = policy_format(run_model_options(run_dir), tokenizer, folder=tokenizer_dir)
     return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
 
 
@@ -478,8 +478,9 @@ def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout,
     if hf_dir is not None:
         policy_name, chart_title = f"the Hugging Face checkpoint {hf_dir}", f"{hf_dir.name} (HF checkpoint, {args.dtype})"
     else:
-        what = "checkpoint" if inputs.folder == "checkpoints" else "SFT checkpoint"
-        policy_name, chart_title = f"{run_dir} ({what} {step})", f"{run_dir.name} @ {'' if what == 'checkpoint' else 'sft '}{step}"
+        sft = inputs.folder == "sft_checkpoint"
+        policy_name = f"{run_dir} ({'SFT checkpoint' if sft else 'checkpoint'} {step})"
+        chart_title = f"{run_dir.name} @ {'sft ' if sft else ''}{step}"
     corpus_lines = "\n".join(f"- {n}: {c}" for n, c in corpus_notes.items())
     _write_text_atomic(out / "eval.md", (
         f"# Evaluation of {policy_name}\n\n{table}\n\n"

@@ -103,11 +103,12 @@ def model_source(cfg) -> str:
     return cfg.model.preset
 
 
-def model_config(cfg):
+def model_config(cfg, mesh=None, rules=None):
     """The ``ModelConfig`` of an ``ExperimentConfig`` (as ``build_experiment``), from
-    ``model_source``: the checkpoint's ``config.json`` (its dtype overrides applied; ``build_plan``
-    adds the rows ``tags = "tokens"`` may need), or the preset (``tiny`` uses
-    the configured ``vocab_size``) with its overrides.
+    ``model_source``: the checkpoint's ``config.json`` (its dtype overrides applied, and with
+    ``tags = "tokens"`` the rows the tags add on ``mesh``: ``resize.protocol_tag_rows``, as
+    ``load_checkpoint_policy``), or the preset (``tiny`` uses the configured ``vocab_size``) with
+    its overrides.
 
     Raises:
       ValueError: an unknown preset.
@@ -115,9 +116,16 @@ def model_config(cfg):
     from mempo_jax.model.config import ModelConfig
 
     if cfg.model.checkpoint and model_source(cfg) == cfg.model.checkpoint:
+        from mempo_jax.core.sharding import DEFAULT_RULES
         from mempo_jax.model.hf_io import read_hf_config
+        from mempo_jax.model.resize import protocol_tag_rows
+        from mempo_jax.text.hf_tokenizer import HFTokenizer
 
-        return read_hf_config(cfg.model.checkpoint, **dict(cfg.model.overrides))
+        model_cfg = read_hf_config(cfg.model.checkpoint, **dict(cfg.model.overrides))
+        if cfg.model.tags == "text":
+            return model_cfg
+        rows = protocol_tag_rows(HFTokenizer(cfg.model.checkpoint), model_cfg.vocab_size, mesh, rules or DEFAULT_RULES)
+        return model_cfg.replace(vocab_size=rows)
     build = getattr(ModelConfig, cfg.model.preset, None)
     if build is None or not callable(build):
         raise ValueError(f"ModelOptions.preset {cfg.model.preset!r} is not a ModelConfig preset")
@@ -248,15 +256,9 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     from mempo_jax.core.sharding import opt_state_shardings, param_shardings
     from mempo_jax.rl.memory_reward import ANSWER_FRACTION
 
-    model_cfg = model_config(cfg)
     mesh = mesh_cfg.abstract(tpu.num_devices)
     rules = mesh_cfg.rules
-    if cfg.model.tags == "tokens" and model_source(cfg) == cfg.model.checkpoint:  # the rows the tags add
-        from mempo_jax.model.resize import protocol_tag_rows
-        from mempo_jax.text.hf_tokenizer import HFTokenizer
-
-        rows = protocol_tag_rows(HFTokenizer(cfg.model.checkpoint), model_cfg.vocab_size, mesh, rules)
-        model_cfg = model_cfg.replace(vocab_size=rows)
+    model_cfg = model_config(cfg, mesh, rules)
     _, abstract = split_model(abstract_model(model_cfg))  # nnx.eval_shape of the Decoder
     ps = param_shardings(abstract, mesh, rules)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, ps)

@@ -37,8 +37,10 @@ def parse_context_steps(value: int | str) -> int:
         text = value.strip().lower()
         if text == "full":
             return FULL
+        if text[:1] == "k" and text[1:].isdigit() and int(text[1:]) >= 1:  # a mode name: "k1"
+            text = text[1:]
         try:
-            value = int(text[1:] if text[:1] == "k" and text[1:].isdigit() and int(text[1:]) >= 1 else text)
+            value = int(text)
         except ValueError:
             raise ValueError(f"context_steps must be 'full' or an integer >= 1, got {value!r}") from None
     if int(value) < 0:
