@@ -185,6 +185,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     """A recipe with ``ModelOptions.checkpoint`` is planned with the checkpoint's ``config.json``
     (SmolLM2-135M: 30 layers, vocabulary 49,152, 134.5 M parameters), not the gin file's preset
     (it used to plan "tiny: 0.00 B parameters" for this recipe)."""
+    from mempo_jax.model.config import ModelConfig
     from mempo_jax.model.hf_io import read_hf_config
 
     recipe = str(REPO / "configs" / "smollm2_hotpotqa.gin")
@@ -205,6 +206,4 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     assert planned["num_params"] == model_cfg.replace(vocab_size=49216).num_params() > model_cfg.num_params()
     # not downloaded yet: the preset stands for it (the pod recipes bind the same architecture)
     missing = config_lib.load_config([recipe], [f'ModelOptions.checkpoint="{smollm2_dir}/nowhere"'])
-    from mempo_jax.model.config import ModelConfig
-
     assert plan.model_source(missing) == "tiny" and plan.model_config(missing) == ModelConfig.tiny(missing.vocab_size)
