@@ -119,6 +119,10 @@ class SFTConfig:
       full_fraction: share of trajectories also trained as one whole-history (``full``) row, so
         the policy works in both context modes.
       copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``).
+      copy_warmup_fraction: share of ``steps`` trained first on copy rows only (a curriculum: a
+        from-scratch model forms its copy circuit there before the agent rows;
+        ``sft.with_copy_warmup``); 0: none. Needs a corpus to draw the rows from, as
+        ``copy_fraction`` does. ``copy_warmup_steps`` is the number of steps it gives.
       agent: the scripted agent's imperfections.
       optim: optimizer options.
       data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
@@ -135,6 +139,7 @@ class SFTConfig:
     batch_rows: int = 64
     full_fraction: float = 0.25
     copy_fraction: float = 1.0
+    copy_warmup_fraction: float = 0.0
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
     data_path: str = ""
@@ -144,9 +149,15 @@ class SFTConfig:
         check(self, "batch_rows", int, lo=1)
         check(self, "full_fraction", float, lo=0.0, hi=1.0)
         check(self, "copy_fraction", float, lo=0.0)
+        check(self, "copy_warmup_fraction", float, lo=0.0, hi=1.0)
         check(self, "agent", ScriptedAgentConfig)
         check(self, "optim", OptimConfig)
         check(self, "data_path", str)
+
+    @property
+    def copy_warmup_steps(self) -> int:
+        """Copy-only steps at the start: ``round(copy_warmup_fraction * steps)``."""
+        return int(round(self.copy_warmup_fraction * self.steps))
 
 
 @dataclasses.dataclass(frozen=True)

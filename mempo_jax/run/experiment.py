@@ -418,9 +418,11 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
 
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
-    if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and cfg.sft.copy_fraction > 0:
-        raise ValueError("SFTConfig.copy_fraction draws its rows from the passage titles of a local corpus; "
-                         "with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0")
+    if cfg.dataset != "tiny_world" and not docs and cfg.sft.steps > 0 and (cfg.sft.copy_fraction > 0
+                                                                  or cfg.sft.copy_warmup_fraction > 0):
+        raise ValueError("SFTConfig.copy_fraction and copy_warmup_fraction draw their rows from the passage titles "
+                         "of a local corpus; with ExperimentConfig.retriever_url set SFTConfig.copy_fraction = 0 and "
+                         "SFTConfig.copy_warmup_fraction = 0")
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:

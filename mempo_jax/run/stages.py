@@ -23,7 +23,7 @@ from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic
 from mempo_jax.run.preemption import Preempted
 from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, check_sft_step
-from mempo_jax.run.context import DILIGENT_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
+from mempo_jax.run.context import COPY_STREAM, DILIGENT_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     from mempo_jax.data.messages import conversation_trajectory
     from mempo_jax.data.scripted_agent import scripted_conversation
     from mempo_jax.run.experiment import entity_token_ids
-    from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, sft_rows
+    from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, sft_rows, with_copy_warmup
 
     cfg, exp, tok = ctx.cfg, ctx.exp, ctx.exp.tokenizer
     context_steps = cfg.rl.rollout.context_steps  # the context mode RL trains in
@@ -139,8 +139,11 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
     if sft_file:
         ctx.say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)", flush=True)
-    rows += copy_rows(entity_token_ids(tok, exp.documents), int(cfg.sft.copy_fraction * len(rows)), tok.bos_id, rng)
-    return iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
+    pool = entity_token_ids(tok, exp.documents)
+    rows += copy_rows(pool, int(cfg.sft.copy_fraction * len(rows)), tok.bos_id, rng)
+    batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
+    return with_copy_warmup(batches, pool, cfg.sft.copy_warmup_steps, cfg.sft.batch_rows, tok.pad_id, tok.bos_id,
+                            np.random.default_rng([cfg.seed, COPY_STREAM]))  # own stream: the rows' draws are kept
 
 
 def sft_stage(ctx: RunContext, learner, sft_file, stack) -> None:

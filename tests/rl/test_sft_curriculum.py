@@ -1,0 +1,51 @@
+"""SFT copy warm-up (``SFTConfig.copy_warmup_fraction``, ``sft.with_copy_warmup``): the first batches
+are induction rows ``BOS s s`` drawn from the pool, then the run's own batches, unchanged."""
+
+import numpy as np
+import pytest
+
+from mempo_jax.config import SFTConfig
+from mempo_jax.rl.sft import iterate_sft_batches, with_copy_warmup
+
+POOL = list(range(100, 140))
+BOS, PAD = 2, 0
+
+
+def _agent_rows(n=40):
+    rng = np.random.default_rng(5)
+    return [(list(rng.integers(10, 90, int(rng.integers(5, 30)))), [0.0] * 3 + [1.0] * 2) for _ in range(n)]
+
+
+def _plain():
+    return iterate_sft_batches(_agent_rows(), 4, PAD, np.random.default_rng(1))
+
+
+def test_no_warmup_returns_the_same_iterator():
+    batches = _plain()
+    assert with_copy_warmup(batches, POOL, 0, 4, PAD, BOS, np.random.default_rng(9)) is batches
+
+
+def test_warmup_batches_are_copy_rows_then_the_runs_batches_unchanged():
+    it = with_copy_warmup(_plain(), POOL, 3, 4, PAD, BOS, np.random.default_rng(9))
+    for _ in range(3):
+        b = next(it)
+        assert b["input_ids"].shape[0] == 4
+        for ids, valid, mask in zip(b["input_ids"], b["valid"], b["loss_mask"]):
+            row, m = ids[valid].tolist(), mask[valid].tolist()
+            n = (len(row) - 1) // 2
+            assert row[0] == BOS and len(row) == 1 + 2 * n and 4 <= n < 16
+            assert row[1:1 + n] == row[1 + n:] and set(row[1:]) <= set(POOL)
+            assert m == [0.0] * (1 + n) + [1.0] * n
+    reference = _plain()
+    for _ in range(5):  # the run's batches follow, the same as without a warm-up
+        got, want = next(it), next(reference)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_the_warmup_is_a_share_of_the_steps_and_out_of_range_shares_are_refused():
+    assert SFTConfig(steps=2500, copy_warmup_fraction=0.24).copy_warmup_steps == 600
+    assert SFTConfig(steps=4, copy_warmup_fraction=0.24).copy_warmup_steps == 1
+    assert SFTConfig(steps=10).copy_warmup_steps == 0
+    with pytest.raises(ValueError, match=r"SFTConfig.copy_warmup_fraction must be <= 1"):
+        SFTConfig(copy_warmup_fraction=1.5)
