@@ -66,6 +66,11 @@ class RLConfig:
         ``policy_old_logprobs``, as verl's ``compute_log_prob``; the sampler's stay in the
         rollout records for ``rollout/logprob_diff/*``) or ``"sampler"`` (the sampler's own; no
         recompute, no ``logprob_diff`` metrics).
+      memory_reward_on: which trajectories' ``<mem>`` turns get a memory reward: ``"all"``
+        (default, MEMPO_SPEC §3) or ``"correct"`` (only those whose outcome reward is > 0, so
+        A_M only ranks the memories of answers that were right; issue 14's first lever). The
+        other turns are left out as malformed ones are (no R_M / A_M, outside the group's R_M
+        statistics, not scored).
     """
 
     steps: int = 40
@@ -82,6 +87,7 @@ class RLConfig:
     memory_reward_malformed: bool = False
     memory_prefix: str = "empty_mem"
     old_logprobs: str = "trainer"
+    memory_reward_on: str = "all"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -98,6 +104,7 @@ class RLConfig:
         check(self, "rollout", RolloutConfig)
         check(self, "precompile", bool)
         check(self, "memory_reward_malformed", bool)
+        check(self, "memory_reward_on", str, choices=("all", "correct"))
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -215,13 +222,18 @@ def answer_ids_of(turn: Turn, codec) -> Optional[list[int]]:
 
 
 def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]],
-                        include_malformed: bool) -> np.ndarray:
+                        include_malformed: bool, rewards: np.ndarray | None = None) -> np.ndarray:
     """``[M]`` bool: which recorded ``<mem>`` turns get a memory reward. With
     ``include_malformed`` every one; else only turns without a format error
-    (``turn.parsed.error is None``; ``RLConfig.memory_reward_malformed``)."""
-    if include_malformed:
-        return np.ones((len(mem_turn),), bool)
-    return np.asarray([trajs[i].turns[t].parsed.error is None for i, t in mem_turn], bool).reshape(-1)
+    (``turn.parsed.error is None``; ``RLConfig.memory_reward_malformed``). With ``rewards``
+    (``[N]`` float32 outcome rewards of ``trajs``), also only turns of trajectories whose reward
+    is > 0 (``RLConfig.memory_reward_on = "correct"``)."""
+    keep = np.ones((len(mem_turn),), bool)
+    if not include_malformed:
+        keep = np.asarray([trajs[i].turns[t].parsed.error is None for i, t in mem_turn], bool).reshape(-1)
+    if rewards is not None:
+        keep &= np.asarray([rewards[i] > 0 for i, _ in mem_turn], bool).reshape(-1)
+    return keep
 
 
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
@@ -408,7 +420,8 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     rewards = score_trajectories(trajs, cfg.outcome_metric)
     rows = pad_columns(build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id), TRAIN_MIN_LENGTH,
                        tokenizer.pad_id)
-    scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed)
+    scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed,
+                                 rewards if cfg.memory_reward_on == "correct" else None)
     full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
                                          cfg.memory_answer, codec=fmt.codec)
     mem_out = scorer(learner.params, full, mem, answers)

@@ -58,6 +58,19 @@ def test_scored_memory_turns_excludes_format_errors_unless_asked():
     assert scored_memory_turns(trajs, [], False).shape == (0,)
 
 
+def test_memory_reward_on_correct_keeps_only_the_turns_of_rewarded_trajectories():
+    trajs = [_trajectory([VALID, ANSWER]), _trajectory([VALID, MALFORMED["second mem"], ANSWER]),
+             _trajectory([VALID, VALID, ANSWER])]
+    rows = build_training_rows(trajs, 1, TOK.pad_id)
+    rewards = np.asarray([0.0, 1.0, 0.5], np.float32)
+    owner = [i for i, _ in rows.mem_turn]
+    keep = scored_memory_turns(trajs, rows.mem_turn, True, rewards)
+    assert keep.tolist() == [owner_i != 0 for owner_i in owner] and not keep.all() and keep.any()
+    both = scored_memory_turns(trajs, rows.mem_turn, False, rewards)  # and the format filter still applies
+    assert both.tolist() == (keep & scored_memory_turns(trajs, rows.mem_turn, False)).tolist()
+    assert both.sum() < keep.sum()
+
+
 def test_excluded_turns_get_no_memory_advantage_and_stay_out_of_the_group_statistics():
     trajs = [_trajectory([MALFORMED["mem not first"], ANSWER]), _trajectory([VALID, MALFORMED["second mem"], ANSWER]),
              _trajectory([MALFORMED["nested tag"], VALID, ANSWER])]
