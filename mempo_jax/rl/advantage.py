@@ -80,6 +80,7 @@ def memory_advantage(
     mem_group_ids: jax.Array,
     num_groups: int,
     valid: jax.Array,
+    norm: str = "zscore",
 ) -> jax.Array:
     """Memory advantage A_M per ``<mem>`` turn (MEMPO_SPEC §4).
 
@@ -91,11 +92,27 @@ def memory_advantage(
       mem_group_ids: ``[M]`` int32 question index of the turn's trajectory.
       num_groups: static number of questions.
       valid: ``[M]`` bool, False on padding turns.
+      norm: ``"zscore"`` (the spec: ``group_normalize``) or ``"center"`` (``R_M − mean_g``
+        only, left in probability units, so a group whose R_M differ by noise gets advantages
+        of that size rather than ±1; the no-std variant of Dr. GRPO, Liu et al. 2025;
+        ``RLConfig.memory_norm``).
 
     Returns:
       ``[M]`` float32; 0 on invalid turns.
+
+    Raises:
+      ValueError: an unknown ``norm``.
     """
-    return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
+    if norm == "zscore":
+        return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
+    if norm != "center":
+        raise ValueError(f"memory advantage norm must be 'zscore' or 'center', got {norm!r}")
+    v = jnp.asarray(mem_rewards, jnp.float32)
+    w = jnp.asarray(valid, bool)
+    gid = jnp.where(w, jnp.asarray(mem_group_ids, jnp.int32), 0)
+    seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=num_groups)  # noqa: E731
+    mean = seg(jnp.where(w, v, 0.0)) / jnp.maximum(seg(w.astype(jnp.float32)), 1.0)
+    return jnp.where(w, v - mean[gid], 0.0)
 
 
 def scatter_span_values(

@@ -71,6 +71,8 @@ class RLConfig:
         A_M only ranks the memories of answers that were right; issue 14's first lever). The
         other turns are left out as malformed ones are (no R_M / A_M, outside the group's R_M
         statistics, not scored).
+      memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, MEMPO_SPEC §4) or
+        ``"center"`` (mean subtracted only, in probability units; ``advantage.memory_advantage``).
     """
 
     steps: int = 40
@@ -88,6 +90,7 @@ class RLConfig:
     memory_prefix: str = "empty_mem"
     old_logprobs: str = "trainer"
     memory_reward_on: str = "all"
+    memory_norm: str = "zscore"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -105,6 +108,7 @@ class RLConfig:
         check(self, "precompile", bool)
         check(self, "memory_reward_malformed", bool)
         check(self, "memory_reward_on", str, choices=("all", "correct"))
+        check(self, "memory_norm", str, choices=("zscore", "center"))
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -187,7 +191,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
         _advantages.lower(sds((n,), jnp.float32), sds((n,), jnp.int32), sds((mb,), jnp.float32), sds((mb,), jnp.int32),
                           sds((mb,), jnp.bool_), sds((mb,), jnp.int32), sds((mb,), jnp.int32), sds((mb,), jnp.int32),
                           sds((b,), jnp.int32), sds((b, length), jnp.float32), sds((), jnp.float32),
-                          num_groups=cfg.questions_per_step).compile()
+                          num_groups=cfg.questions_per_step, memory_norm=cfg.memory_norm).compile()
     out["advantages"] = len(training_length_buckets(cfg))
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -330,7 +334,7 @@ def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
 
 def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
                        *, max_rows: int | None = None, max_mem: int | None = None,
-                       mem_valid: np.ndarray | None = None):
+                       mem_valid: np.ndarray | None = None, memory_norm: str = "zscore"):
     """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
@@ -351,6 +355,7 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
       mem_valid: optional ``[M]`` bool, False on turns without a memory reward
         (``scored_memory_turns``): their A_M is 0 and their R_M enters no group statistic.
         Default all True.
+      memory_norm: ``"zscore"`` or ``"center"`` (``advantage.memory_advantage``).
 
     Returns:
       ``(advantages [R, L], a_t [N], a_m [M])`` float32 numpy arrays.
@@ -371,18 +376,18 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
         pad(mem_groups, mb), pad(keep, mb, False), pad(rows.mem_rows.astype(np.int32), mb),
         pad(rows.mem_starts.astype(np.int32), mb), pad(rows.mem_ends.astype(np.int32), mb),
         pad(rows.traj_index.astype(np.int32), rb), pad(rows.loss_mask, rb), np.float32(memory_coef),
-        num_groups=int(num_groups))
+        num_groups=int(num_groups), memory_norm=memory_norm)
     adv, a_t, a_m = jax.device_get((adv, a_t, a_m))
     return np.asarray(adv)[:r], np.asarray(a_t), np.asarray(a_m)[:m]
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups",))
+@functools.partial(jax.jit, static_argnames=("num_groups", "memory_norm"))
 def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_starts, mem_ends, traj_index,
-                loss_mask, memory_coef, *, num_groups):
+                loss_mask, memory_coef, *, num_groups, memory_norm="zscore"):
     """``(A [R, L], A_T [N], A_M [M])``: outcome and memory advantages, A_M scattered onto the
     ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (MEMPO_SPEC §4)."""
     a_t = outcome_advantage(rewards, group_ids, num_groups)
-    a_m = memory_advantage(r_mem, mem_groups, num_groups, mem_valid)
+    a_m = memory_advantage(r_mem, mem_groups, num_groups, mem_valid, memory_norm)
     mem_tok = scatter_span_values(memory_coef * a_m, mem_rows, mem_starts, mem_ends, mem_valid, loss_mask.shape)
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
@@ -430,7 +435,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
-                                       mem_valid=scored)
+                                       mem_valid=scored, memory_norm=cfg.memory_norm)
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t_old = time.perf_counter()

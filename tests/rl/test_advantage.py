@@ -212,3 +212,16 @@ def test_property_group_mean_zero_std_one(data):
         else:
             assert abs(o.mean()) < 1e-5
             assert o.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_centred_memory_advantage_subtracts_the_group_mean_only():
+    # Two groups; R_M in probability units, one padding turn. Golden values by hand.
+    r_mem = np.asarray([0.010, 0.012, 0.008, 0.5, -0.1, 9.0], np.float32)
+    groups = np.asarray([0, 0, 0, 1, 1, 0], np.int32)
+    valid = np.asarray([True, True, True, True, True, False])
+    a = np.asarray(memory_advantage(jnp.asarray(r_mem), jnp.asarray(groups), 2, jnp.asarray(valid), "center"))
+    np.testing.assert_allclose(a, [0.0, 0.002, -0.002, 0.3, -0.3, 0.0], atol=1e-7)
+    z = np.asarray(memory_advantage(jnp.asarray(r_mem), jnp.asarray(groups), 2, jnp.asarray(valid)))
+    np.testing.assert_allclose(z[:3], [0.0, 1.0, -1.0], atol=1e-3)  # the spec's z-score blows noise up to +-1
+    with pytest.raises(ValueError, match="'zscore' or 'center'"):
+        memory_advantage(jnp.asarray(r_mem), jnp.asarray(groups), 2, jnp.asarray(valid), "mean")
