@@ -12,6 +12,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
+def _group_centred(values, group_ids, num_groups: int, valid):
+    """``(v, valid, gid, count, centred)``: the float32 values, the mask, the group id of each entry
+    (0 on invalid ones), the valid entries per group ``[G]`` and ``v - mean_g`` over the group's
+    valid entries (0 on invalid ones): the centring that ``group_normalize`` and the centred
+    memory advantage share."""
+    v = jnp.asarray(values, jnp.float32)
+    valid = jnp.ones(v.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    gid = jnp.where(valid, jnp.asarray(group_ids, jnp.int32), 0)
+    w = valid.astype(jnp.float32)
+    count = jax.ops.segment_sum(w, gid, num_segments=num_groups)
+    mean = jax.ops.segment_sum(v * w, gid, num_segments=num_groups) / jnp.maximum(count, 1.0)
+    return v, valid, gid, count, (v - mean[gid]) * w
+
+
 def group_normalize(
     values: jax.Array,
     group_ids: jax.Array,
@@ -41,16 +56,8 @@ def group_normalize(
     Returns:
       ``[N]`` float32 normalised values.
     """
-    v = jnp.asarray(values, jnp.float32)
-    valid = jnp.ones(v.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    gid = jnp.where(valid, jnp.asarray(group_ids, jnp.int32), 0)
-    w = valid.astype(jnp.float32)
-    seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=num_groups)  # noqa: E731
-
-    count = seg(w)
-    mean = seg(v * w) / jnp.maximum(count, 1.0)
-    centred = (v - mean[gid]) * w
-    var = seg(centred * centred) / jnp.maximum(count - 1.0, 1.0)
+    v, valid, gid, count, centred = _group_centred(values, group_ids, num_groups, valid)
+    var = jax.ops.segment_sum(centred * centred, gid, num_segments=num_groups) / jnp.maximum(count - 1.0, 1.0)
     std = jnp.sqrt(var)
     vmax = jax.ops.segment_max(jnp.where(valid, v, -jnp.inf), gid, num_segments=num_groups)
     vmin = jax.ops.segment_min(jnp.where(valid, v, jnp.inf), gid, num_segments=num_groups)
@@ -107,12 +114,8 @@ def memory_advantage(
         return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
     if norm != "center":
         raise ValueError(f"memory advantage norm must be 'zscore' or 'center', got {norm!r}")
-    v = jnp.asarray(mem_rewards, jnp.float32)
-    w = jnp.asarray(valid, bool)
-    gid = jnp.where(w, jnp.asarray(mem_group_ids, jnp.int32), 0)
-    seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=num_groups)  # noqa: E731
-    mean = seg(jnp.where(w, v, 0.0)) / jnp.maximum(seg(w.astype(jnp.float32)), 1.0)
-    return jnp.where(w, v - mean[gid], 0.0)
+    _, valid, _, _, centred = _group_centred(mem_rewards, mem_group_ids, num_groups, valid)
+    return jnp.where(valid, centred, 0.0)
 
 
 def scatter_span_values(
