@@ -51,6 +51,7 @@ SMALL_PARAMS = tuple(SMALL_WORLD_PARAMS) + (
     "RLConfig.group_size=4", "RolloutConfig.max_turns=2", "RolloutConfig.max_new_tokens=16",
     "EvalConfig.num_questions=6", "EvalConfig.bootstrap_samples=50",
 )
+ARM_BINDINGS = ("RLConfig.memory_coef", "RolloutConfig.context_steps")  # set per arm (ARMS), not by --gin_param
 HARD_KINDS = ("bridge", "multi")  # the kinds whose answers need memory of an earlier turn
 
 
@@ -200,6 +201,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gin_param", action="append", default=[], help="a binding for every arm (e.g. a lever)")
     p.add_argument("--seeds", default=None, help="comma-separated ExperimentConfig.seed values (default 0,1,2; --small 0)")
     p.add_argument("--rl_steps", type=int, default=None, help="RLConfig.steps of every arm (default: the recipe's)")
+    p.add_argument("--memory_coef", type=float, default=1.0,
+                   help="RLConfig.memory_coef of the MemPO arm (the coefficient lever; the GRPO arms keep 0)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--curve_every", type=int, default=None, help="RL steps between curve points (default 2; --small 1)")
     p.add_argument("--curve_questions", type=int, default=None, help="held-out questions per curve point (default 96; --small 4)")
@@ -220,6 +223,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: --arms must include mempo and grpo and name only {', '.join(ARMS)}; got {args.arms}")
     every = args.curve_every or (1 if args.small else 2)
     n_curve = args.curve_questions or (4 if args.small else 96)
+    fixed = [b for b in args.gin_param if b.split("=")[0].strip() in ARM_BINDINGS]
+    if fixed:  # an arm's own binding comes last and would silently win over it
+        raise SystemExit(f"error: --gin_param {fixed[0]!r} binds what defines an arm ({', '.join(ARM_BINDINGS)}); "
+                         "use --memory_coef for the MemPO arm's coefficient")
+    arm_params = {a: tuple(b if not b.startswith("RLConfig.memory_coef=") or a != "mempo"
+                           else f"RLConfig.memory_coef={args.memory_coef}" for b in ARMS[a][1]) for a in ARMS}
     base = list(SMALL_PARAMS if args.small else ()) + list(args.gin_param)
     if args.rl_steps is not None:
         base.append(f"RLConfig.steps={args.rl_steps}")
@@ -241,7 +250,7 @@ def main(argv=None) -> dict:
             arm_dir = out / f"seed{seed}" / arm
             start_arm(sft_dir, arm_dir)
             t = time.time()
-            train(arm_dir, args.gin_file, common_params + list(ARMS[arm][1]) +
+            train(arm_dir, args.gin_file, common_params + list(arm_params[arm]) +
                   [f"CheckpointConfig.every_steps={every}", "CheckpointConfig.max_to_keep=100000"], cache)
             walls[f"seed{seed}/{arm}/rl"] = time.time() - t
             t = time.time()
@@ -302,7 +311,7 @@ def main(argv=None) -> dict:
                                                                        for a in arms},
                    "wall_s": walls}
     config = {"out": str(out), "gin_file": args.gin_file, "gin_params": base, "seeds": seeds, "arms": arms,
-              "arm_params": {a: list(ARMS[a][1]) for a in arms}, "curve_every": every, "curve_questions": n_curve,
+              "arm_params": {a: list(arm_params[a]) for a in arms}, "curve_every": every, "curve_questions": n_curve,
               "heldout_questions": len(held), "small": args.small, "total_wall_s": time.time() - t0}
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.md").write_text(text + "\n", encoding="utf-8")

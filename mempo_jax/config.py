@@ -123,6 +123,10 @@ class SFTConfig:
         from-scratch model forms its copy circuit there before the agent rows;
         ``sft.with_copy_warmup``); 0: none. Needs a corpus to draw the rows from, as
         ``copy_fraction`` does. ``copy_warmup_steps`` is the number of steps it gives.
+      reader_fraction: share of SFT trajectories that also give two memory-reader rows
+        (``sft.reader_rows``): the memory reward's memory view and full view of the answer turn,
+        followed by the scorer's answer prefix and an answer (loss on the answer only), so that
+        the scorer's ``P(Z | ·)`` is read on contexts the policy was taught to answer from; 0: none.
       agent: the scripted agent's imperfections.
       optim: optimizer options.
       data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
@@ -140,6 +144,7 @@ class SFTConfig:
     full_fraction: float = 0.25
     copy_fraction: float = 1.0
     copy_warmup_fraction: float = 0.0
+    reader_fraction: float = 0.0
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
     data_path: str = ""
@@ -150,6 +155,7 @@ class SFTConfig:
         check(self, "full_fraction", float, lo=0.0, hi=1.0)
         check(self, "copy_fraction", float, lo=0.0)
         check(self, "copy_warmup_fraction", float, lo=0.0, hi=1.0)
+        check(self, "reader_fraction", float, lo=0.0, hi=1.0)
         check(self, "agent", ScriptedAgentConfig)
         check(self, "optim", OptimConfig)
         check(self, "data_path", str)

@@ -69,3 +69,11 @@ def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
     assert (out / "ablation.png").stat().st_size > 1000 and "MemPO − GRPO" in (out / "ablation.md").read_text()
     assert json.loads((tmp_path / "a.json").read_text())["section"] == "ablation"
     assert "| SFT start | k1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("binding", ["RLConfig.memory_coef=0.3", 'RolloutConfig.context_steps="full"'])
+def test_an_arm_defining_binding_is_refused(tmp_path, binding):
+    # the arm's own binding comes last and would silently override it (a lever that never acted)
+    with pytest.raises(SystemExit, match="defines an arm.*--memory_coef"):
+        ablation.main(["--out", str(tmp_path), "--gin_param", binding])
+    assert not any(tmp_path.iterdir())

@@ -36,6 +36,9 @@ from mempo_jax.core.validation import check
 _FACT_RE = re.compile(r"^\((\d+)\) (.+)$")
 
 
+FULL_ROWS = ("same", "diligent", "recall")  # the values of ScriptedAgentConfig.full_rows
+
+
 @dataclasses.dataclass(frozen=True)
 class ScriptedAgentConfig:
     """Imperfections of the scripted agent.
@@ -43,23 +46,27 @@ class ScriptedAgentConfig:
     Attributes:
       lazy_prob: probability that a trajectory keeps only the newest fact in ``<mem>``.
       duplicate_prob: probability that a hop's search is issued twice.
-      lazy_full_rows: ``True`` (default): the whole-history SFT rows (``SFTConfig.full_fraction``)
-        come from the same, possibly lazy, trajectory as its k-step rows, so a lazy trajectory
-        teaches the full-history view to guess although its context holds the facts. ``False``:
-        they come from a diligent replay of the same question (``lazy_prob = 0``, its own random
-        stream), so the full-history view always answers from what it has seen and only the
-        k-step (memory) view pays for lazy memory: laziness that the memory reward can see
-        (``P(Z | mem)`` below ``P(Z | full)``) and RL can undo (issue 14 item 1).
+      full_rows: where the whole-history SFT rows (``SFTConfig.full_fraction``) come from.
+        ``"same"`` (default): the same, possibly lazy, trajectory as its k-step rows, so a lazy
+        trajectory teaches the full-history view to guess although its context holds the facts.
+        ``"diligent"``: a diligent replay of the same question (``lazy_prob = 0``, its own random
+        stream): the full-history view answers from what it has seen, but never sees a lazy
+        memory in its history. ``"recall"``: a replay with the same laziness (own stream) whose
+        answer turn recalls every fact its searches returned (``scripted_conversation(recall=True)``):
+        lazy memories in the history, the right answer at the end, so the full-history view learns
+        to answer from the history whatever its memories kept, and only the k-step (memory) view
+        pays for lazy memory (issue 14 item 1: laziness the memory reward can see, ``P(Z | mem)``
+        below ``P(Z | full)``, and RL can undo).
     """
 
     lazy_prob: float = 0.6
     duplicate_prob: float = 0.15
-    lazy_full_rows: bool = True
+    full_rows: str = "same"
 
     def __post_init__(self):
         for name in ("lazy_prob", "duplicate_prob"):
             check(self, name, float, lo=0.0, hi=1.0)
-        check(self, "lazy_full_rows", bool)
+        check(self, "full_rows", str, choices=FULL_ROWS)
 
 
 def _answer(question, facts: Sequence[str]) -> str:
@@ -76,7 +83,7 @@ def _answer(question, facts: Sequence[str]) -> str:
 
 
 def scripted_conversation(question, world_offices: dict, tool_env, cfg: ScriptedAgentConfig,
-                          rng: np.random.Generator, system: str | None = None) -> Conversation:
+                          rng: np.random.Generator, system: str | None = None, recall: bool = False) -> Conversation:
     """Play one question with the scripted agent, as text: a messages conversation.
 
     Each assistant turn is exactly ``render_turn(" " + mem, " " + think, action, " " + argument)``
@@ -92,6 +99,9 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
       rng: numpy generator (seeded by the caller); draws, in order: lazy or not, then per hop a
         duplicate draw and, for a lazy bridge's last hop, the guessed head.
       system: the system message (``None``: the run's ``AgentFormat.system_prompt`` applies when read).
+      recall: the answer turn's memory and answer use every fact the searches returned (the
+        right answer), whatever the earlier memories kept, and a lazy bridge's last hop guesses
+        nothing (``ScriptedAgentConfig.full_rows = "recall"``); the draws are the same.
 
     Returns:
       A ``messages.Conversation`` (id and golds of the question).
@@ -101,6 +111,7 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
     """
     lazy = rng.random() < cfg.lazy_prob
     facts: list[str] = []
+    seen: list[str] = []  # every fact the searches returned (recall)
     turns: list[tuple[str, str | None]] = []
 
     def emit(mem: str, think: str, action: str, argument: str) -> None:
@@ -119,8 +130,12 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
         if question.kind == "bridge" and hop_i == len(question.hops) - 1 and lazy:
             # The birth city was forgotten: guess one of the company's office heads.
             heads = sorted(world_offices[query].values())
-            new = [f"(1) {heads[int(rng.integers(len(heads)))]}"]
+            guess = [f"(1) {heads[int(rng.integers(len(heads)))]}"]
+            new = new if recall else guess
+        seen += new
         facts = [new[-1]] if lazy else facts + new
+    if recall:
+        facts = seen
     emit("; ".join(facts), "answer", "answer", _answer(question, facts))
     return Conversation(system, question.question, tuple(turns), str(question.id), tuple(question.golds))
 

@@ -40,7 +40,7 @@ def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: flo
       rng: picks the trajectories for whole-history rows.
       full_trajs: the trajectories whose whole-history rows are used in place of ``trajs[i]``'s
         (same length and order: e.g. a diligent replay of each question,
-        ``ScriptedAgentConfig.lazy_full_rows = False``); None: ``trajs``. The same ``rng`` draws
+        ``ScriptedAgentConfig.full_rows``); None: ``trajs``. The same ``rng`` draws
         pick the same indices either way.
 
     Raises:
@@ -110,6 +110,61 @@ def copy_rows(token_ids: Sequence[int], count: int, bos_id: Optional[int], rng: 
         seq = [int(t) for t in rng.choice(pool, n)]
         bos = [] if bos_id is None else [int(bos_id)]
         out.append((bos + seq + seq, [0.0] * (len(bos) + n) + [1.0] * n))
+    return out
+
+
+def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Sequence[int],
+                full_prefix: Sequence[int], fraction: float, rng: np.random.Generator,
+                full_trajs: Optional[Sequence[Trajectory]] = None) -> list[tuple[list[int], list[float]]]:
+    """Memory-reader rows: the two views the memory reward scores, followed by an answer, so that
+    ``P(Z | mem_traj[t])`` and ``P(Z | full_traj[t])`` are read on contexts the policy was taught
+    to answer from (MEMPO_SPEC §3; ``SFTConfig.reader_fraction``).
+
+    For each chosen trajectory (``rng.random() < fraction``, one draw per trajectory) with a
+    final answer turn T that wrote a ``<mem>``, two rows, the loss on the answer ids only:
+
+    * memory view: ``mem_traj[T] + answer_prefix + A``, A the trajectory's own answer ids
+      (``step.answer_ids_of``): the answer its memory supports, so a memory that lost a fact
+      teaches a low ``P(gold | mem)`` and a complete one a high one;
+    * full view: ``full_traj[T] + full_prefix + answer_prefix + G`` with ``G`` the gold Z
+      (``step.gold_answer_ids``), of ``full_trajs[i]`` where given (a diligent replay of the same
+      question) else of ``trajs[i]``: the whole history holds every fact a search returned.
+
+    ``answer_prefix`` and ``full_prefix`` are the scorer's (``experiment.answer_prefix_ids``);
+    they carry no loss, so the policy's own turns are not taught to write them.
+
+    Args:
+      trajs: finished SFT trajectories (scripted or from a messages file).
+      tokenizer, codec: the policy's tokenizer and ``TagCodec``.
+      answer_prefix, full_prefix: never-scored ids before Z (both views / the full view only).
+      fraction: share of trajectories that give their pair of rows, in [0, 1].
+      rng: numpy generator (one draw per trajectory, drawn for every trajectory).
+      full_trajs: optional, same length and order as ``trajs``.
+
+    Returns:
+      ``[(ids, loss_mask)]`` lists, two per chosen trajectory that has an answer and a memory.
+
+    Raises:
+      ValueError: ``full_trajs`` of another length than ``trajs``.
+    """
+    from mempo_jax.rl.step import answer_ids_of, gold_answer_ids
+
+    if full_trajs is not None and len(full_trajs) != len(trajs):
+        raise ValueError(f"reader_rows: {len(full_trajs)} full_trajs for {len(trajs)} trajectories")
+    out = []
+    for i, tr in enumerate(trajs):
+        if not rng.random() < fraction or not tr.turns:
+            continue
+        last = len(tr.turns) - 1
+        answer, mem = answer_ids_of(tr.turns[last], codec), tr.mem_traj(last)
+        if answer is None or mem is None:
+            continue
+        ctx = mem + list(answer_prefix)
+        out.append((ctx + answer, [0.0] * len(ctx) + [1.0] * len(answer)))
+        src = tr if full_trajs is None else full_trajs[i]
+        gold = gold_answer_ids(tokenizer, src.golds)
+        ctx = src.full_traj(len(src.turns) - 1) + list(full_prefix) + list(answer_prefix)
+        out.append((ctx + gold, [0.0] * len(ctx) + [1.0] * len(gold)))
     return out
 
 

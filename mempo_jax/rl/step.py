@@ -263,8 +263,14 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
         full.append(tr.full_traj(t))
         mem.append(tr.mem_traj(t))
         z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
-        answers.append(z if z is not None else tokenizer.encode(" " + "; ".join(g[0] for g in tr.golds)))
+        answers.append(z if z is not None else gold_answer_ids(tokenizer, tr.golds))
     return full, mem, answers
+
+
+def gold_answer_ids(tokenizer, golds) -> list[int]:
+    """The gold Z of the memory reward (MEMPO_SPEC §3): each objective's first alias joined by
+    ``"; "``, encoded with a leading space as rendered in turns. ``golds``: one alias tuple per objective."""
+    return tokenizer.encode(" " + "; ".join(g[0] for g in golds))
 
 
 def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRows:

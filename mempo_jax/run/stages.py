@@ -23,7 +23,7 @@ from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic
 from mempo_jax.run.preemption import Preempted
 from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, check_sft_step
-from mempo_jax.run.context import COPY_STREAM, DILIGENT_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
+from mempo_jax.run.context import COPY_STREAM, DILIGENT_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -120,8 +120,8 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     (plus copy rows), batched; the same rows on every process (one generator)."""
     from mempo_jax.data.messages import conversation_trajectory
     from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.run.experiment import entity_token_ids
-    from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, sft_rows, with_copy_warmup
+    from mempo_jax.run.experiment import answer_prefix_ids, entity_token_ids
+    from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, reader_rows, sft_rows, with_copy_warmup
 
     cfg, exp, tok = ctx.cfg, ctx.exp, ctx.exp.tokenizer
     context_steps = cfg.rl.rollout.context_steps  # the context mode RL trains in
@@ -130,13 +130,19 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
                                        disable=not ctx.primary)]
     trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps) for c in convs]
     full_trajs = None
-    if not sft_file and not cfg.sft.agent.lazy_full_rows:  # diligent replays, own stream
-        diligent = dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
+    if not sft_file and cfg.sft.agent.full_rows != "same":  # replays for the whole-history rows, own stream
+        recall = cfg.sft.agent.full_rows == "recall"
+        agent = cfg.sft.agent if recall else dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
         rng_d = np.random.default_rng([cfg.seed, DILIGENT_STREAM])
-        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, diligent, rng_d),
+        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, agent, rng_d,
+                                                                    recall=recall),
                                               exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps)
                       for q in exp.train_questions]
     rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
+    if cfg.sft.reader_fraction > 0:  # own stream: the other rows' draws are kept
+        full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_prefix)
+        rows += reader_rows(trajs, tok, exp.fmt.codec, answer_prefix, full_prefix, cfg.sft.reader_fraction,
+                            np.random.default_rng([cfg.seed, READER_STREAM]), full_trajs)
     if sft_file:
         ctx.say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)", flush=True)
     pool = entity_token_ids(tok, exp.documents)

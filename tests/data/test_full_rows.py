@@ -1,12 +1,12 @@
-"""ScriptedAgentConfig.lazy_full_rows = False (issue 14 item 1): whole-history SFT rows from a
-diligent replay of the same question, k-step rows from the (lazy) trajectory itself."""
+"""ScriptedAgentConfig.full_rows (issue 14 item 1): whole-history SFT rows from a replay of the
+same question ("diligent", "recall"), k-step rows from the (lazy) trajectory itself."""
 
 import numpy as np
 import pytest
 
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.agent.trajectory import FULL, build_training_rows
-from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
+from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_conversation, scripted_trajectory
 from mempo_jax.rl.sft import sft_rows
 
 from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)
@@ -22,7 +22,7 @@ def trajs(tmp_path_factory):
         return [scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=lazy, duplicate_prob=0.0),
                                     RolloutConfig(context_steps=1), rng) for q in qs]
 
-    return tok, qs, play(1.0, 0), play(0.0, 1)
+    return tok, qs, play(1.0, 0), play(0.0, 1), (offices, env)
 
 
 def _rows(trajs, steps, pad):
@@ -32,7 +32,7 @@ def _rows(trajs, steps, pad):
 
 
 def test_full_rows_come_from_the_diligent_replay(trajs):
-    tok, qs, lazy, diligent = trajs
+    tok, qs, lazy, diligent, _ = trajs
     got = sft_rows(lazy, 1, 1.0, tok.pad_id, np.random.default_rng(0), full_trajs=diligent)
     k_rows, full_rows = _rows(lazy, 1, tok.pad_id), _rows(diligent, FULL, tok.pad_id)
     assert got == k_rows + full_rows
@@ -42,7 +42,7 @@ def test_full_rows_come_from_the_diligent_replay(trajs):
 
 
 def test_the_same_draws_pick_the_same_questions(trajs):
-    tok, qs, lazy, diligent = trajs
+    tok, qs, lazy, diligent, _ = trajs
     a = sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7))
     b = sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7), full_trajs=diligent)
     n_k = len(_rows(lazy, 1, tok.pad_id))
@@ -51,3 +51,25 @@ def test_the_same_draws_pick_the_same_questions(trajs):
     assert b[n_k:] == [_rows([diligent[i]], FULL, tok.pad_id)[0] for i in picked]
     with pytest.raises(ValueError, match="4 full_trajs for 5"):
         sft_rows(lazy, 1, 0.5, tok.pad_id, np.random.default_rng(7), full_trajs=diligent[:4])
+
+
+def test_recall_keeps_the_lazy_memories_and_answers_right(trajs):
+    tok, qs, *_, (offices, env) = trajs
+    cfg = ScriptedAgentConfig(lazy_prob=1.0, duplicate_prob=0.0)
+    for q in qs:  # bridge questions: a lazy agent forgets the birth city and guesses an office head
+        lazy = scripted_conversation(q, offices, env, cfg, np.random.default_rng(5))
+        rng = np.random.default_rng(5)
+        recall = scripted_conversation(q, offices, env, cfg, rng, recall=True)
+        assert rng.random() == _after(q, offices, env, cfg)  # the same draws as the lazy play
+        assert recall.turns[:-1] == lazy.turns[:-1]  # searches, memories and tool results unchanged
+        text = recall.turns[-1][0]
+        assert text.endswith(f"<answer> {q.answer}</answer>") and f"(1) {q.answer}" in text.split("</mem>")[0]
+        assert text.split("</mem>")[0].count(";") == sum(len(h[1]) for h in q.hops) - 1  # every fact recalled
+    assert any(not c.turns[-1][0].endswith(f"<answer> {q.answer}</answer>")
+               for q in qs for c in [scripted_conversation(q, offices, env, cfg, np.random.default_rng(5))])
+
+
+def _after(q, offices, env, cfg):
+    rng = np.random.default_rng(5)
+    scripted_conversation(q, offices, env, cfg, rng)
+    return rng.random()
