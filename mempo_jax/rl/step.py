@@ -73,6 +73,11 @@ class RLConfig:
         statistics, not scored).
       memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, MEMPO_SPEC §4) or
         ``"center"`` (mean subtracted only, in probability units; ``advantage.memory_advantage``).
+      memory_group: which ``<mem>`` turns share one R_M mean/std: ``"question"`` (default,
+        MEMPO_SPEC §4: every turn of every trajectory of the question's group) or ``"turn"``
+        (the group's turns of the same index: memory t of one trajectory is ranked against memory
+        t of the others, so a turn whose R_M is structurally near 0, an early memory that cannot
+        yet hold the answer, is not pushed down by the final turns' larger R_M).
     """
 
     steps: int = 40
@@ -91,6 +96,7 @@ class RLConfig:
     old_logprobs: str = "trainer"
     memory_reward_on: str = "all"
     memory_norm: str = "zscore"
+    memory_group: str = "question"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -109,6 +115,7 @@ class RLConfig:
         check(self, "memory_reward_malformed", bool)
         check(self, "memory_reward_on", str, choices=("all", "correct"))
         check(self, "memory_norm", str, choices=("zscore", "center"))
+        check(self, "memory_group", str, choices=("question", "turn"))
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -191,7 +198,8 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
         _advantages.lower(sds((n,), jnp.float32), sds((n,), jnp.int32), sds((mb,), jnp.float32), sds((mb,), jnp.int32),
                           sds((mb,), jnp.bool_), sds((mb,), jnp.int32), sds((mb,), jnp.int32), sds((mb,), jnp.int32),
                           sds((b,), jnp.int32), sds((b, length), jnp.float32), sds((), jnp.float32),
-                          num_groups=cfg.questions_per_step, memory_norm=cfg.memory_norm).compile()
+                          num_groups=cfg.questions_per_step, memory_norm=cfg.memory_norm,
+                          num_mem_groups=mem_group_count(cfg)).compile()
     out["advantages"] = len(training_length_buckets(cfg))
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -338,9 +346,15 @@ def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
+def mem_group_count(cfg: RLConfig) -> int:
+    """The number of R_M segments of a step: questions, times ``max_turns`` with ``memory_group = "turn"``."""
+    return cfg.questions_per_step * (cfg.rollout.max_turns if cfg.memory_group == "turn" else 1)
+
+
 def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
                        *, max_rows: int | None = None, max_mem: int | None = None,
-                       mem_valid: np.ndarray | None = None, memory_norm: str = "zscore"):
+                       mem_valid: np.ndarray | None = None, memory_norm: str = "zscore",
+                       turns_per_group: int | None = None):
     """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
@@ -362,6 +376,9 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
         (``scored_memory_turns``): their A_M is 0 and their R_M enters no group statistic.
         Default all True.
       memory_norm: ``"zscore"`` or ``"center"`` (``advantage.memory_advantage``).
+      turns_per_group: ``None`` (default): one R_M statistic per question group; an int T: one
+        per (question group, turn index), segment ``group · T + turn`` (``RLConfig.memory_group
+        = "turn"``, T = ``RolloutConfig.max_turns``).
 
     Returns:
       ``(advantages [R, L], a_t [N], a_m [M])`` float32 numpy arrays.
@@ -377,23 +394,29 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
         raise ValueError(f"mem_valid has {keep.shape[0]} entries for {m} <mem> turns")
     group_ids = np.asarray([tr.group_id for tr in trajs], np.int32)
     mem_groups = np.asarray([trajs[i].group_id for i, _ in rows.mem_turn], np.int32).reshape(-1)
+    num_mem_groups = int(num_groups)
+    if turns_per_group is not None:
+        t_index = np.asarray([t for _, t in rows.mem_turn], np.int32).reshape(-1)
+        if t_index.size and t_index.max() >= turns_per_group:
+            raise ValueError(f"a <mem> turn index {int(t_index.max())} >= turns_per_group {turns_per_group}")
+        mem_groups, num_mem_groups = mem_groups * turns_per_group + t_index, int(num_groups) * turns_per_group
     adv, a_t, a_m = _advantages(
         np.asarray(rewards, np.float32), group_ids, pad(np.asarray(r_mem, np.float32).reshape(-1), mb),
         pad(mem_groups, mb), pad(keep, mb, False), pad(rows.mem_rows.astype(np.int32), mb),
         pad(rows.mem_starts.astype(np.int32), mb), pad(rows.mem_ends.astype(np.int32), mb),
         pad(rows.traj_index.astype(np.int32), rb), pad(rows.loss_mask, rb), np.float32(memory_coef),
-        num_groups=int(num_groups), memory_norm=memory_norm)
+        num_groups=int(num_groups), memory_norm=memory_norm, num_mem_groups=num_mem_groups)
     adv, a_t, a_m = jax.device_get((adv, a_t, a_m))
     return np.asarray(adv)[:r], np.asarray(a_t), np.asarray(a_m)[:m]
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups", "memory_norm"))
+@functools.partial(jax.jit, static_argnames=("num_groups", "memory_norm", "num_mem_groups"))
 def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_starts, mem_ends, traj_index,
-                loss_mask, memory_coef, *, num_groups, memory_norm="zscore"):
+                loss_mask, memory_coef, *, num_groups, memory_norm="zscore", num_mem_groups=None):
     """``(A [R, L], A_T [N], A_M [M])``: outcome and memory advantages, A_M scattered onto the
     ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (MEMPO_SPEC §4)."""
     a_t = outcome_advantage(rewards, group_ids, num_groups)
-    a_m = memory_advantage(r_mem, mem_groups, num_groups, mem_valid, memory_norm)
+    a_m = memory_advantage(r_mem, mem_groups, num_mem_groups or num_groups, mem_valid, memory_norm)
     mem_tok = scatter_span_values(memory_coef * a_m, mem_rows, mem_starts, mem_ends, mem_valid, loss_mask.shape)
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
@@ -441,7 +464,8 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
-                                       mem_valid=scored, memory_norm=cfg.memory_norm)
+                                       mem_valid=scored, memory_norm=cfg.memory_norm,
+                                       turns_per_group=cfg.rollout.max_turns if cfg.memory_group == "turn" else None)
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t_old = time.perf_counter()

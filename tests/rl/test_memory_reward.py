@@ -95,6 +95,31 @@ def test_excluded_turns_get_no_memory_advantage_and_stay_out_of_the_group_statis
         compute_advantages(trajs, rows, rewards, r_mem, 1, 1.0, mem_valid=keep[:-1])
 
 
+def test_memory_group_turn_normalises_each_turn_index_within_its_question():
+    # two questions, three trajectories each, 2-3 <mem> turns a trajectory
+    trajs = [_trajectory([VALID, ANSWER], 0), _trajectory([VALID, VALID, ANSWER], 0), _trajectory([VALID, ANSWER], 0),
+             _trajectory([VALID, VALID, ANSWER], 1), _trajectory([VALID, ANSWER], 1), _trajectory([VALID, VALID, ANSWER], 1)]
+    rows = build_training_rows(trajs, 1, TOK.pad_id)
+    m = len(rows.mem_turn)
+    r_mem = np.random.default_rng(0).normal(size=m).astype(np.float32)
+    rewards = np.asarray([1, 0, 1, 0, 1, 1], np.float32)
+    _, _, a_m = compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, turns_per_group=4)
+    want = np.zeros(m)
+    segs = [(trajs[i].group_id, t) for i, t in rows.mem_turn]
+    for seg in set(segs):  # numpy reference: z-score (ddof 1) within (question, turn index); a segment of one: its raw R_M
+        idx = [j for j, g in enumerate(segs) if g == seg]
+        x = r_mem[idx].astype(np.float64)
+        want[idx] = x if len(x) == 1 else (x - x.mean()) / (x.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(a_m, want, rtol=1e-5, atol=1e-5)
+    _, _, a_q = compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0)  # the spec's pooling differs
+    assert not np.allclose(a_q, a_m)
+    with pytest.raises(ValueError, match="turn index 2 >= turns_per_group 2"):
+        compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, turns_per_group=2)
+    assert RLConfig(memory_group="turn").memory_group == "turn"
+    with pytest.raises(ValueError, match="memory_group"):
+        RLConfig(memory_group="step")
+
+
 class _Recording:
     def __init__(self, scorer):
         self.scorer, self.calls = scorer, []
