@@ -44,7 +44,7 @@ from mempo_jax.core.sharding import batch_shards, opt_state_shardings
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
 # seed alone) whose draws are replayed on resume.
-RL_STREAM, EVAL_STREAM, DILIGENT_STREAM, COPY_STREAM, READER_STREAM = 1, 2, 3, 4, 5
+RL_STREAM, EVAL_STREAM, REPLAY_STREAM, COPY_STREAM, READER_STREAM = 1, 2, 3, 4, 5
 
 
 def setup_compilation_cache() -> None:

@@ -23,7 +23,7 @@ from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic
 from mempo_jax.run.preemption import Preempted
 from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, check_sft_step
-from mempo_jax.run.context import COPY_STREAM, DILIGENT_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
+from mempo_jax.run.context import COPY_STREAM, REPLAY_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -133,13 +133,13 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     if not sft_file and cfg.sft.agent.full_rows != "same":  # replays for the whole-history rows, own stream
         recall = cfg.sft.agent.full_rows == "recall"
         agent = cfg.sft.agent if recall else dataclasses.replace(cfg.sft.agent, lazy_prob=0.0)
-        rng_d = np.random.default_rng([cfg.seed, DILIGENT_STREAM])
-        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, agent, rng_d,
+        rng_r = np.random.default_rng([cfg.seed, REPLAY_STREAM])
+        full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, agent, rng_r,
                                                                     recall=recall),
                                               exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps)
                       for q in exp.train_questions]
     rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
-    if cfg.sft.reader_fraction > 0:  # own stream: the other rows' draws are kept
+    if cfg.sft.reader_fraction > 0:  # own stream: the choice of whole-history rows is unchanged
         full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_prefix)
         rows += reader_rows(trajs, tok, exp.fmt.codec, answer_prefix, full_prefix, cfg.sft.reader_fraction,
                             np.random.default_rng([cfg.seed, READER_STREAM]), full_trajs)
