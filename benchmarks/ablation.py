@@ -227,8 +227,9 @@ def main(argv=None) -> dict:
     if fixed:  # an arm's own binding comes last and would silently win over it
         raise SystemExit(f"error: --gin_param {fixed[0]!r} binds what defines an arm ({', '.join(ARM_BINDINGS)}); "
                          "use --memory_coef for the MemPO arm's coefficient")
-    arm_params = {a: tuple(b if not b.startswith("RLConfig.memory_coef=") or a != "mempo"
-                           else f"RLConfig.memory_coef={args.memory_coef}" for b in ARMS[a][1]) for a in ARMS}
+    arm_params = {a: ARMS[a][1] for a in ARMS}
+    arm_params["mempo"] = tuple(f"RLConfig.memory_coef={args.memory_coef}" if b.startswith("RLConfig.memory_coef=")
+                                else b for b in ARMS["mempo"][1])
     base = list(SMALL_PARAMS if args.small else ()) + list(args.gin_param)
     if args.rl_steps is not None:
         base.append(f"RLConfig.steps={args.rl_steps}")

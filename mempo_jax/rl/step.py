@@ -346,9 +346,15 @@ def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
+def memory_turns_per_group(cfg: RLConfig) -> int | None:
+    """``compute_advantages``' ``turns_per_group``: ``RolloutConfig.max_turns`` with
+    ``RLConfig.memory_group = "turn"``, else ``None`` (one R_M statistic per question)."""
+    return cfg.rollout.max_turns if cfg.memory_group == "turn" else None
+
+
 def mem_group_count(cfg: RLConfig) -> int:
     """The number of R_M segments of a step: questions, times ``max_turns`` with ``memory_group = "turn"``."""
-    return cfg.questions_per_step * (cfg.rollout.max_turns if cfg.memory_group == "turn" else 1)
+    return cfg.questions_per_step * (memory_turns_per_group(cfg) or 1)
 
 
 def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
@@ -412,11 +418,11 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "memory_norm", "num_mem_groups"))
 def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_starts, mem_ends, traj_index,
-                loss_mask, memory_coef, *, num_groups, memory_norm="zscore", num_mem_groups=None):
+                loss_mask, memory_coef, *, num_groups, memory_norm, num_mem_groups):
     """``(A [R, L], A_T [N], A_M [M])``: outcome and memory advantages, A_M scattered onto the
     ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (MEMPO_SPEC §4)."""
     a_t = outcome_advantage(rewards, group_ids, num_groups)
-    a_m = memory_advantage(r_mem, mem_groups, num_mem_groups or num_groups, mem_valid, memory_norm)
+    a_m = memory_advantage(r_mem, mem_groups, num_mem_groups, mem_valid, memory_norm)
     mem_tok = scatter_span_values(memory_coef * a_m, mem_rows, mem_starts, mem_ends, mem_valid, loss_mask.shape)
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
@@ -465,7 +471,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
                                        mem_valid=scored, memory_norm=cfg.memory_norm,
-                                       turns_per_group=cfg.rollout.max_turns if cfg.memory_group == "turn" else None)
+                                       turns_per_group=memory_turns_per_group(cfg))
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t_old = time.perf_counter()

@@ -120,7 +120,7 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     (plus copy rows), batched; the same rows on every process (one generator)."""
     from mempo_jax.data.messages import conversation_trajectory
     from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.run.experiment import answer_prefix_ids, entity_token_ids
+    from mempo_jax.run.experiment import entity_token_ids
     from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, reader_rows, sft_rows, with_copy_warmup
 
     cfg, exp, tok = ctx.cfg, ctx.exp, ctx.exp.tokenizer
@@ -140,8 +140,8 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
                       for q in exp.train_questions]
     rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
     if cfg.sft.reader_fraction > 0:  # own stream: the choice of whole-history rows is unchanged
-        full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_prefix)
-        rows += reader_rows(trajs, tok, exp.fmt.codec, answer_prefix, full_prefix, cfg.sft.reader_fraction,
+        rows += reader_rows(trajs, tok, exp.fmt.codec, exp.scorer.answer_prefix, exp.scorer.full_prefix,
+                            cfg.sft.reader_fraction,
                             np.random.default_rng([cfg.seed, READER_STREAM]), full_trajs)
     if sft_file:
         ctx.say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)", flush=True)
