@@ -107,7 +107,8 @@ def main(argv=None) -> dict:
         m, _ = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
                        jax.random.fold_in(rl_key, step), np.random.default_rng([cfg.seed, step]))
         wall = time.perf_counter() - t
-        row = {"step": step, "wall_s": wall, "rollout_s": m["timing/rollout_s"], "scoring_s": m["timing/scoring_s"], "update_s": m["timing/update_s"],
+        row = {"step": step, "wall_s": wall, "rollout_s": m["timing/rollout_s"], "scoring_s": m["timing/scoring_s"],
+               "old_logprobs_s": m.get("timing/old_logprobs_s", 0.0), "update_s": m["timing/update_s"],
                "compilations": counter.count - mark, "compiled": sorted(set(counter.since(mark))),
                "train_rows": m["train/rows"], "train_seq_len": m["train/seq_len"], "mem_turns": m["mem/turns"],
                "tokens_tt": m["tokens/tt"], "num_turns": m["num_turns/mean"]}
@@ -119,11 +120,12 @@ def main(argv=None) -> dict:
            "compilations_from_step_3": int(sum(after)),
            "target_no_recompile_from_step_3": bool(sum(after) == 0),
            "mean_from_step_3": {k: float(np.mean([r[k] for r in rows[2:]])) if rows[2:] else None
-                                for k in ("wall_s", "rollout_s", "scoring_s", "update_s")}}
+                                for k in ("wall_s", "rollout_s", "scoring_s", "old_logprobs_s", "update_s")}}
     pre_text = "off" if pre is None else f"{pre['seconds']:.1f} s, {pre['compilations']} programs"
     print(table(f"RL step, tiny world ({policy}; {q} x {cfg.rl.group_size} trajectories; precompile {pre_text})",
-                ["step", "wall s", "rollout s", "scoring s", "update s", "compilations", "rows x len", "mem turns"],
-                [[r["step"], r["wall_s"], r["rollout_s"], r["scoring_s"], r["update_s"],
+                ["step", "wall s", "rollout s", "scoring s", "old log-probs s", "update s", "compilations", "rows x len",
+                 "mem turns"],
+                [[r["step"], r["wall_s"], r["rollout_s"], r["scoring_s"], r["old_logprobs_s"], r["update_s"],
                   r["compilations"], f"{int(r['train_rows'])} x {int(r['train_seq_len'])}", int(r["mem_turns"])]
                  for r in rows]))
     print(f"compilations from the third step on: {res['compilations_from_step_3']} (target 0)")

@@ -142,3 +142,49 @@ def plan_packing(sizes: Sequence[int], min_length: int, rows_per_call: int, min_
             best = (cost, length, calls)
         length *= 2
     return best[1], best[2]
+
+
+def pack_token_rows(rows: dict[str, np.ndarray], num_rows: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Right-padded training rows packed end to end into ``num_rows`` rows of the same length.
+
+    The PPO update's layout (verl's ``use_remove_padding``): rows go into bins of ``L`` tokens by
+    ``first_fit_decreasing`` on their real lengths, bins fill packed rows from the first (the rest
+    are all padding, which the update skips), and every ``[R, L]`` array is moved with its tokens.
+
+    Args:
+      rows: ``input_ids [R, L] int32``, ``valid [R, L] bool`` (a prefix of each row: right
+        padding) and any other ``[R, L]`` arrays (``loss_mask``, log-probs, advantages, ...).
+      num_rows: packed rows (``>=`` the bins; ``R`` always suffices).
+      pad_id: the id written on padding.
+
+    Returns:
+      The same keys as ``[num_rows, L]`` arrays (0 / False / ``pad_id`` on padding; ``valid`` is
+      True on every packed token) plus ``segment_ids`` and ``positions`` ``[num_rows, L]`` int32
+      (``PackedRows``), which make the model's packed call (``make_packed_logits_fn``) give every
+      sequence the logits it gets alone.
+
+    Raises:
+      ValueError: a row whose ``valid`` is not a prefix, a row with a loss token in column 0 (the
+        first token of a packed sequence is predicted by its neighbour's last one), or more bins
+        than ``num_rows``.
+    """
+    valid = np.asarray(rows["valid"], bool)
+    r, length = valid.shape
+    sizes = valid.sum(axis=1)
+    if not np.array_equal(valid, np.arange(length)[None, :] < sizes[:, None]):
+        raise ValueError("pack_token_rows needs right-padded rows (valid a prefix of every row)")
+    if "loss_mask" in rows and np.any(np.asarray(rows["loss_mask"])[:, 0] != 0):
+        raise ValueError("pack_token_rows: a row has a loss token in column 0")
+    ids = np.asarray(rows["input_ids"])
+    bins = [b for b in first_fit_decreasing(sizes, length) if sizes[b].sum() > 0]
+    packed = pack([ids[i, : sizes[i]] for i in range(r)], bins, length, num_rows, pad_id)
+    on = packed.row_of >= 0
+    src_r, src_c = np.where(on, packed.row_of, 0), np.where(on, packed.col_of, 0)
+    out = {}
+    for k, v in rows.items():
+        v = np.asarray(v)
+        out[k] = np.where(on, v[src_r, src_c], np.zeros((), v.dtype)).astype(v.dtype)
+    out["input_ids"] = packed.input_ids
+    out["valid"] = on
+    out["segment_ids"], out["positions"] = packed.segment_ids, packed.positions
+    return out

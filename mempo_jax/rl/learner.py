@@ -18,7 +18,8 @@ import optax
 
 from mempo_jax.core.batching import bucket_length
 from mempo_jax.core.logprobs import token_entropy, token_logprobs
-from mempo_jax.rl.losses import LossConfig, mempo_loss
+from mempo_jax.core.packing import pack_token_rows
+from mempo_jax.rl.losses import LossConfig, loss_denominator, mempo_loss
 from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
                                 param_shardings, replicated)
 from mempo_jax.core.validation import check
@@ -119,12 +120,18 @@ class Learner:
       before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
         its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
         ``resume.FaultHooks.update_rows``).
+      pad_id: the id on padding of packed update rows.
+
+    Attributes:
+      packs_update: ``ppo_update`` packs each mini-batch's rows end to end (the ``logits_fn``
+        has the packed call, ``logits_fn.packed``): a micro-batch then holds several short rows,
+        and the computed positions fall by the rows' padding.
     """
 
     def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
                  micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
                  logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
-                 before_update=None):
+                 before_update=None, pad_id: int = 0):
         self.logits_fn = logits_fn
         self.params = params
         self.optimizer = optimizer
@@ -133,6 +140,8 @@ class Learner:
         self.logprob_chunk_rows = int(logprob_chunk_rows)
         self.num_updates = 0
         self.before_update = before_update
+        self.pad_id = int(pad_id)
+        self.packs_update = getattr(logits_fn, "packed", None) is not None
         self.mesh = mesh = mesh_or_local(mesh)
         self.rules = rules
         ps = self.param_shardings = param_shardings(params, mesh, rules)
@@ -234,6 +243,8 @@ class Learner:
             batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
             batch.update({k: sds(ppo_rows, length, jnp.float32)
                           for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
+            if self.packs_update:
+                batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
             self._ppo_step.lower(self.params, self.opt_state, batch, int(n_micro), loss_cfg).compile()
         return 2 * len(lengths)
 
@@ -273,16 +284,22 @@ class Learner:
 
     # ---- PPO -------------------------------------------------------------------------------
     def _ppo_step_impl(self, params, opt_state, batch, n_micro, loss_cfg: LossConfig):
-        denom = jnp.maximum(_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode), 1.0)
+        # A batch with ``segment_ids`` / ``positions`` holds rows packed end to end (``ppo_update``):
+        # the packed forward and per-sequence aggregation give each sequence what it gets alone.
+        denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch.get("segment_ids")), 1.0)
         micro = self._split_micro_sharded(batch, n_micro)
 
         def loss_fn(p, mb):
-            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            seg = mb.get("segment_ids")
+            if seg is None:
+                logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
+            else:
+                logits = self.logits_fn.packed(p, mb["input_ids"], seg, mb["positions"])
             logp = token_logprobs(logits, mb["input_ids"], self.temperature)
             ent = jax.lax.stop_gradient(token_entropy(logits, self.temperature)) if not loss_cfg.entropy_coef \
                 else token_entropy(logits, self.temperature)
             total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
-                                                    mb["loss_mask"], loss_cfg, entropy=ent)
+                                                    mb["loss_mask"], loss_cfg, entropy=ent, segment_ids=seg)
             metrics = dict(metrics, _denominator=part_denom)
             return total / denom, metrics
 
@@ -323,16 +340,19 @@ class Learner:
         Rows are shuffled and split evenly into ``num_mini_batches`` contiguous mini-batches of
         the shuffled order (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in
         2 → [65, 65], 1,100 in 4 → [275] · 4; this fixes which rows share an update). Each
-        mini-batch is then padded with all-invalid rows to the plan's fixed row count
-        (``ppo_plan``) and split into micro-batches of ``micro_batch_rows``; micro-batches without
-        loss tokens are skipped inside the program, and a mini-batch without loss tokens is not
+        mini-batch is then laid out in the plan's fixed row count (``ppo_plan``): packed end to
+        end (``packing.pack_token_rows``, same length) when the ``logits_fn`` has the packed call
+        (``packs_update``), else one row per row, then padded with all-invalid rows, and split
+        into micro-batches of ``micro_batch_rows``; micro-batches without loss tokens (the
+        padding that packing leaves at the end) are skipped inside the program, and a mini-batch without loss tokens is not
         run at all (no optimizer step: Adam's momentum would otherwise move the parameters on a
         zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
         non-finite gradient.
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
-            ref_logprobs, advantages [R, L] float32``.
+            ref_logprobs, advantages [R, L] float32`` (right-padded when packed: ``valid`` a
+            prefix of each row, no loss token in column 0).
           loss_cfg: clip, dual clip, KL and aggregation options.
           num_mini_batches: optimizer steps per epoch (fewer when a mini-batch is all padding).
           rng: numpy generator for the shuffle.
@@ -360,10 +380,10 @@ class Learner:
             if not np.any(rows["loss_mask"][idx] > 0):
                 self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
                 continue
-            mb = {}
-            for k, v in rows.items():
-                v = v[idx]
-                mb[k] = np.pad(v, [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1))
+            if self.packs_update:
+                mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
+            else:
+                mb = {k: np.pad(v[idx], [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in rows.items()}
             self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, self._place_batch(mb),
                                                             plan.rows // plan.micro, loss_cfg)
             self.num_updates += 1
@@ -444,13 +464,6 @@ def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int
 
 
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
-
-
-def _denominator(loss_mask: jax.Array, mode: str) -> jax.Array:
-    """The whole mini-batch's denominator for the aggregation mode (see ``losses.aggregate_loss``)."""
-    if mode == "token-mean":
-        return loss_mask.sum()
-    return (loss_mask.sum(-1) > 0).sum().astype(jnp.float32)
 
 
 __all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "mini_batch_slices", "ppo_plan"]

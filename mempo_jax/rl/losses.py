@@ -23,11 +23,11 @@ from mempo_jax.core.validation import check
 
 Array = jax.Array
 KLFn = Callable[[Array, Array], Array]
-AggFn = Callable[[Array, Array, "int | None"], "tuple[Array, Array]"]
+AggFn = Callable[[Array, Array, "int | None", "Array | None"], "tuple[Array, Array]"]
 _KL: Registry[KLFn] = Registry("KL estimator")
 _AGG: Registry[AggFn] = Registry("loss aggregation mode")
 register_kl_estimator = _KL.register  # fn(logp, ref_logp) -> [B, T], under one or more names
-register_loss_agg_mode = _AGG.register  # fn(values, mask, norm_length) -> (sum, denominator)
+register_loss_agg_mode = _AGG.register  # fn(values, mask, norm_length, segment_ids) -> (sum, denominator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,32 +154,56 @@ def policy_loss(
     return pg, clipped, ppo_kl
 
 
-def _seq_tokens(mask: Array) -> Array:
-    return jnp.sum(mask, axis=-1)
+def _row_sums(x: Array, segment_ids: Array | None) -> Array:
+    """Per-sequence sums of ``x [B, T]``: ``[B, 1]`` (each row one sequence) without
+    ``segment_ids``; with them ``[B, T + 1]``, column k the sum over the row's k-th packed
+    sequence (column 0: padding)."""
+    if segment_ids is None:
+        return jnp.sum(x, axis=-1, keepdims=True)
+    t = x.shape[-1]
+    return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=t + 1))(x, jnp.asarray(segment_ids, jnp.int32))
+
+
+def _num_sequences(mask: Array, segment_ids: Array | None) -> Array:
+    """Sequences with at least one loss token (float32 scalar)."""
+    return jnp.sum((_row_sums(mask, segment_ids) > 0).astype(jnp.float32))
 
 
 @register_loss_agg_mode("token-mean")
-def _agg_token_mean(values, mask, norm_length=None):
+def _agg_token_mean(values, mask, norm_length=None, segment_ids=None):
     return jnp.sum(values * mask), jnp.sum(mask)
 
 
 @register_loss_agg_mode("seq-mean-token-mean")
-def _agg_seq_mean_token_mean(values, mask, norm_length=None):
-    n_tok = _seq_tokens(mask)
-    per_seq = jnp.sum(values * mask, axis=-1) / jnp.maximum(n_tok, 1.0)
+def _agg_seq_mean_token_mean(values, mask, norm_length=None, segment_ids=None):
+    n_tok = _row_sums(mask, segment_ids)
+    per_seq = _row_sums(values * mask, segment_ids) / jnp.maximum(n_tok, 1.0)
     return jnp.sum(per_seq), jnp.sum((n_tok > 0).astype(jnp.float32))
 
 
 @register_loss_agg_mode("seq-mean-token-sum")
-def _agg_seq_mean_token_sum(values, mask, norm_length=None):
-    return jnp.sum(values * mask), jnp.sum((_seq_tokens(mask) > 0).astype(jnp.float32))
+def _agg_seq_mean_token_sum(values, mask, norm_length=None, segment_ids=None):
+    return jnp.sum(values * mask), _num_sequences(mask, segment_ids)
 
 
 @register_loss_agg_mode("seq-mean-token-sum-norm")
-def _agg_seq_mean_token_sum_norm(values, mask, norm_length=None):
+def _agg_seq_mean_token_sum_norm(values, mask, norm_length=None, segment_ids=None):
     length = values.shape[-1] if norm_length is None else norm_length
     total = jnp.sum(values * mask) / jnp.float32(length)
-    return total, jnp.sum((_seq_tokens(mask) > 0).astype(jnp.float32))
+    return total, _num_sequences(mask, segment_ids)
+
+
+def loss_denominator(mask: Array, mode: str, segment_ids: Array | None = None) -> Array:
+    """The denominator of a whole mini-batch for ``mode`` (float32 scalar): its loss tokens for
+    ``"token-mean"``, else its sequences with at least one loss token (rows, or the packed
+    sequences of ``segment_ids``, as in ``aggregate_loss``).
+
+    Raises:
+      ValueError: for an unknown ``mode``.
+    """
+    _AGG.get(mode)
+    mask = jnp.asarray(mask, jnp.float32)
+    return jnp.sum(mask) if mode == "token-mean" else _num_sequences(mask, segment_ids)
 
 
 def aggregate_loss(
@@ -187,6 +211,7 @@ def aggregate_loss(
     mask: Array,
     mode: str,
     norm_length: int | None = None,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
     """Masked aggregation as a ``(sum, denominator)`` pair (verl ``agg_loss``, summable form).
 
@@ -200,11 +225,16 @@ def aggregate_loss(
       or ``T``; keep ``L`` constant across micro-batches and steps (Dr. GRPO). verl divides this
       mode by ``L`` only (no mean over sequences); here it is a mean over sequences as well.
 
+    A sequence is a row, or with ``segment_ids`` each packed sequence of a row (the PPO update
+    packs rows end to end, ``core.packing.pack_token_rows``), so packing changes no mode's value.
+
     Args:
       values: ``[B, T]`` float per-token values.
       mask: ``[B, T]`` bool/float.
       mode: a registered aggregation mode.
       norm_length: static constant ``L`` of "seq-mean-token-sum-norm"; default ``T``.
+      segment_ids: optional ``[B, T]`` int32, ``k >= 1`` on a row's k-th packed sequence, 0 on
+        padding; ``None``: each row is one sequence.
 
     Returns:
       ``(sum, denominator)``, two float32 scalars.
@@ -215,7 +245,7 @@ def aggregate_loss(
     fn = _AGG.get(mode)
     mask = jnp.asarray(mask, jnp.float32)
     values = jnp.where(mask != 0, jnp.asarray(values, jnp.float32), 0.0)  # NaN/inf off-mask stay out
-    return fn(values, mask, norm_length)
+    return fn(values, mask, norm_length, segment_ids)
 
 
 def safe_divide(total: Array, denominator: Array) -> Array:
@@ -231,6 +261,7 @@ def mempo_loss(
     loss_mask: Array,
     cfg: LossConfig,
     entropy: Array | None = None,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array, dict[str, Array]]:
     """MemPO actor loss of one micro-batch as summable parts (MEMPO_SPEC §5).
 
@@ -246,6 +277,7 @@ def mempo_loss(
       loss_mask: ``[B, T]`` bool/float, 1 on trained tokens.
       cfg: ``LossConfig``.
       entropy: ``[B, T]`` float32 token entropies (nats); required iff ``entropy_coef != 0``.
+      segment_ids: optional ``[B, T]`` int32 packed-sequence ids (``aggregate_loss``).
 
     Returns:
       ``(loss_sum, denominator, metrics)``: float32 scalars and a dict of float32 scalar *sums*
@@ -260,7 +292,7 @@ def mempo_loss(
     if entropy is None and cfg.entropy_coef != 0.0:
         raise ValueError("entropy is required when entropy_coef != 0")
     mask = jnp.asarray(loss_mask, jnp.float32)
-    agg = lambda v: aggregate_loss(v, mask, cfg.loss_agg_mode)[0]  # noqa: E731
+    agg = lambda v: aggregate_loss(v, mask, cfg.loss_agg_mode, segment_ids=segment_ids)[0]  # noqa: E731
 
     pg, clipped, ppo_kl, clipped_lower = _policy_terms(logp, old_logp, advantages, mask, cfg)
     per_token = pg
@@ -276,7 +308,7 @@ def mempo_loss(
         ent_sum = agg(ent)
         if cfg.entropy_coef != 0.0:
             per_token = per_token - cfg.entropy_coef * ent
-    loss_sum, denominator = aggregate_loss(per_token, mask, cfg.loss_agg_mode)
+    loss_sum, denominator = aggregate_loss(per_token, mask, cfg.loss_agg_mode, segment_ids=segment_ids)
     metrics = {
         "pg_loss": agg(pg),
         "kl": kl_sum,

@@ -189,7 +189,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
     out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
-    calc = _packed_old_logprobs(learner) if cfg.old_logprobs == "trainer" else None
+    calc = _packed_logprobs(learner)  # the reference log-probs, and the old ones with old_logprobs = "trainer"
     if calc is not None:
         out["old_logprobs"] = calc.precompile(learner.params, training_length_buckets(cfg))
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
@@ -292,7 +292,7 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
                                loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
 
 
-def _packed_old_logprobs(learner):
+def _packed_logprobs(learner):
     """The learner's ``PackedLogprobs`` (built once, kept on the learner), or ``None`` where the
     packed pass does not apply: a ``logits_fn`` without the packed contract, or several
     processes (their rows are scored in the lockstep global batch, ``learner.logprobs``)."""
@@ -302,20 +302,30 @@ def _packed_old_logprobs(learner):
     packed = getattr(learner.logits_fn, "packed", None)
     if packed is None or jax.process_count() > 1:
         return None
-    calc = getattr(learner, "_old_logprobs_calc", None)
+    calc = getattr(learner, "_packed_logprobs_calc", None)
     if calc is None:
         calc = PackedLogprobs(packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
                               min_rows=batch_shards(learner.mesh, learner.rules), min_length=TRAIN_MIN_LENGTH,
                               param_shardings=learner.param_shardings, batch_sharding=learner.batch_sharding)
-        learner._old_logprobs_calc = calc
+        learner._packed_logprobs_calc = calc
     return calc
+
+
+def detached_logprobs(learner, params, rows: TrainingRows) -> np.ndarray:
+    """``[R, L]`` float32 per-token log-probs of ``params`` over the step's rows (no gradient),
+    at the learner's temperature: one packed pass (``_packed_logprobs``) where it applies, else
+    the padded ``learner.logprobs``. The reference and the PPO "old" log-probs both come from here."""
+    calc = _packed_logprobs(learner)
+    if calc is None:
+        return learner.logprobs(params, rows.input_ids, rows.valid)
+    return calc(params, rows.input_ids, rows.valid)
 
 
 def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[str, float]]:
     """The PPO "old" log-probs recomputed by the policy before the update, and the sampler/trainer gap.
 
     One detached pass of ``learner.params`` (the policy that sampled the step) over the
-    training rows, packed (``_packed_old_logprobs``; the padded ``learner.logprobs`` where
+    training rows, packed (``_packed_logprobs``; the padded ``learner.logprobs`` where
     packing does not apply), at the learner's temperature: verl's ``compute_log_prob`` before
     ``update_policy``. In float32 it agrees with the sampler to ~1e-5; in bfloat16 the
     cached-decode and full-forward numerics differ, and the clip would act on that noise.
@@ -329,11 +339,7 @@ def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[s
       ``rollout/logprob_diff/mean`` and ``…/max``: mean and max ``|trainer − sampler|`` log-prob
       (nats) over loss tokens.
     """
-    calc = _packed_old_logprobs(learner)
-    if calc is None:
-        lp = learner.logprobs(learner.params, rows.input_ids, rows.valid)
-    else:
-        lp = calc(learner.params, rows.input_ids, rows.valid)
+    lp = detached_logprobs(learner, learner.params, rows)
     on = np.asarray(rows.loss_mask) > 0
     old = np.where(on, lp, 0.0).astype(np.float32)
     gap = np.abs(old - np.asarray(rows.old_logprobs, np.float32))[on]
@@ -467,7 +473,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
     r_mem[scored] = mem_out.r_mem
-    ref_logp = learner.logprobs(ref_params, rows.input_ids, rows.valid)
+    ref_logp = detached_logprobs(learner, ref_params, rows)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
                                        mem_valid=scored, memory_norm=cfg.memory_norm,

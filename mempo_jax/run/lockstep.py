@@ -270,10 +270,9 @@ class DistributedLearner(Learner):
 
     def __init__(self, *args, sync: HostSync, pad_id: int = 0, **kwargs):
         self.sync = sync
-        self.pad_id = int(pad_id)
         params = args[1] if len(args) > 1 else kwargs.get("params")
         sync.barrier(params)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, pad_id=pad_id, **kwargs)
 
     @property
     def params(self):

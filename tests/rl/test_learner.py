@@ -46,7 +46,34 @@ class _Recorder:
         return params, opt_state, m
 
     def real_rows(self):
-        return [int(b["valid"].any(axis=1).sum()) for b, _, _ in self.calls]
+        """Source rows per call: packed sequences (a segment start each) or non-empty rows."""
+        return [int(_starts(b).sum()) for b, _, _ in self.calls]
+
+
+def _starts(b):
+    """``[R, L]`` bool: the first token of each source row in a (packed or padded) batch."""
+    if "segment_ids" not in b:
+        return b["valid"] & (np.arange(b["valid"].shape[1])[None] == 0)
+    return b["valid"] & (b["positions"] == 0)
+
+
+def _unpack(b):
+    """The source rows of a packed batch, each left-aligned in its own row (right padding)."""
+    if "segment_ids" not in b:
+        real = b["valid"].any(1)
+        return {k: v[real] for k, v in b.items()}
+    length = b["input_ids"].shape[1]
+    out = {k: [] for k in ("input_ids", "valid", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")}
+    for r in range(b["input_ids"].shape[0]):
+        for k in np.unique(b["segment_ids"][r]):
+            if k == 0:
+                continue
+            cols = np.nonzero(b["segment_ids"][r] == k)[0]
+            for key in out:
+                row = np.zeros((length,), b[key].dtype)
+                row[: len(cols)] = b[key][r, cols]
+                out[key].append(row)
+    return {k: np.stack(v) for k, v in out.items()}
 
 
 @pytest.mark.parametrize("n, k, sizes", [
@@ -97,7 +124,7 @@ def test_ppo_update_feeds_even_mini_batches_of_one_shape(n, k, micro, bound, siz
     assert rec.real_rows() == sizes
     plan = ppo_plan(n, k, micro, bound)
     assert {b["input_ids"].shape for b, _, _ in rec.calls} == {(plan.rows, LENGTH)}
-    seen = np.concatenate([b["old_logprobs"][b["valid"].any(1), 0] for b, _, _ in rec.calls])
+    seen = np.concatenate([b["old_logprobs"][_starts(b)] for b, _, _ in rec.calls])
     assert sorted(seen.astype(int).tolist()) == list(range(n))  # every row exactly once
     assert learner.num_updates == k
 
@@ -136,8 +163,8 @@ def test_ppo_update_gradient_of_each_mini_batch_equals_a_reference():
     treedef = jax.tree.structure(learner.params)
     logits_fn = make_logits_fn(graphdef)
     for batch, before, after in rec.calls:
-        real = batch["valid"].any(1)
-        b = {key: v[real] for key, v in batch.items()}
+        assert "segment_ids" in batch and batch["segment_ids"].max() > 1  # several rows share a packed row
+        b = _unpack(batch)
         p = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in before])
         ref_grad = jax.grad(_reference_loss, argnums=1)(logits_fn, p, b, 0.7, loss_cfg)
         got = [x - y for x, y in zip(before, after)]
@@ -146,3 +173,43 @@ def test_ppo_update_gradient_of_each_mini_batch_equals_a_reference():
         assert scale > 1e-4  # the gradient is not trivially zero
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_packed_update_equals_the_padded_update_in_every_aggregation_mode(mode):
+    """Packing changes the layout only: parameters and metrics after one epoch equal the padded
+    (one row per row) update's, sequences counted per packed segment."""
+    cfg, graphdef, params = toy_model(VOCAB, seed=2)
+    rng = np.random.default_rng(11)
+    rows = _rows(rng, 40)
+    rows["valid"] = np.arange(LENGTH)[None] < rng.integers(4, 11, 40)[:, None]  # short rows: 2-4 share a row
+    for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages"):
+        rows[k] = np.where(rows["valid"], rows[k], 0.0).astype(np.float32)
+    loss_cfg = LossConfig(kl_coef=0.05, loss_agg_mode=mode)
+    out = []
+    for packs in (True, False):
+        learner = _learner(params, graphdef, micro=8)
+        learner.packs_update = packs
+        rec = _Recorder(learner)
+        m = learner.ppo_update(rows, loss_cfg, 2, np.random.default_rng(5), max_rows=64)
+        out.append((m, [np.asarray(x) for x in jax.tree.leaves(learner.params)], rec))
+    (m_p, p_p, rec_p), (m_d, p_d, _) = out
+    assert all("segment_ids" in b for b, _, _ in rec_p.calls)
+    assert sum(int(b["valid"].any(1).sum()) for b, _, _ in rec_p.calls) < 40  # fewer rows computed
+    for a, b in zip(p_p, p_d):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy"):
+        np.testing.assert_allclose(m_p[k], m_d[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_pack_token_rows_refuses_left_padding_and_a_loss_in_column_0():
+    from mempo_jax.core.packing import pack_token_rows
+
+    rows = _rows(np.random.default_rng(0), 4)
+    left = dict(rows, valid=rows["valid"][:, ::-1].copy())
+    with pytest.raises(ValueError, match="right-padded"):
+        pack_token_rows(left, 4)
+    bad = dict(rows, loss_mask=rows["loss_mask"].copy())
+    bad["loss_mask"][1, 0] = 1.0
+    with pytest.raises(ValueError, match="column 0"):
+        pack_token_rows(bad, 4)

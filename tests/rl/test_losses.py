@@ -10,6 +10,7 @@ import pytest
 from mempo_jax.rl.losses import (
     LossConfig,
     aggregate_loss,
+    loss_denominator,
     kl_penalty,
     mempo_loss,
     policy_loss,
@@ -158,6 +159,20 @@ def test_aggregate_loss_hand_and_reference(mode):
     }[mode]
     np.testing.assert_allclose([float(total), float(den)], hand, rtol=1e-6)
     np.testing.assert_allclose([float(total), float(den)], _np_agg(v, m, mode), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_aggregate_loss_over_packed_sequences_equals_the_unpacked_rows(mode):
+    """The hand rows above packed into one row (segments 1, 2, 3; two padding columns): every
+    mode gives the unpacked value, sequences counted per segment (norm length fixed at 4)."""
+    v = np.array([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 7.0], [8.0, 8.0, 8.0, 8.0]], np.float32)
+    m = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], np.float32)
+    pv = np.concatenate([v.reshape(-1), [5.0, 5.0]])[None]
+    pm = np.concatenate([m.reshape(-1), [0.0, 0.0]])[None]
+    seg = np.array([[1] * 4 + [2] * 4 + [3] * 4 + [0, 0]], np.int32)
+    got = aggregate_loss(pv, pm, mode, norm_length=4, segment_ids=seg)
+    np.testing.assert_allclose([float(x) for x in got], _np_agg(v, m, mode, 4), rtol=1e-6)
+    np.testing.assert_allclose(float(loss_denominator(pm, mode, seg)), _np_agg(v, m, mode, 4)[1])
 
 
 def test_aggregate_ignores_nan_off_mask_and_unknown_mode():
