@@ -10,15 +10,15 @@ logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), fo
 step:
 
 * sampling: KV cache + prefill (full ``[rows, P, vocab]`` logits, one layer's transients);
-* log-probs (reference, ``Learner.logprobs`` chunks; the trainer's packed old-log-prob pass,
-  ``rl.step.policy_old_logprobs``, runs after it on rows of the same length bucket and no more of
-  them per call, so the same bound covers it): logits, log-softmax, entropy;
+* log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
+  packed, ``rl.step.detached_logprobs``, on rows of the same length bucket and no more of them
+  per call, so the same bound covers them): logits, log-softmax, entropy;
 * memory-reward scoring, packed (``MemoryRewardScorer.packed_logprobs``: ``[R, L]`` calls of the
   stacked ``[full; mem]`` rows packed end to end, segment-masked attention ``[R, heads, L, L]``,
   the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row);
-* update (one PPO micro-batch): activations saved for the backward pass of every layer and two
-  layers' backward transients, float32 logits copies and their gradient, plus the gradient
-  accumulator and one micro-batch's gradient.
+* update (one PPO micro-batch; its rows packed end to end at the same length): activations
+  saved for the backward pass of every layer and two layers' backward transients, float32
+  logits copies and their gradient, plus the gradient accumulator and one micro-batch's gradient.
 
 Peak per device = parameters + optimizer state + reference + the largest phase. The command
 exits 1 with a message naming the largest term when the peak exceeds ``PlanConfig.hbm_fraction``
