@@ -37,7 +37,7 @@ from mempo_jax.agent.slot_sampler import SlotSampler
 from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
 MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
-MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round (raised to RolloutConfig.min_rows_bucket)
+MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round
 
 
 def num_slots(cfg, num_trajectories: int) -> int:
@@ -46,19 +46,16 @@ def num_slots(cfg, num_trajectories: int) -> int:
     return int(cfg.num_slots) if cfg.num_slots > 0 else bucket_length(max(num_trajectories, 1), cfg.min_rows_bucket)
 
 
-def _extend_rows_floor(cfg, slots: int) -> int:
-    """Smallest row bucket of a prefill chunk round: ``max(MIN_EXTEND_ROWS, cfg.min_rows_bucket)``,
-    at most ``bucket(slots)``. A config's ``min_rows_bucket`` trades padded prefill rows for fewer
-    compiled programs, as it does for the legacy engine's sampling batches (a 0.7 M model
-    compiles an extend program in ~1-4 s and runs one in ~0.05 s)."""
-    return min(max(MIN_EXTEND_ROWS, cfg.min_rows_bucket), bucket_length(slots, 1))
+def _extend_rows_floor(slots: int) -> int:
+    """Smallest row bucket of a prefill chunk round: ``MIN_EXTEND_ROWS``, at most ``bucket(slots)``."""
+    return min(MIN_EXTEND_ROWS, bucket_length(slots, 1))
 
 
 def extend_shapes(cfg, slots: int) -> list[tuple[int, int]]:
     """Every ``(rows, length)`` a prefill chunk round can run at: rows ``bucket_length(n,
-    _extend_rows_floor(cfg, slots))`` for ``1 <= n <= slots``, lengths the powers of two from
+    _extend_rows_floor(slots))`` for ``1 <= n <= slots``, lengths the powers of two from
     ``MIN_EXTEND_LENGTH`` to ``cfg.prefill_chunk``."""
-    low = _extend_rows_floor(cfg, slots)
+    low = _extend_rows_floor(slots)
     rows = sorted({bucket_length(n, low) for n in range(1, slots + 1)})
     lengths = [min(MIN_EXTEND_LENGTH, cfg.prefill_chunk)]
     while lengths[-1] < cfg.prefill_chunk:
@@ -95,7 +92,7 @@ class _Prefill:
 
 def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill], cfg, slots: int, key, greedy: bool):
     """All pending prefills, ``cfg.prefill_chunk`` tokens per row per call (rounds of chunks)."""
-    low = _extend_rows_floor(cfg, slots)
+    low = _extend_rows_floor(slots)
     pos = {p.slot: 0 for p in prefills}
     todo = list(prefills)
     while todo:
@@ -204,7 +201,7 @@ def _prefill_phases(sampler: SlotSampler, params, state, prefills: list, followe
     if first:
         state = _run_prefills(sampler, params, state, first, cfg, slots, key, greedy)
     if followers:
-        n = bucket_length(len(followers), _extend_rows_floor(cfg, slots))
+        n = bucket_length(len(followers), _extend_rows_floor(slots))
         src, dst = np.zeros((n,), np.int32), np.full((n,), slots, np.int32)
         src[: len(followers)], dst[: len(followers)] = list(followers.values()), list(followers)
         state = sampler.copy(state, src, dst)
