@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import small_env, train_command  # noqa: E402
 
 from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE, free_port, one_device_flags  # noqa: E402  (the session's caches)
-PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2")
+PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2",
+          'RolloutConfig.engine="legacy"')  # the cached engine runs in one process
 TIMEOUT_S = 420
 # Absolute slack for values near zero (``actor/ppo_kl`` is ~1e-8 here and differs by rounding).
 ABS_TOL = 1e-6

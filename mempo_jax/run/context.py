@@ -302,6 +302,9 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     mesh_cfg = run_cfg.mesh if run_cfg.sharded or jax.process_count() > 1 else MeshConfig(1, 1, 1)
     mesh, rules = make_run_mesh(mesh_cfg), mesh_cfg.rules
     check_mesh_sizes(cfg, mesh, rules)
+    if jax.process_count() > 1 and cfg.rl.rollout.engine != "legacy":
+        raise ValueError(f"RolloutConfig.engine = {cfg.rl.rollout.engine!r} runs in one process; with "
+                         f"{jax.process_count()} processes bind RolloutConfig.engine = \"legacy\"")
     check_run_folder(run_dir)  # writable; a fresh one is created only once every check has passed
     pre = stack.enter_context(Preemption(ck.grace_s))  # exits last: after the saves are complete
     # Several processes: a SIGTERM never abandons work half-way on one process only (the others
