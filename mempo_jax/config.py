@@ -177,8 +177,9 @@ class ExecutionConfig:
         default ``learner.DEFAULT_MICRO_BATCH_ROWS``).
       sft_micro_batch_rows: the same for an SFT step; 0 = ``SFTConfig.batch_rows`` (the whole
         batch in one micro-batch). Must divide ``SFTConfig.batch_rows``.
-      logprob_chunk_rows: rows per reference log-prob call (``Learner.logprobs``; default
-        ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
+      logprob_chunk_rows: rows per detached log-prob call: the reference and old log-probs'
+        packed calls (``rl.step.detached_logprobs``), or ``Learner.logprobs`` where packing does
+        not apply (default ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``,
         a power of two); 0 = the scorer's ``scoring.DEFAULT_CHUNK_ROWS``.
 

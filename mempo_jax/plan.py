@@ -11,8 +11,10 @@ step:
 
 * sampling: KV cache + prefill (full ``[rows, P, vocab]`` logits, one layer's transients);
 * log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
-  packed, ``rl.step.detached_logprobs``, on rows of the same length bucket and no more of them
-  per call, so the same bound covers them): logits, log-softmax, entropy;
+  packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
+  which this bound covers; a packed call may pick 2× or 4× that length when it computes fewer
+  positions, capped at the longest precompiled length only after ``RLConfig.precompile``: not
+  covered): logits, log-softmax, entropy;
 * memory-reward scoring, packed (``MemoryRewardScorer.packed_logprobs``: ``[R, L]`` calls of the
   stacked ``[full; mem]`` rows packed end to end, segment-masked attention ``[R, heads, L, L]``,
   the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row);

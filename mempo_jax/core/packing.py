@@ -164,17 +164,23 @@ def pack_token_rows(rows: dict[str, np.ndarray], num_rows: int, pad_id: int = 0)
       sequence the logits it gets alone.
 
     Raises:
-      ValueError: a row whose ``valid`` is not a prefix, a row with a loss token in column 0 (the
-        first token of a packed sequence is predicted by its neighbour's last one), or more bins
-        than ``num_rows``.
+      ValueError: a row whose ``valid`` is not a prefix, a loss token in column 0 (the first token
+        of a packed sequence is predicted by its neighbour's last one) or on padding, an array
+        not ``[R, L]``, or more bins than ``num_rows``.
     """
     valid = np.asarray(rows["valid"], bool)
     r, length = valid.shape
     sizes = valid.sum(axis=1)
     if not np.array_equal(valid, np.arange(length)[None, :] < sizes[:, None]):
         raise ValueError("pack_token_rows needs right-padded rows (valid a prefix of every row)")
-    if "loss_mask" in rows and np.any(np.asarray(rows["loss_mask"])[:, 0] != 0):
+    loss = np.asarray(rows.get("loss_mask", np.zeros((r, length))))
+    if np.any(loss[:, 0] != 0):
         raise ValueError("pack_token_rows: a row has a loss token in column 0")
+    if np.any((loss != 0) & ~valid):
+        raise ValueError("pack_token_rows: a loss token lies on padding (valid False)")
+    for k, v in rows.items():
+        if np.shape(v) != (r, length):
+            raise ValueError(f"pack_token_rows: {k} has shape {np.shape(v)}, not [rows, length] = {(r, length)}")
     ids = np.asarray(rows["input_ids"])
     bins = [b for b in first_fit_decreasing(sizes, length) if sizes[b].sum() > 0]
     packed = pack([ids[i, : sizes[i]] for i in range(r)], bins, length, num_rows, pad_id)

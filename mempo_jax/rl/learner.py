@@ -221,7 +221,7 @@ class Learner:
         return -(-int(rows) // shards) * shards
 
     def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
-                   logprob_rows: int | None = None) -> int:
+                   logprob_rows: int | None = None, logprobs: bool = True) -> int:
         """Compile the log-prob and PPO programs ahead of time (``jit.lower(...).compile()``;
         nothing runs, no buffer is donated) at every length in ``lengths``.
 
@@ -232,6 +232,8 @@ class Learner:
           loss_cfg: the loss options (a static argument of the PPO program).
           logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with (default
             ``logprob_chunk_rows``).
+          logprobs: also compile the padded ``logprobs`` program (``False`` where the caller
+            scores rows with a packed pass instead, ``rl.step.detached_logprobs``).
 
         Returns:
           The number of programs built.
@@ -239,14 +241,16 @@ class Learner:
         lp_rows = self._logprob_call_rows(logprob_rows)
         sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, sharding=self.batch_sharding)  # noqa: E731
         for length in lengths:
-            self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32), sds(lp_rows, length, jnp.bool_)).compile()
+            if logprobs:
+                self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32),
+                                     sds(lp_rows, length, jnp.bool_)).compile()
             batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
             batch.update({k: sds(ppo_rows, length, jnp.float32)
                           for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
             if self.packs_update:
                 batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
             self._ppo_step.lower(self.params, self.opt_state, batch, int(n_micro), loss_cfg).compile()
-        return 2 * len(lengths)
+        return (2 if logprobs else 1) * len(lengths)
 
     # ---- SFT -------------------------------------------------------------------------------
     def _sft_step_impl(self, params, opt_state, batch, n_micro):

@@ -174,7 +174,9 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
       key: PRNG key for the dummy sampling calls.
 
     Returns:
-      ``{"sampler": n, "scorer": n, "learner": n, "seconds": s}`` (programs per part, wall time).
+      ``{"sampler": n, "scorer": n, "learner": n, "old_logprobs": n, "advantages": n, "seconds": s}``
+      (programs per part, wall time; ``old_logprobs``: the packed pass of the reference and old
+      log-probs, absent where packing does not apply and ``learner`` has the padded ones).
     """
     from mempo_jax.agent.rollout import warm_sampler
     from mempo_jax.rl.learner import ppo_plan
@@ -188,8 +190,9 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
-    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
     calc = _packed_logprobs(learner)  # the reference log-probs, and the old ones with old_logprobs = "trainer"
+    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss,
+                                        logprobs=calc is None)
     if calc is not None:
         out["old_logprobs"] = calc.precompile(learner.params, training_length_buckets(cfg))
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
