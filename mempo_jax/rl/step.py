@@ -443,7 +443,8 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     Args:
       learner: a ``Learner`` (policy params + optimizer).
       ref_params: frozen reference-policy parameters.
-      sample_fn: the sampler adapter (see ``rollout.rollout``).
+      sample_fn: the sampler adapter (see ``rollout.rollout``); its optional ``.progress``
+        attribute is the rollout's ``progress`` callback (the trainer's fault hooks).
       scorer: a ``MemoryRewardScorer``.
       questions: items with ``id``, ``question``, ``golds``.
       fmt, tool_env: the agent format (``AgentFormat``: tokenizer, tags, prompt) and host tools.
@@ -462,7 +463,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     t0 = time.perf_counter()
     tokenizer = fmt.tokenizer
     trajs = new_trajectories(fmt, questions, cfg.group_size)
-    rollout(sample_fn, learner.params, trajs, fmt, tool_env, cfg.rollout, key)
+    rollout(sample_fn, learner.params, trajs, fmt, tool_env, cfg.rollout, key, getattr(sample_fn, "progress", None))
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -535,7 +535,8 @@ class FaultHooks:
       nan_grad_steps: ``MEMPO_TEST_NAN_GRAD_STEPS="1,3-5"``: RL steps whose PPO batches get NaN
         advantages, so every update of the step has non-finite gradients.
       sigterm_rollout_step: ``MEMPO_TEST_SIGTERM_ROLLOUT_STEP=2``: the process sends itself
-        SIGTERM from inside the first sampler call of RL step 2 (during a rollout).
+        SIGTERM at the first rollout cycle of RL step 2 (during a rollout, before its first
+        sampling call).
     """
 
     nan_grad_steps: frozenset = frozenset()
@@ -557,7 +558,7 @@ class FaultHooks:
                              "MEMPO_TEST_SIGTERM_ROLLOUT_STEP like '2'") from None
 
     def before_sample(self, step: int, preemption) -> None:
-        """Called before every sampler call of RL step ``step``: at ``sigterm_rollout_step`` the
+        """Called at every rollout cycle of RL step ``step``: at ``sigterm_rollout_step`` the
         process sends itself SIGTERM (once: not while one is pending on ``preemption``)."""
         if step == self.sigterm_rollout_step and not preemption.requested:
             import signal

@@ -257,7 +257,8 @@ class _RLRun:
     """The RL stage's state between steps: the learner, the question order, the fault counter.
 
     The learner's ``before_update`` hook commits the step (a SIGTERM no longer abandons it) and
-    applies the test fault hooks; the sampler is wrapped for ``FaultHooks.sigterm_rollout_step``.
+    applies the test fault hooks; ``FaultHooks.before_sample`` runs once per rollout cycle of either
+    engine (``sample_fn.progress``, the ``progress`` callback of ``rollout.rollout``).
     """
 
     def __init__(self, ctx: RunContext, params):
@@ -273,8 +274,9 @@ class _RLRun:
                           .batch(cfg.rl.questions_per_step))
         self.faults = FaultCounter(cfg.checkpoint.max_consecutive_nonfinite, cfg.rl.num_mini_batches * cfg.rl.ppo_epochs)
         self.start = 0
-        self.sample_fn = lambda *args, **kwargs: self._sample(*args, **kwargs)
+        self.sample_fn = lambda *args, **kwargs: ctx.sample_fn(*args, **kwargs)
         self.sample_fn.sampler = getattr(ctx.sample_fn, "sampler", None)  # for RolloutConfig.engine = "cached"
+        self.sample_fn.progress = lambda turn, rows: ctx.hooks.before_sample(ctx.rl_step, ctx.pre)
         if ctx.rl_state is not None:
             self.learner.params, self.learner.opt_state, meta = ctx.rl_state
             record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.seed, ctx.point.source)
@@ -285,11 +287,6 @@ class _RLRun:
     def _before_update(self, rows):
         self.ctx.pre.commit()  # the step's state changes from here: finish it
         return self.ctx.hooks.update_rows(self.ctx.rl_step, rows)
-
-    def _sample(self, *args, **kwargs):
-        """The run's sampler, after ``FaultHooks.before_sample``."""
-        self.ctx.hooks.before_sample(self.ctx.rl_step, self.ctx.pre)
-        return self.ctx.sample_fn(*args, **kwargs)
 
     def record(self) -> RLCheckpoint:
         """What a checkpoint saved now would hold."""
