@@ -348,9 +348,9 @@ class Learner:
         end (``packing.pack_token_rows``, same length) when the ``logits_fn`` has the packed call
         (``packs_update``), else one row per row, then padded with all-invalid rows, and split
         into micro-batches of ``micro_batch_rows``; micro-batches without loss tokens (the
-        padding that packing leaves at the end) are skipped inside the program, and a mini-batch without loss tokens is not
-        run at all (no optimizer step: Adam's momentum would otherwise move the parameters on a
-        zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
+        padding that packing leaves at the end) are skipped inside the program, and a
+        mini-batch without loss tokens is not run at all (no optimizer step: Adam's momentum
+        would otherwise move the parameters on a zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
         non-finite gradient.
 
         Args:

@@ -106,7 +106,8 @@ def test_learner_skips_a_nonfinite_update_bit_for_bit():
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-2)))
     rng = np.random.default_rng(0)
     rows = {"input_ids": rng.integers(4, 40, (4, 16)).astype(np.int32), "valid": np.ones((4, 16), bool),
-            "loss_mask": np.pad(np.ones((4, 15), np.float32), ((0, 0), (1, 0))), "old_logprobs": np.full((4, 16), -3.0, np.float32),
+            "loss_mask": np.pad(np.ones((4, 15), np.float32), ((0, 0), (1, 0))),  # none in column 0
+            "old_logprobs": np.full((4, 16), -3.0, np.float32),
             "ref_logprobs": np.full((4, 16), -3.0, np.float32), "advantages": np.ones((4, 16), np.float32)}
     snap = lambda t: [np.array(x) for x in jax.tree.leaves(t)]  # noqa: E731
     p0, o0 = snap(learner.params), snap(learner.opt_state)
