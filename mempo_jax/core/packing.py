@@ -186,11 +186,10 @@ def pack_token_rows(rows: dict[str, np.ndarray], num_rows: int, pad_id: int = 0)
     packed = pack([ids[i, : sizes[i]] for i in range(r)], bins, length, num_rows, pad_id)
     on = packed.row_of >= 0
     src_r, src_c = np.where(on, packed.row_of, 0), np.where(on, packed.col_of, 0)
-    out = {}
+    out = {"input_ids": packed.input_ids, "valid": on, "segment_ids": packed.segment_ids,
+           "positions": packed.positions}
     for k, v in rows.items():
-        v = np.asarray(v)
-        out[k] = np.where(on, v[src_r, src_c], np.zeros((), v.dtype)).astype(v.dtype)
-    out["input_ids"] = packed.input_ids
-    out["valid"] = on
-    out["segment_ids"], out["positions"] = packed.segment_ids, packed.positions
+        if k not in out:
+            v = np.asarray(v)
+            out[k] = np.where(on, v[src_r, src_c], np.zeros((), v.dtype)).astype(v.dtype)
     return out

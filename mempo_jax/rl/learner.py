@@ -350,8 +350,8 @@ class Learner:
         into micro-batches of ``micro_batch_rows``; micro-batches without loss tokens (the
         padding that packing leaves at the end) are skipped inside the program, and a
         mini-batch without loss tokens is not run at all (no optimizer step: Adam's momentum
-        would otherwise move the parameters on a zero gradient); ``num_updates`` still counts it, as it counts an update skipped for a
-        non-finite gradient.
+        would otherwise move the parameters on a zero gradient); ``num_updates`` still counts it,
+        as it counts an update skipped for a non-finite gradient.
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,

@@ -194,16 +194,16 @@ def _agg_seq_mean_token_sum_norm(values, mask, norm_length=None, segment_ids=Non
 
 
 def loss_denominator(mask: Array, mode: str, segment_ids: Array | None = None) -> Array:
-    """The denominator of a whole mini-batch for ``mode`` (float32 scalar): its loss tokens for
+    """The denominator of a whole mini-batch for ``mode`` (float32 scalar): the registered mode's
+    own denominator (``aggregate_loss``) over the mini-batch — its loss tokens for
     ``"token-mean"``, else its sequences with at least one loss token (rows, or the packed
-    sequences of ``segment_ids``, as in ``aggregate_loss``).
+    sequences of ``segment_ids``).
 
     Raises:
       ValueError: for an unknown ``mode``.
     """
-    _AGG.get(mode)
     mask = jnp.asarray(mask, jnp.float32)
-    return jnp.sum(mask) if mode == "token-mean" else _num_sequences(mask, segment_ids)
+    return aggregate_loss(jnp.zeros_like(mask), mask, mode, segment_ids=segment_ids)[1]
 
 
 def aggregate_loss(

@@ -297,17 +297,16 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
 
 def _packed_logprobs(learner):
     """The learner's ``PackedLogprobs`` (built once, kept on the learner), or ``None`` where the
-    packed pass does not apply: a ``logits_fn`` without the packed contract, or several
+    packed pass does not apply: a learner that does not pack (``Learner.packs_update``), or several
     processes (their rows are scored in the lockstep global batch, ``learner.logprobs``)."""
     from mempo_jax.core.logprobs import PackedLogprobs
     from mempo_jax.core.sharding import batch_shards
 
-    packed = getattr(learner.logits_fn, "packed", None)
-    if packed is None or jax.process_count() > 1:
+    if not learner.packs_update or jax.process_count() > 1:
         return None
     calc = getattr(learner, "_packed_logprobs_calc", None)
     if calc is None:
-        calc = PackedLogprobs(packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
+        calc = PackedLogprobs(learner.logits_fn.packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
                               min_rows=batch_shards(learner.mesh, learner.rules), min_length=TRAIN_MIN_LENGTH,
                               param_shardings=learner.param_shardings, batch_sharding=learner.batch_sharding)
         learner._packed_logprobs_calc = calc
