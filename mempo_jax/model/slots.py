@@ -24,7 +24,7 @@ from mempo_jax.model.decoder import Decoder, KVCache
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_bound: jax.Array,
-                      block: int) -> jax.Array:
+                      block: int, *, layer: jax.Array | int | None = None, rows: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of queries at absolute positions over a heads-major cache, by key blocks.
 
     Query ``(b, t)`` attends the keys at cache positions ``<= q_pos[b, t]`` of row b. Key blocks
@@ -35,21 +35,35 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
     Args:
       q: ``[B, T, heads, head_dim]`` (after RoPE).
-      k, v: ``[B, kv_heads, size, head_dim]``, ``size`` a multiple of ``block``.
+      k, v: ``[B, kv_heads, size, head_dim]``, ``size`` a multiple of ``block``; or, with ``layer``,
+        a whole slot cache ``[layers, S, kv_heads, size, head_dim]`` of which row b reads layer
+        ``layer`` of slot ``rows[b]`` (``rows=None``: slot b, ``B == S``). Each key block is sliced
+        straight out of the cache (one ``[B, kv_heads, block, head_dim]`` read per block): neither the
+        layer nor the rows' slots are copied first (a decode step at batch 64, context 400 on
+        SmolLM2 spent 54 % of its time copying ``cache[layer]``).
       q_pos: ``[B, T]`` int32 absolute positions of the queries (every key at a position ``<=``
         it must already be written).
       kv_bound: int32 scalar, ``> max(q_pos)`` over the queries whose output is used.
       block: static key-block length (tokens).
+      layer: int32 scalar layer index of a whole cache (``None``: ``k``/``v`` are one layer's rows).
+      rows: ``[B]`` int32 slot of each query row in ``[0, S)``, with ``layer`` only.
 
     Returns:
       ``[B, T, heads, head_dim]`` in ``q.dtype`` (before the output projection). A query with no
       visible key (never the case for ``q_pos >= 0``) gets zeros.
 
     Raises:
-      ValueError: if ``size`` is not a multiple of ``block`` or ``heads`` of ``kv_heads``.
+      ValueError: if ``size`` is not a multiple of ``block`` or ``heads`` of ``kv_heads``, or the
+        cache does not match the rows.
     """
     b, t, h, hd = q.shape
-    kvh, size = k.shape[1], k.shape[2]
+    if layer is None:
+        if rows is not None:
+            raise ValueError("rows needs a whole cache and its layer index")
+        k, v, layer = k[None], v[None], 0
+    kvh, size = k.shape[2], k.shape[3]
+    if rows is None and k.shape[1] != b:
+        raise ValueError(f"{b} query rows but {k.shape[1]} cache slots (pass rows=)")
     if size % block or h % kvh:
         raise ValueError(f"cache size {size} must be a multiple of block {block}, heads {h} of kv heads {kvh}")
     g = h // kvh
@@ -59,8 +73,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
     def body(j, carry):
         m, l, acc = carry
-        kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=2).astype(q.dtype)  # [B, kv, blk, hd]
-        vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=2).astype(q.dtype)
+        kb, vb = _key_block(k, layer, rows, j * block, block).astype(q.dtype), \
+            _key_block(v, layer, rows, j * block, block).astype(q.dtype)  # [B, kv, blk, hd]
         s = jnp.einsum("btkgh,bksh->bkgts", qg, kb, preferred_element_type=jnp.float32)
         visible = (j * block + jnp.arange(block))[None, None, :] <= q_pos[:, :, None]  # [B, T, blk]
         s = jnp.where(visible[:, None, None], s, neg)
@@ -77,6 +91,18 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     _, l, acc = jax.lax.fori_loop(0, nb, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, kv, g, T, hd]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd).astype(q.dtype)
+
+
+def _key_block(cache: jax.Array, layer, rows, start, block: int) -> jax.Array:
+    """``[B, kv_heads, block, head_dim]``: positions ``[start, start + block)`` of layer ``layer``
+    of slots ``rows`` (``None``: every slot) of a ``[layers, S, kv_heads, size, head_dim]`` cache."""
+    _, s, kvh, _, hd = cache.shape
+    layer, start = jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32)
+    zero = jnp.int32(0)
+    if rows is None:
+        return jax.lax.dynamic_slice(cache, (layer, zero, zero, start, zero), (1, s, kvh, block, hd))[0]
+    return jax.vmap(lambda r: jax.lax.dynamic_slice(cache, (layer, r, zero, start, zero),
+                                                    (1, 1, kvh, block, hd))[0, 0])(rows.astype(jnp.int32))
 
 
 def slot_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, cache: KVCache, rows: jax.Array | None,
@@ -111,8 +137,7 @@ def slot_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, cache:
         q, k, v = blk.attn.qkv(blk.attn_norm(x), positions)
         ck = ck.at[i, slot_idx, :, pos_idx, :].set(k.astype(ck.dtype), mode="drop")
         cv = cv.at[i, slot_idx, :, pos_idx, :].set(v.astype(cv.dtype), mode="drop")
-        kl, vl = (ck[i], cv[i]) if gather is None else (ck[i][gather], cv[i][gather])
-        out = blocked_attention(q, kl, vl, positions, kv_bound, block)
+        out = blocked_attention(q, ck, cv, positions, kv_bound, block, layer=i, rows=gather)
         x = x + jnp.einsum("bthk,hkd->btd", out, blk.attn.o[...].astype(dt))
         x = x + blk.mlp(blk.mlp_norm(x))
     x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]  # [R, D]
