@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
                          max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
                          temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
-                         decode_chunk=4 if small else 16, prefill_chunk=32 if small else 256)
+                         decode_chunk=4 if small else 16, prefill_chunk=32)
     rows = []
     for mode in [] if args.decode_only else args.modes.split(","):
         cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))

@@ -151,8 +151,8 @@ def step_shapes(cfg, plan_cfg) -> dict:
     bucket them (powers of two), worst case over the step.
 
     With ``RolloutConfig.engine = "cached"`` the sampling rows are the slots (``engine.num_slots``),
-    the cache ``slot_cache_size(max_context_tokens)`` long, and P the longest prefill call
-    (``prefill_chunk``).
+    the cache ``slot_cache_size(max_context_tokens)`` long, and a prefill call at most one
+    ``prefill_chunk``-token row per slot (P = ``prefill_chunk``).
 
     Returns a dict with ``rollout_rows``, ``prompt_len`` (P), ``cache_len`` (S = P + N),
     ``train_len``, ``scoring_rows``, ``scoring_len``.
@@ -174,7 +174,7 @@ def step_shapes(cfg, plan_cfg) -> dict:
     ex = cfg.execution
     scoring_rows = min(all_rows, ex.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
     cache_len = prompt + ro.max_new_tokens
-    if ro.engine == "cached":  # the slot cache: one slot per trajectory, prefills of at most prefill_chunk
+    if ro.engine == "cached":  # the slot cache: one slot per trajectory, prefill rows of prefill_chunk
         from mempo_jax.agent.engine import num_slots
         from mempo_jax.agent.slot_sampler import slot_cache_size
 

@@ -8,11 +8,12 @@ fixed number of cache slots from its first turn to its end. A cycle:
    longest common prefix of the cached ids and the new policy context stays (in ``full`` mode the
    whole previous context and the sampled turn: the prefill is the turn's last token and the tool
    result; in k-step mode the system prompt and question), the rest is written by
-   ``SlotSampler.extend`` in chunks (one batched call per chunk round, rows and length in power-of-
-   two buckets), which samples the turn's first token. A trajectory's first prefill copies the system
+   ``SlotSampler.extend`` in rows of ``prefill_chunk`` tokens (every slot's rows together, a
+   power-of-two row bucket a call), which samples the turn's first token. A trajectory's first prefill copies the system
    prompt + question from a slot that holds them (``SlotSampler.copy``: the n trajectories of a group
    prefill their shared prompt once) and writes only its last prompt token;
-3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot;
+3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot (on a row bucket of
+   the generating slots only, ``decode_rows``);
 4. slots whose turn ended leave the decode batch; their turns are parsed and their tools run in one
    batched call (``rollout.apply_tools``), and at the next cycle their next turn — or, when their
    episode ended, another trajectory — enters with its prefill.
@@ -36,8 +37,7 @@ from mempo_jax.core.batching import bucket_length
 from mempo_jax.agent.slot_sampler import SlotSampler
 from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
-MIN_EXTEND_LENGTH = 32  # smallest length bucket of a prefill chunk (tokens)
-MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill chunk round
+MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill call
 
 
 def num_slots(cfg, num_trajectories: int) -> int:
@@ -47,20 +47,29 @@ def num_slots(cfg, num_trajectories: int) -> int:
 
 
 def _extend_rows_floor(slots: int) -> int:
-    """Smallest row bucket of a prefill chunk round: ``MIN_EXTEND_ROWS``, at most ``bucket(slots)``."""
+    """Smallest row bucket of a prefill call: ``MIN_EXTEND_ROWS``, at most ``bucket(slots)``."""
     return min(MIN_EXTEND_ROWS, bucket_length(slots, 1))
 
 
+def decode_rows(generating: Sequence[int], slots: int) -> Optional[np.ndarray]:
+    """The rows of a decode chunk: ``None`` (every slot) when the generating slots' row bucket
+    ``bucket_length(n, _extend_rows_floor(slots))`` reaches the slot count, else that many slot
+    indices (the generating ones, then ``slots``: padding)."""
+    n = bucket_length(max(len(generating), 1), _extend_rows_floor(slots))
+    if n >= slots:
+        return None
+    rows = np.full((n,), slots, np.int32)
+    rows[: len(generating)] = generating
+    return rows
+
+
 def extend_shapes(cfg, slots: int) -> list[tuple[int, int]]:
-    """Every ``(rows, length)`` a prefill chunk round can run at: rows ``bucket_length(n,
-    _extend_rows_floor(slots))`` for ``1 <= n <= slots``, lengths the powers of two from
-    ``MIN_EXTEND_LENGTH`` to ``cfg.prefill_chunk``."""
+    """Every ``(rows, length)`` a prefill call can run at: rows ``bucket_length(n,
+    _extend_rows_floor(slots))`` for ``1 <= n <= slots``, length ``cfg.prefill_chunk`` (the row) or 1
+    (a call whose every row is one token: the followers' last prompt token after their copy)."""
     low = _extend_rows_floor(slots)
-    rows = sorted({bucket_length(n, low) for n in range(1, slots + 1)})
-    lengths = [min(MIN_EXTEND_LENGTH, cfg.prefill_chunk)]
-    while lengths[-1] < cfg.prefill_chunk:
-        lengths.append(lengths[-1] * 2)
-    return [(r, t) for r in rows for t in lengths]
+    widths = sorted({1, cfg.prefill_chunk})
+    return [(r, w) for r in sorted({bucket_length(n, low) for n in range(1, slots + 1)}) for w in widths]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -91,30 +100,32 @@ class _Prefill:
 
 
 def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill], cfg, slots: int, key, greedy: bool):
-    """All pending prefills, ``cfg.prefill_chunk`` tokens per row per call (rounds of chunks)."""
+    """All pending prefills, cut into rows of ``cfg.prefill_chunk`` tokens (a slot's prefill spans
+    as many rows as it needs), at most ``bucket(slots)`` rows a call, rows in call order. Rows of
+    one slot in one call are consecutive chunks: every layer writes all rows' keys/values before
+    any row attends, so a chunk sees the chunks before it. Padding is only the tail of each
+    prefill's last row and the row bucket of the last call (a row per slot padded to the longest
+    prefill computed 2.6x the real tokens of SmolLM2's tool results)."""
     low = _extend_rows_floor(slots)
-    pos = {p.slot: 0 for p in prefills}
-    todo = list(prefills)
-    while todo:
-        chunk = cfg.prefill_chunk
-        rows_n = bucket_length(len(todo), low)
-        pieces = [p.ids[pos[p.slot]: pos[p.slot] + chunk] for p in todo]
-        t = min(bucket_length(max(len(x) for x in pieces), min(MIN_EXTEND_LENGTH, chunk)), chunk)
+    pieces = [(p, o) for p in prefills for o in range(0, len(p.ids), cfg.prefill_chunk)]  # (prefill, offset) a row
+    most = bucket_length(slots, low)
+    for c in range(0, len(pieces), most):
+        call = pieces[c: c + most]
+        rows_n = bucket_length(len(call), low)
+        width = 1 if all(len(p.ids) - o == 1 for p, o in call) else cfg.prefill_chunk
         rows = np.full((rows_n,), slots, np.int32)
-        ids = np.full((rows_n, t), sampler.pad_id, np.int32)
+        ids = np.full((rows_n, width), sampler.pad_id, np.int32)
         counts = np.ones((rows_n,), np.int32)
         starts, first = np.zeros((rows_n,), np.int32), np.zeros((rows_n,), bool)
         turn, traj = np.zeros((rows_n,), np.int32), np.zeros((rows_n,), np.int32)
-        for r, (p, piece) in enumerate(zip(todo, pieces)):
-            rows[r], counts[r], starts[r] = p.slot, len(piece), p.start + pos[p.slot]
+        for r, (p, o) in enumerate(call):
+            piece = p.ids[o: o + cfg.prefill_chunk]
+            rows[r], counts[r], starts[r] = p.slot, len(piece), p.start + o
             ids[r, : len(piece)] = piece
-            first[r] = pos[p.slot] + len(piece) >= len(p.ids)
+            first[r] = o + len(piece) >= len(p.ids)
             turn[r], traj[r] = p.turn, p.traj
         state = sampler.extend(params, state, rows, ids, counts, starts, first, turn, traj, key,
                                cfg.temperature, cfg.top_p, greedy)
-        for p, piece in zip(todo, pieces):
-            pos[p.slot] += len(piece)
-        todo = [p for p in todo if pos[p.slot] < len(p.ids)]
     return state
 
 
@@ -170,7 +181,8 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
             progress(max(len(trajs[owner[s]].turns) for s in generating), len(generating))
         if prefills:
             state = _prefill_phases(sampler, params, state, prefills, followers, cfg, slots, key, greedy)
-        state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
+        state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy,
+                               rows=decode_rows(sorted(generating), slots))
         active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
         ended = sorted(s for s in generating if not active[s])
         if not ended:
@@ -226,9 +238,12 @@ def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: j
     copies = sorted({r for r, _ in shapes})
     for r in copies:
         state = sampler.copy(state, np.zeros((r,), np.int32), np.full((r,), slots, np.int32))
-    state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy)
+    decodes = sorted({r for r, _ in shapes if r < slots})
+    for r in decodes + [None]:
+        rows = None if r is None else np.full((r,), slots, np.int32)
+        state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy, rows=rows)
     jax.block_until_ready(state.lengths)
-    return len(shapes) + len(copies) + 1
+    return len(shapes) + len(copies) + len(decodes) + 1
 
 
 __all__ = ["extend_shapes", "num_slots", "rollout_cached", "warm_engine"]

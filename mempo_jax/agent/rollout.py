@@ -47,7 +47,8 @@ class RolloutConfig:
       num_slots: cached engine: cache slots (0 = one per trajectory, bucketed as above); fewer
         slots than trajectories queue the rest until a slot frees.
       decode_chunk: cached engine: decode steps between two host cycles (refills, tools).
-      prefill_chunk: cached engine: the longest prefill written in one call (tokens, a power of two).
+      prefill_chunk: cached engine: the length of a prefill row (tokens, a power of two): what a
+        turn appends to a slot is cut into rows of this length, up to one row per slot in a call.
     """
 
     max_turns: int = 6
@@ -61,7 +62,7 @@ class RolloutConfig:
     engine: str = "legacy"
     num_slots: int = 0
     decode_chunk: int = 16
-    prefill_chunk: int = 256
+    prefill_chunk: int = 32
 
     def __post_init__(self):
         try:

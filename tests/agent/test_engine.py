@@ -64,16 +64,48 @@ def _assert_same(a, b, logprob_atol=1e-5):
             np.testing.assert_allclose(tx.output_logprobs, ty.output_logprobs, atol=logprob_atol, rtol=0)
 
 
-@pytest.mark.parametrize("context_steps,slots,max_context", [("full", 0, 128), (1, 0, 128), ("full", 3, 128),
-                                                             (1, 3, 128), ("full", 0, 60)])
-def test_cached_engine_gives_todays_turns(world, context_steps, slots, max_context):
-    cfg = dataclasses.replace(BASE, context_steps=context_steps, num_slots=slots, max_context_tokens=max_context)
+@pytest.mark.parametrize("context_steps,slots,max_context,chunk", [("full", 0, 128, 32), (1, 0, 128, 32),
+                                                                   ("full", 3, 128, 32), (1, 3, 128, 32),
+                                                                   ("full", 0, 60, 32), ("full", 0, 128, 2),
+                                                                   (1, 3, 128, 4), ("full", 16, 128, 4),
+                                                                   (1, 16, 128, 32)])
+def test_cached_engine_gives_todays_turns(world, context_steps, slots, max_context, chunk):
+    """Chunks of 2 and 4 tokens: a slot's prefill spans several rows of one call and several calls;
+    16 slots for 8 trajectories: decode runs on a row bucket of the generating slots (``decode_rows``)."""
+    cfg = dataclasses.replace(BASE, context_steps=context_steps, num_slots=slots, max_context_tokens=max_context,
+                              prefill_chunk=chunk)
     legacy = _run(world, dataclasses.replace(cfg, engine="legacy"))
     cached = _run(world, dataclasses.replace(cfg, engine="cached"))
     _assert_same(legacy, cached)
     reasons = {tr.end_reason for tr in legacy}
     assert reasons == ({"budget"} if max_context == 60 else {"max_turns"})  # the budget case has teeth
     assert sum(len(t.output_ids) for tr in legacy for t in tr.turns) > 8 * 4 * 2
+
+
+def test_one_slot_in_several_rows_of_a_call_equals_one_row(world):
+    """``extend`` with a slot's prefill cut into three rows given out of order (chunk 3, 1, 2, and
+    a padding row) leaves the state of the same prefill in one row: cache, length, first token."""
+    _, _, _, params, sample_fn = world
+    ss = sample_fn.sampler.slot_sampler()
+    ids = np.arange(3, 15, dtype=np.int32)  # 12 tokens: rows of 4
+    key = jax.random.PRNGKey(0)
+
+    def run(rows, chunks, starts, first):
+        state = ss.init_state(2, 32, 4)
+        width = max(len(c) for c in chunks)
+        padded = np.zeros((len(chunks), width), np.int32)
+        for r, c in enumerate(chunks):
+            padded[r, : len(c)] = c
+        z = np.zeros((len(chunks),), np.int32)
+        return ss.extend(params, state, np.asarray(rows, np.int32), padded, np.asarray([max(len(c), 1) for c in chunks]),
+                         np.asarray(starts, np.int32), np.asarray(first), z, z, key, 1.0, 1.0, True)
+
+    one = run([1], [ids], [0], [True])
+    split = run([1, 1, 2, 1], [ids[8:], ids[:4], [], ids[4:8]], [8, 0, 0, 4], [True, False, False, False])
+    assert int(split.lengths[1]) == int(one.lengths[1]) == 12
+    assert int(split.last[1]) == int(one.last[1]) and bool(split.active[1]) == bool(one.active[1])
+    np.testing.assert_allclose(np.asarray(split.cache.k[:, 1, :, :12]), np.asarray(one.cache.k[:, 1, :, :12]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(split.logps[1]), np.asarray(one.logps[1]), atol=1e-5)
 
 
 def test_sampled_trajectories_do_not_depend_on_the_slot_layout(world):
