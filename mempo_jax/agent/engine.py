@@ -9,9 +9,10 @@ fixed number of cache slots from its first turn to its end. A cycle:
    whole previous context and the sampled turn: the prefill is the turn's last token and the tool
    result; in k-step mode the system prompt and question), the rest is written by
    ``SlotSampler.extend`` in rows of ``prefill_chunk`` tokens (every slot's rows together, a
-   power-of-two row bucket a call), which samples the turn's first token. A trajectory's first prefill copies the system
-   prompt + question from a slot that holds them (``SlotSampler.copy``: the n trajectories of a group
-   prefill their shared prompt once) and writes only its last prompt token;
+   power-of-two row bucket a call), which samples the turn's first token. A trajectory's first
+   prefill copies the system prompt + question from a slot that holds them (``SlotSampler.copy``:
+   the n trajectories of a group prefill their shared prompt once) and writes only its last prompt
+   token;
 3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot (on a row bucket of
    the generating slots only, ``decode_rows``);
 4. slots whose turn ended leave the decode batch; their turns are parsed and their tools run in one
@@ -246,4 +247,4 @@ def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: j
     return len(shapes) + len(copies) + len(decodes) + 1
 
 
-__all__ = ["extend_shapes", "num_slots", "rollout_cached", "warm_engine"]
+__all__ = ["decode_rows", "extend_shapes", "num_slots", "rollout_cached", "warm_engine"]

@@ -97,14 +97,16 @@ def test_one_slot_in_several_rows_of_a_call_equals_one_row(world):
         for r, c in enumerate(chunks):
             padded[r, : len(c)] = c
         z = np.zeros((len(chunks),), np.int32)
-        return ss.extend(params, state, np.asarray(rows, np.int32), padded, np.asarray([max(len(c), 1) for c in chunks]),
-                         np.asarray(starts, np.int32), np.asarray(first), z, z, key, 1.0, 1.0, True)
+        counts = np.asarray([max(len(c), 1) for c in chunks])
+        return ss.extend(params, state, np.asarray(rows, np.int32), padded, counts, np.asarray(starts, np.int32),
+                         np.asarray(first), z, z, key, 1.0, 1.0, True)
 
     one = run([1], [ids], [0], [True])
     split = run([1, 1, 2, 1], [ids[8:], ids[:4], [], ids[4:8]], [8, 0, 0, 4], [True, False, False, False])
     assert int(split.lengths[1]) == int(one.lengths[1]) == 12
     assert int(split.last[1]) == int(one.last[1]) and bool(split.active[1]) == bool(one.active[1])
-    np.testing.assert_allclose(np.asarray(split.cache.k[:, 1, :, :12]), np.asarray(one.cache.k[:, 1, :, :12]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(split.cache.k[:, 1, :, :12]), np.asarray(one.cache.k[:, 1, :, :12]),
+                               atol=1e-5)
     np.testing.assert_allclose(np.asarray(split.logps[1]), np.asarray(one.logps[1]), atol=1e-5)
 
 
