@@ -14,7 +14,8 @@ on SmolLM2-135M-Instruct (text tags, its ChatML template and the short search pr
 
 Per engine: generated tokens/s, trajectories/s, the fraction of computed token positions that
 were useful (useful = every distinct token of the finished records — prompt, turns, tool results
-— processed once; computed = prefill rows x length + decode steps x rows, padding included), and
+— processed once; computed = prefill rows x length + decode steps x rows, padding included; above
+1 when an engine computes a group's shared prompt once, as the cached engine does), and
 the share of trajectories identical to (b)'s. JAX compile seconds (backend compiles seen by the
 ``CompileCounter``) are reported and subtracted (``*_steady``); transformers compiles nothing.
 Then decode at batch 64 (prompt 128, 128 new tokens, no stops): the cached engine's slot decode,
@@ -129,7 +130,8 @@ class Positions:
             after = np.asarray(jax.device_get(out.gen))
             me.device_s["decode"] = me.device_s.get("decode", 0.0) + time.perf_counter() - t0
             ran = int(np.max(np.where(active, after - before, 0), initial=0))
-            me.computed += ran * int(np.shape(before)[0])
+            rows = k.get("rows")  # decode on a row bucket of the generating slots (engine.decode_rows)
+            me.computed += ran * int(np.shape(before)[0] if rows is None else np.shape(rows)[0])
             return out
 
         SlotSampler.extend, SlotSampler.decode = extend, decode
