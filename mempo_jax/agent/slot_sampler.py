@@ -141,8 +141,11 @@ class SlotSampler:
         def z(dtype=jnp.int32):  # distinct buffers: the state is donated leaf by leaf
             return jnp.zeros((slots,), dtype)
 
-        return SlotState(cache, z(), z(), jnp.full((slots, max_new_tokens), self.pad_id, jnp.int32),
-                         jnp.zeros((slots, max_new_tokens), jnp.float32), z(), z(bool), z(bool), z(), z(), z())
+        state = SlotState(cache, z(), z(), jnp.full((slots, max_new_tokens), self.pad_id, jnp.int32),
+                          jnp.zeros((slots, max_new_tokens), jnp.float32), z(), z(bool), z(bool), z(), z(), z())
+        # through a no-op copy: the state placed as every program returns it, so the programs that
+        # warm-up compiled on program outputs serve a rollout's first call too (same jit key)
+        return self.copy(state, np.zeros((1,), np.int32), np.full((1,), slots, np.int32))
 
     def extend(self, params, state: SlotState, rows, ids, counts, starts, first, turn, traj, key,
                temperature: float, top_p: float, greedy: bool) -> SlotState:

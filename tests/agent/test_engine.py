@@ -157,9 +157,13 @@ def test_prefills_hold_only_what_the_cache_lacks(world, monkeypatch):
         assert sum(written) < (today / 2 if steps == "full" else today)
 
 
-def test_no_compilation_after_warm_up(world):
+@pytest.mark.parametrize("slots", [0, 16])
+def test_no_compilation_after_warm_up(world, slots):
+    """16 slots for 8 trajectories: prefill calls of 8 and 16 rows, decode row buckets; the first
+    call of a rollout starts from ``init_state`` (it compiled anew when that state's placement
+    differed from the programs' outputs)."""
     fmt, env, questions, params, sample_fn = world
-    cfg = dataclasses.replace(BASE, engine="cached", temperature=1.0)
+    cfg = dataclasses.replace(BASE, engine="cached", temperature=1.0, num_slots=slots, prefill_chunk=4)
     warm_sampler(sample_fn, params, fmt.tokenizer.pad_id, cfg, 8, jax.random.PRNGKey(0))
     mark = COUNTER.count
     for key in (1, 2):
