@@ -48,7 +48,8 @@ def num_slots(cfg, num_trajectories: int) -> int:
 
 
 def _extend_rows_floor(slots: int) -> int:
-    """Smallest row bucket of a prefill call: ``MIN_EXTEND_ROWS``, at most ``bucket(slots)``."""
+    """Smallest row bucket of a prefill call and of a decode chunk (``decode_rows``):
+    ``MIN_EXTEND_ROWS``, at most ``bucket(slots)``."""
     return min(MIN_EXTEND_ROWS, bucket_length(slots, 1))
 
 

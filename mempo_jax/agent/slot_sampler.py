@@ -7,8 +7,8 @@ cache is updated in place, never copied):
 
 * ``extend(state, rows [R], ids [R, T], counts [R], starts [R], first [R], ...)`` — writes the
   ``counts[r]`` new tokens of slot ``rows[r]`` at positions ``starts[r] …`` (several rows may be
-  consecutive chunks of one slot: each layer writes every row before any row attends; a chunk of a prefill:
-  the whole context of a new trajectory, or only what a turn appended — the last sampled token and
+  consecutive chunks of one slot: each layer writes every row before any row attends; a chunk of a
+  prefill: the whole context of a new trajectory, or only what a turn appended — the last sampled token and
   the tool result — while the rest stays cached, as the gemma sampler carries its cache across tool
   turns). On a row's last chunk (``first``) it samples the turn's first token and the slot starts
   generating.
