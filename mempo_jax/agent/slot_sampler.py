@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
@@ -124,28 +125,37 @@ class SlotSampler:
                                  f"{model_cfg.vocab_size} embedding rows")
             self._tables = (jnp.asarray(np.asarray(stop_automaton.next_state, np.int32)),
                             jnp.asarray(np.asarray(stop_automaton.completes, bool)))
-        fsm = self._tables is not None
-        self._extend = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "extend")
-        self._decode = _compiled(graphdef, model_cfg, self.stop_ids, self.pad_id, self.block, fsm, "decode")
-        self._copy = _copy_program()
+        self._fsm = self._tables is not None
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
         return slot_cache_size(max_context_tokens, self.block)
 
-    def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
-        """Empty slots: zero cache of ``size`` positions, nothing generating."""
-        cache = init_cache(self.model_cfg, slots, size)
-        cache = jax.device_put(cache, cache_shardings(self.model_cfg, slots, size, self.mesh, self.rules))
+    def state_shardings(self, slots: int, size: int) -> SlotState:
+        """Where a state of ``slots`` slots of ``size`` positions lives: the cache on
+        ``placement.cache_shardings`` (slots over the batch rule, kv heads over ``tensor``), the
+        per-slot sampling fields replicated. ``init_state`` places the state so and every program
+        returns it so (jit ``out_shardings``): the donated state keeps one placement, and a program
+        compiled on another program's output serves ``init_state``'s too (one jit key)."""
+        cache = cache_shardings(self.model_cfg, slots, size, self.mesh, self.rules)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return SlotState(cache, *([rep] * (len(SlotState._fields) - 1)))
 
+    def _program(self, which: str, state: SlotState):
+        """The jitted ``which`` program for ``state``'s shapes (``_compiled``)."""
+        s, size = state.cache.k.shape[1], state.cache.k.shape[3]
+        return _compiled(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.block, self._fsm, which,
+                         self.state_shardings(s, size))
+
+    def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
+        """Empty slots: zero cache of ``size`` positions, nothing generating, placed by ``state_shardings``."""
         def z(dtype=jnp.int32):  # distinct buffers: the state is donated leaf by leaf
             return jnp.zeros((slots,), dtype)
 
-        state = SlotState(cache, z(), z(), jnp.full((slots, max_new_tokens), self.pad_id, jnp.int32),
+        state = SlotState(init_cache(self.model_cfg, slots, size), z(), z(),
+                          jnp.full((slots, max_new_tokens), self.pad_id, jnp.int32),
                           jnp.zeros((slots, max_new_tokens), jnp.float32), z(), z(bool), z(bool), z(), z(), z())
-        # through a no-op copy: the state placed as every program returns it, so the programs that
-        # warm-up compiled on program outputs serve a rollout's first call too (same jit key)
-        return self.copy(state, np.zeros((1,), np.int32), np.full((1,), slots, np.int32))
+        return jax.device_put(state, self.state_shardings(slots, size))
 
     def extend(self, params, state: SlotState, rows, ids, counts, starts, first, turn, traj, key,
                temperature: float, top_p: float, greedy: bool) -> SlotState:
@@ -168,7 +178,7 @@ class SlotSampler:
           The new ``SlotState``.
         """
         extra = () if self._tables is None else (self._tables,)
-        return self._extend(params, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
+        return self._program("extend", state)(params, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
                             jnp.asarray(counts, jnp.int32), jnp.asarray(starts, jnp.int32), jnp.asarray(first, bool),
                             jnp.asarray(turn, jnp.int32), jnp.asarray(traj, jnp.int32), key,
                             jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), *extra,
@@ -184,7 +194,7 @@ class SlotSampler:
           state: the slots.
           src, dst: ``[R]`` int32 slot indices.
         """
-        return self._copy(state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+        return self._program("copy", state)(state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
     def decode(self, params, state: SlotState, steps: int, key, temperature: float, top_p: float,
                greedy: bool, rows=None) -> SlotState:
@@ -197,31 +207,30 @@ class SlotSampler:
         """
         extra = () if self._tables is None else (self._tables,)
         rows = None if rows is None else jnp.asarray(rows, jnp.int32)
-        return self._decode(params, state, key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
+        return self._program("decode", state)(params, state, key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
                             *extra, rows=rows, steps=int(steps), greedy=greedy, use_top_p=top_p < 1.0)
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which):
-    """The jitted ``extend`` or ``decode`` program (state donated). ``fsm``: the stop-automaton
-    tables come as the last positional argument (part of the cache key only)."""
+@functools.lru_cache(maxsize=64)
+def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_shardings):
+    """The jitted ``extend``, ``decode`` or ``copy`` program, state donated and returned on
+    ``state_shardings`` (``SlotSampler.state_shardings``). ``fsm``: the stop-automaton tables come
+    as the last positional argument (part of the cache key only)."""
     del model_cfg, fsm  # cache key: the graphdef carries the model, the call the tables
+    if which == "copy":
+        return jax.jit(_copy_impl, donate_argnums=(0,), out_shardings=state_shardings)
     impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block)
     statics = ("greedy", "use_top_p") + (("steps",) if which == "decode" else ())
-    return jax.jit(impl, static_argnames=statics, donate_argnums=(1,))
+    return jax.jit(impl, static_argnames=statics, donate_argnums=(1,), out_shardings=state_shardings)
 
 
-@functools.lru_cache(maxsize=1)
-def _copy_program():
-    """The jitted slot copy (state donated)."""
-    def copy(state: SlotState, src, dst):
-        s = state.lengths.shape[0]
-        src = jnp.clip(src, 0, s - 1)
-        k = state.cache.k.at[:, dst].set(state.cache.k[:, src], mode="drop")
-        v = state.cache.v.at[:, dst].set(state.cache.v[:, src], mode="drop")
-        return state._replace(cache=KVCache(k, v))
-
-    return jax.jit(copy, donate_argnums=(0,))
+def _copy_impl(state: SlotState, src, dst) -> SlotState:
+    """Slot ``src[r]``'s cache into slot ``dst[r]`` (``SlotSampler.copy``)."""
+    s = state.lengths.shape[0]
+    src = jnp.clip(src, 0, s - 1)
+    k = state.cache.k.at[:, dst].set(state.cache.k[:, src], mode="drop")
+    v = state.cache.v.at[:, dst].set(state.cache.v[:, src], mode="drop")
+    return state._replace(cache=KVCache(k, v))
 
 
 def _stop_now(tok, fsm_state, stop_ids, tables):

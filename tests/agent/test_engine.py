@@ -261,5 +261,12 @@ def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
     trajs = new_trajectories(fmt, questions, 2)
     rollout(mesh_fn, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
     _assert_same(ref, trajs)
-    cache = mesh_sampler.slot_sampler().init_state(8, 128, 10).cache
-    assert cache.k.sharding.shard_shape(cache.k.shape)[1] == 8 // (shape[0] * shape[1])
+    slots = mesh_sampler.slot_sampler()
+    state = slots.init_state(8, 128, 10)
+    placed = state.cache.k.sharding
+    assert placed.shard_shape(state.cache.k.shape)[1] == 8 // (shape[0] * shape[1])
+    state = slots.copy(state, np.zeros((1,), np.int32), np.ones((1,), np.int32))
+    state = slots.decode(shard_params(params, mesh), state, 2, jax.random.PRNGKey(0), 1.0, 1.0, True)
+    # the programs return the slots exactly as init_state placed them: before, the cache came back as
+    # P(None, ('data', 'fsdp'), 'tensor'), the same layout spelled otherwise, i.e. another jit key
+    assert state.cache.k.sharding == placed and state.cache.v.sharding == placed
