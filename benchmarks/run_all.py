@@ -4,7 +4,8 @@ Sections: 1-2 ``bench_decode.py`` (decode and prefill vs transformers), 3 ``benc
 (memory-reward scoring), 4 ``bench_rl_step.py`` (RL step split and compilations), 5
 ``bench_tokens.py`` (k = 1 vs full-history TT/PT/EM of a trained run), 6 ``bench_roofline.py``
 (achieved FLOP/s vs peak), 7 ``bench_rollout.py`` (multi-turn rollout: cached engine vs today's vs a
-transformers loop; decode at batch 64). ``benchmarks/chaos_resume.py`` (the resume check) is not run here.
+transformers loop; decode at batch 64), 8 ``bench_attention.py`` (the decode step's attention vs torch
+SDPA). ``benchmarks/chaos_resume.py`` (the resume check) is not run here.
 
 Run: ``python benchmarks/run_all.py [--json bench.json] [--small] [--only decode,rl_step]``
 (about 10 minutes on a 2-core CPU; ``--small``: the smoke test's configurations, ~2 minutes).
@@ -28,6 +29,7 @@ SECTIONS = [  # (name, script, extra arguments)
     ("tokens", "bench_tokens.py", []),
     ("roofline", "bench_roofline.py", []),
     ("rollout", "bench_rollout.py", []),
+    ("attention", "bench_attention.py", []),
 ]
 
 

@@ -169,6 +169,14 @@ def test_roofline_script_json(tmp_path):
     assert res["update"]["flops_analytic"] > 0
 
 
+def test_attention_script_json(tmp_path):
+    rows = _script("bench_attention", tmp_path, "--repeats", "1")
+    assert [r["keys"] for r in rows] == [64, 96] and all(r["ours_ms"] > 0 for r in rows)
+    for r in rows:  # the same attention as torch's SDPA on the same keys
+        if "torch_ms" in r:
+            assert r["max_abs_diff"] < 1e-5
+
+
 def test_tokens_script_skips_without_a_run(tmp_path):
     res = _script("bench_tokens", tmp_path, "--run_dir", str(tmp_path / "absent"))
     assert res["skipped"].startswith("SKIP") and "python -m mempo_jax.train --run_dir runs/tiny" in res["skipped"]
@@ -178,6 +186,7 @@ def test_tokens_script_skips_without_a_run(tmp_path):
 def test_run_all_lists_every_section():
     import run_all
 
-    assert [s[0] for s in run_all.SECTIONS] == ["decode", "scoring", "rl_step", "tokens", "roofline", "rollout"]
+    assert [s[0] for s in run_all.SECTIONS] == ["decode", "scoring", "rl_step", "tokens", "roofline", "rollout",
+                                                   "attention"]
     for _, script, _ in run_all.SECTIONS:
         assert (REPO / "benchmarks" / script).is_file()
