@@ -226,6 +226,8 @@ def main(argv=None) -> dict:
     p.add_argument("--decode_prompt", type=int, default=None, help="decode table: prompt tokens (default 128)")
     p.add_argument("--rows_bucket", type=int, default=None,
                    help="RolloutConfig.min_rows_bucket (default 64: today's default; the SmolLM2 recipe binds 16)")
+    p.add_argument("--decode_chunk", type=int, default=None,
+                   help="RolloutConfig.decode_chunk of the cached engine (default 16; small: 4)")
     args = p.parse_args(argv)
     setup_platform(args.device)
     import jax
@@ -260,7 +262,7 @@ def main(argv=None) -> dict:
     base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
                          max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
                          temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
-                         decode_chunk=4 if small else 16, prefill_chunk=32)
+                         decode_chunk=args.decode_chunk or (4 if small else 16), prefill_chunk=32)
     rows = []
     for mode in [] if args.decode_only else args.modes.split(","):
         cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))
