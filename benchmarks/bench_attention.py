@@ -48,8 +48,6 @@ def main(argv=None) -> dict:
     torch = None
     if have_transformers():
         import torch
-
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     for n in keys:
         pos = jnp.full((batch, 1), n - 1, jnp.int32)

@@ -108,7 +108,7 @@ class SlotSampler:
         (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
-    with equal (graphdef, model_cfg, stops, pad, automaton shape, block).
+    with equal (graphdef, model_cfg, stops, pad, automaton shape, block, state placement).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int, *,
@@ -178,11 +178,12 @@ class SlotSampler:
           The new ``SlotState``.
         """
         extra = () if self._tables is None else (self._tables,)
-        return self._program("extend", state)(params, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
-                            jnp.asarray(counts, jnp.int32), jnp.asarray(starts, jnp.int32), jnp.asarray(first, bool),
-                            jnp.asarray(turn, jnp.int32), jnp.asarray(traj, jnp.int32), key,
-                            jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), *extra,
-                            greedy=greedy, use_top_p=top_p < 1.0)
+        program = self._program("extend", state)
+        return program(params, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
+                       jnp.asarray(counts, jnp.int32), jnp.asarray(starts, jnp.int32), jnp.asarray(first, bool),
+                       jnp.asarray(turn, jnp.int32), jnp.asarray(traj, jnp.int32), key,
+                       jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), *extra,
+                       greedy=greedy, use_top_p=top_p < 1.0)
 
     def copy(self, state: SlotState, src, dst) -> SlotState:
         """Copy the cache of slot ``src[r]`` into slot ``dst[r]`` (every position; ``dst >= S``: a
@@ -207,8 +208,9 @@ class SlotSampler:
         """
         extra = () if self._tables is None else (self._tables,)
         rows = None if rows is None else jnp.asarray(rows, jnp.int32)
-        return self._program("decode", state)(params, state, key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
-                            *extra, rows=rows, steps=int(steps), greedy=greedy, use_top_p=top_p < 1.0)
+        program = self._program("decode", state)
+        return program(params, state, key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
+                       *extra, rows=rows, steps=int(steps), greedy=greedy, use_top_p=top_p < 1.0)
 
 
 @functools.lru_cache(maxsize=64)
