@@ -126,6 +126,7 @@ class SlotSampler:
             self._tables = (jnp.asarray(np.asarray(stop_automaton.next_state, np.int32)),
                             jnp.asarray(np.asarray(stop_automaton.completes, bool)))
         self._fsm = self._tables is not None
+        self._placements = {}  # (slots, size) -> state_shardings
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
@@ -137,9 +138,12 @@ class SlotSampler:
         per-slot sampling fields replicated. ``init_state`` places the state so and every program
         returns it so (jit ``out_shardings``): the donated state keeps one placement, and a program
         compiled on another program's output serves ``init_state``'s too (one jit key)."""
-        cache = cache_shardings(self.model_cfg, slots, size, self.mesh, self.rules)
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        return SlotState(cache, *([rep] * (len(SlotState._fields) - 1)))
+        key = (int(slots), int(size))
+        if key not in self._placements:  # once per shape: every program call asks
+            cache = cache_shardings(self.model_cfg, slots, size, self.mesh, self.rules)
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            self._placements[key] = SlotState(cache, *([rep] * (len(SlotState._fields) - 1)))
+        return self._placements[key]
 
     def _program(self, which: str, state: SlotState):
         """The jitted ``which`` program for ``state``'s shapes (``_compiled``)."""
