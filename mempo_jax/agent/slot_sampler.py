@@ -125,7 +125,6 @@ class SlotSampler:
                                  f"{model_cfg.vocab_size} embedding rows")
             self._tables = (jnp.asarray(np.asarray(stop_automaton.next_state, np.int32)),
                             jnp.asarray(np.asarray(stop_automaton.completes, bool)))
-        self._fsm = self._tables is not None
         self._placements = {}  # (slots, size) -> state_shardings
 
     def cache_size(self, max_context_tokens: int) -> int:
@@ -148,8 +147,8 @@ class SlotSampler:
     def _program(self, which: str, state: SlotState):
         """The jitted ``which`` program for ``state``'s shapes (``_compiled``)."""
         s, size = state.cache.k.shape[1], state.cache.k.shape[3]
-        return _compiled(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.block, self._fsm, which,
-                         self.state_shardings(s, size))
+        return _compiled(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.block,
+                         self._tables is not None, which, self.state_shardings(s, size))
 
     def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
         """Empty slots: zero cache of ``size`` positions, nothing generating, placed by ``state_shardings``."""
