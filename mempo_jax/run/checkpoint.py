@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import sys
 from typing import Any, Optional
@@ -54,7 +55,7 @@ def _write_error(e: BaseException, where: str) -> CheckpointWriteError:
     if isinstance(e, OSError) and e.errno:
         return CheckpointWriteError(e.errno, f"{e.strerror or _first_line(e)} (saving a checkpoint)", where)
     text = str(e)
-    code = next((int(c) for c in __import__("re").findall(r"os_error_code='?(\d+)", text)), None)
+    code = next((int(c) for c in re.findall(r"os_error_code='?(\d+)", text)), None)
     if code is None:
         code = errno.ENOSPC if "No space left" in text else errno.EROFS if "Read-only file system" in text else errno.EIO
     reason = os.strerror(code) if code != errno.EIO else _first_line(e, 200)
@@ -108,12 +109,13 @@ def _quiet_late_reads(where: str):
 
 def _drop_unretrieved_read_errors(record: logging.LogRecord) -> bool:
     """``asyncio`` log filter, installed at the first restore: drops the "Future exception was
-    never retrieved" records of that restore's other reads (orbax returns on the first failing
+    never retrieved" / "Task exception was never retrieved" records (asyncio names the class of
+    the collected object) of that restore's other reads (orbax returns on the first failing
     read; the futures of the others are logged with a traceback when collected, long after the one
     line that reports the unreadable checkpoint): those whose message or exception names a file of
     a checkpoint folder whose restore failed. Every other record passes."""
     msg = record.getMessage()
-    if not msg.startswith("Future exception was never retrieved"):
+    if not re.match(r"\w+ exception was never retrieved", msg):
         return True
     text = msg + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else "")
     return not any(where in text for where in _failed_restores)
