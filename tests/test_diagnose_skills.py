@@ -35,16 +35,21 @@ def test_scripted_bridge_episodes_have_the_skills_they_were_written_with(setup, 
         assert s["searched_person_first"] == s["searched_company_after"] == 1.0
         assert s["answered_a_head"] == 1.0  # the lazy agent guesses one of the company's heads
         assert s["city_in_a_mem"] == (0.0 if lazy else 1.0)  # lazy: the birth city is dropped
+        assert s["city_dropped"] == (1.0 if lazy else 0.0)  # ... after its tool result showed it
         if not lazy:
             assert s["em"] == 1.0
 
 
-def test_scripted_multi_episodes_search_every_subject(setup):
+@pytest.mark.parametrize("lazy", [0.0, 1.0])
+def test_scripted_multi_episodes_search_every_subject_and_drop_what_lazy_memory_drops(setup, lazy):
     world, tok, fmt, env = setup
     offices = {c["name"]: c["offices"] for c in world.companies}
     rng = np.random.default_rng(1)
     for q in [q for q in world.train if q.kind == "multi"][:4]:
-        tr = scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=1.0), RolloutConfig(), rng)
+        tr = scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=lazy, duplicate_prob=0.0),
+                                 RolloutConfig(), rng)
         s = episode_skills(q, tr, tok, world)
-        assert s["subjects_searched"] == 1.0
-        assert s["em"] == pytest.approx(1 / len(q.golds))  # lazy: only the newest sub-answer is kept
+        assert s["subjects_searched"] == 1.0 and s["sub_answers_seen"] == 1.0
+        # lazy: only the newest sub-answer is kept, the others were seen and dropped
+        assert s["em"] == pytest.approx(1 / len(q.golds) if lazy else 1.0)
+        assert s["sub_answers_dropped"] == pytest.approx(1 - 1 / len(q.golds) if lazy else 0.0)
