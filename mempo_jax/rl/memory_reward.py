@@ -141,6 +141,40 @@ class MemoryRewardOutput(NamedTuple):
     p_mem: np.ndarray  # P(Z | mem_traj[t])
 
 
+LOG_FLOOR = 1e-30  # P below this counts as this in ``memory_reward_values(..., "log")`` (P = 0: no Z token)
+
+
+def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> np.ndarray:
+    """R_M of each scored turn in the chosen units (``RLConfig.memory_reward_scale``).
+
+    ``"prob"`` (MEMPO_SPEC §3): ``P_mem − P_full``, in [−1, 1]. ``"log"``: ``log P_mem − log
+    P_full``, the difference of the mean per-token log-likelihoods of Z (nats per answer token;
+    ``P`` floored at ``LOG_FLOOR``). The two rank a memory that lost what the full history held
+    the same way, but a difference of probabilities vanishes whenever Z is still unlikely under
+    both views. E.g. a multi-objective memory that drops objective 1's answer before objective 2
+    has been searched: half of Z's tokens at 0.9 and half at 0.002 under the full view, all at
+    0.002 under the memory, gives P 0.042 against 0.002, R_M −0.040 in probability but −3.05 in
+    log — the size of a final-turn drop.
+
+    Args:
+      out: the scorer's ``MemoryRewardOutput`` (``[M]`` float32 ``p_full``, ``p_mem``).
+      scale: ``"prob"`` or ``"log"``.
+
+    Returns:
+      ``[M]`` float32.
+
+    Raises:
+      ValueError: an unknown ``scale``.
+    """
+    if scale == "prob":
+        return np.asarray(out.r_mem, np.float32)
+    if scale != "log":
+        raise ValueError(f"memory reward scale must be 'prob' or 'log', got {scale!r}")
+    lp_mem = np.log(np.maximum(np.asarray(out.p_mem, np.float64), LOG_FLOOR))
+    lp_full = np.log(np.maximum(np.asarray(out.p_full, np.float64), LOG_FLOOR))
+    return (lp_mem - lp_full).astype(np.float32)
+
+
 class MemoryRewardScorer:
     """Scores P(Z | full) and P(Z | mem) for all turns of a batch in one detached jitted call.
 

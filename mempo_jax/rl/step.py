@@ -30,6 +30,7 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
 from mempo_jax.rl.losses import LossConfig
+from mempo_jax.rl.memory_reward import memory_reward_values
 from mempo_jax.rl.rewards import get_metric, outcome_reward
 from mempo_jax.text.stop_strings import byte_offsets
 from mempo_jax.core.validation import check
@@ -73,6 +74,10 @@ class RLConfig:
         statistics, not scored).
       memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, MEMPO_SPEC §4) or
         ``"center"`` (mean subtracted only, in probability units; ``advantage.memory_advantage``).
+      memory_reward_scale: the units of R_M (``memory_reward.memory_reward_values``): ``"prob"``
+        (default, MEMPO_SPEC §3: ``P_mem − P_full``) or ``"log"`` (``log P_mem − log P_full``,
+        nats per answer token: an early memory that dropped an objective gets a signal although
+        Z is still unlikely under both views).
       memory_group: which ``<mem>`` turns share one R_M mean/std: ``"question"`` (default,
         MEMPO_SPEC §4: every turn of every trajectory of the question's group) or ``"turn"``
         (the group's turns of the same index: memory t of one trajectory is ranked against memory
@@ -97,6 +102,7 @@ class RLConfig:
     memory_reward_on: str = "all"
     memory_norm: str = "zscore"
     memory_group: str = "question"
+    memory_reward_scale: str = "prob"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -116,6 +122,7 @@ class RLConfig:
         check(self, "memory_reward_on", str, choices=("all", "correct"))
         check(self, "memory_norm", str, choices=("zscore", "center"))
         check(self, "memory_group", str, choices=("question", "turn"))
+        check(self, "memory_reward_scale", str, choices=("prob", "log"))
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -475,7 +482,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
                                          cfg.memory_answer, codec=fmt.codec)
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
-    r_mem[scored] = mem_out.r_mem
+    r_mem[scored] = memory_reward_values(mem_out, cfg.memory_reward_scale)
     ref_logp = detached_logprobs(learner, ref_params, rows)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),

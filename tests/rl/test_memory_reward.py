@@ -5,6 +5,8 @@ between each view and Z (``RLConfig.memory_prefix``)."""
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig, make_turn
@@ -240,3 +242,36 @@ def test_answer_ids_of_text_tags_on_smollm2(smollm2_dir):
     inner = answer_ids_of(make_turn(AgentFormat(tok, codec), straddle + tail, None, True), codec)
     assert tok.decode(inner) == "b> Paris" and inner == tok.encode("b> Paris")
     assert answer_ids_of(make_turn(AgentFormat(tok, codec), head + sampled, None, False), codec) is None
+
+
+def test_log_scale_memory_reward_golden_values_and_floor():
+    """``memory_reward_values``: ``"prob"`` is the scorer's P_mem − P_full; ``"log"`` is log P_mem −
+    log P_full (the docstring's worked example: −3.0546 nats where the probabilities differ by
+    −0.0404); P = 0 (no Z token) on both views gives 0, on one view the floor's log."""
+    from mempo_jax.rl.memory_reward import LOG_FLOOR, MemoryRewardOutput, memory_reward_values
+
+    p_full = np.array([0.9 ** 0.5 * 0.002 ** 0.5, 0.5, 0.0, 0.25], np.float32)
+    p_mem = np.array([0.002, 0.5, 0.0, 0.0], np.float32)
+    out = MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
+    np.testing.assert_array_equal(memory_reward_values(out, "prob"), p_mem - p_full)
+    np.testing.assert_allclose(memory_reward_values(out, "log"),
+                               [-3.0546238, 0.0, 0.0, np.log(LOG_FLOOR) - np.log(0.25)], rtol=1e-6)
+    with pytest.raises(ValueError, match="'prob' or 'log'"):
+        memory_reward_values(out, "logit")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-6, 1.0), st.floats(1e-6, 1.0)), min_size=1, max_size=16))
+def test_log_scale_memory_reward_ranks_like_the_probability_difference(pairs):
+    """For each turn the two scales agree in sign (a memory that lost probability of Z is
+    penalised in both), and at a fixed P_full both are increasing in P_mem."""
+    from mempo_jax.rl.memory_reward import MemoryRewardOutput, memory_reward_values
+
+    p_full, p_mem = (np.array(x, np.float32) for x in zip(*pairs))
+    out = MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
+    prob, log = memory_reward_values(out, "prob"), memory_reward_values(out, "log")
+    clear = np.abs(prob) > 1e-6  # float32 rounding aside
+    assert np.array_equal(np.sign(prob[clear]), np.sign(log[clear]))
+    order = np.argsort(p_mem, kind="stable")
+    same_full = MemoryRewardOutput(p_mem - p_full[0], np.full_like(p_full, p_full[0]), p_mem)
+    assert np.all(np.diff(memory_reward_values(same_full, "log")[order]) >= 0)
