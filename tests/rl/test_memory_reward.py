@@ -128,7 +128,8 @@ class _Recording:
 
     def __call__(self, params, full, mem, answers):
         self.calls.append((list(full), list(mem), list(answers)))
-        return self.scorer(params, full, mem, answers)
+        self.outputs = getattr(self, "outputs", []) + [self.scorer(params, full, mem, answers)]
+        return self.outputs[-1]
 
 
 def _scripted_sample_fn(plan):
@@ -183,6 +184,40 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
     (full, mem, answers), = scorer.calls
     assert len(full) == (12 if include else 9)  # the excluded turns are not even scored
     assert np.isfinite(m["mem/reward/mean"]) and np.isfinite(m["actor/pg_loss"])
+
+
+@pytest.mark.parametrize("scale", ["prob", "log"])
+def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, monkeypatch):
+    """``RLConfig.memory_reward_scale``: the R_M that ``rl_step`` hands to ``compute_advantages``
+    is the scorer's ``P_mem − P_full`` (``prob``) or ``log P_mem − log P_full`` (``log``),
+    recomputed here from the scorer's own P values."""
+    from mempo_jax.model.forward import make_logits_fn
+    from mempo_jax.rl import step as step_mod
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer
+
+    tok, env, questions = toy_world()
+    _, graphdef, params = toy_model(tok.vocab_size, seed=3)
+    logits_fn = make_logits_fn(graphdef)
+    scorer = _Recording(MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], chunk_rows=8))
+    learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
+                      micro_batch_rows=4)
+    seen = []
+    real = step_mod.compute_advantages
+    monkeypatch.setattr(step_mod, "compute_advantages",
+                        lambda trajs, rows, rewards, r_mem, *a, **k: seen.append(np.array(r_mem)) or
+                        real(trajs, rows, rewards, r_mem, *a, **k))
+    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_scale=scale,
+                   rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
+                                         max_observation_tokens=8, temperature=1.0, context_steps=1,
+                                         min_rows_bucket=8))
+    rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params), _scripted_sample_fn([[VALID] * 6, [ANSWER]]),
+            scorer, questions[:2], AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+    (out,), (r_mem,) = scorer.outputs, seen
+    assert len(out.p_mem) == len(r_mem) == 12 and np.all(out.p_mem > 0) and np.all(out.p_full > 0)
+    want = out.p_mem - out.p_full if scale == "prob" else np.log(out.p_mem.astype(np.float64)) - np.log(out.p_full)
+    np.testing.assert_allclose(r_mem, want, rtol=1e-5, atol=1e-7)
+    assert np.abs(r_mem).max() > 1e-4  # the views differ, so the two scales are told apart
 
 
 # ---- Z = the sampled answer ids (MEMPO_SPEC §2), never the re-encoded decoded text ----------
