@@ -78,6 +78,12 @@ class RLConfig:
         (default, MEMPO_SPEC §3: ``P_mem − P_full``) or ``"log"`` (``log P_mem − log P_full``,
         nats per answer token: an early memory that dropped an objective gets a signal although
         Z is still unlikely under both views).
+      memory_baseline: the view P_mem is compared with: ``"full"`` (default, MEMPO_SPEC §3:
+        ``full_traj[t]``, the whole history) or ``"input"`` (the context the policy wrote turn t's
+        memory from, ``Trajectory.policy_context(rollout.context_steps, t)``; the same as
+        ``"full"`` in full mode). In k-step mode a memory that dropped a fact passes the loss on:
+        every later memory lacks it and, against the full history, each is penalised for what it
+        never saw; against its own input only the memory that dropped it is.
       memory_group: which ``<mem>`` turns share one R_M mean/std: ``"question"`` (default,
         MEMPO_SPEC §4: every turn of every trajectory of the question's group) or ``"turn"``
         (the group's turns of the same index: memory t of one trajectory is ranked against memory
@@ -103,6 +109,7 @@ class RLConfig:
     memory_norm: str = "zscore"
     memory_group: str = "question"
     memory_reward_scale: str = "prob"
+    memory_baseline: str = "full"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -123,6 +130,7 @@ class RLConfig:
         check(self, "memory_norm", str, choices=("zscore", "center"))
         check(self, "memory_group", str, choices=("question", "turn"))
         check(self, "memory_reward_scale", str, choices=("prob", "log"))
+        check(self, "memory_baseline", str, choices=("full", "input"))
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -259,10 +267,12 @@ def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[in
 
 
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
-                    *, codec=None):
+                    *, codec=None, baseline_steps: int = FULL):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
-    ``full_traj[t]`` / ``mem_traj[t]`` views and Z: the gold answer (default; aliases' first
+    ``full_traj[t]`` (``baseline_steps = FULL``, the default; else the k-step policy context of
+    turn t, ``Trajectory.policy_context``: ``RLConfig.memory_baseline = "input"``) /
+    ``mem_traj[t]`` views and Z: the gold answer (default; aliases' first
     entries joined by ``"; "``, encoded with a leading space as rendered in turns) or, with
     ``"generated"``, the sampled ids of the trajectory's final ``<answer>`` block
     (``answer_ids_of`` with ``codec``, the policy's ``TagCodec``; default: ``tokenizer``'s tags
@@ -278,7 +288,7 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     full, mem, answers = [], [], []
     for tr_i, t in mem_turn:
         tr = trajs[tr_i]
-        full.append(tr.full_traj(t))
+        full.append(tr.policy_context(baseline_steps, t))
         mem.append(tr.mem_traj(t))
         z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
         answers.append(z if z is not None else gold_answer_ids(tokenizer, tr.golds))
@@ -479,7 +489,9 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed,
                                  rewards if cfg.memory_reward_on == "correct" else None)
     full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
-                                         cfg.memory_answer, codec=fmt.codec)
+                                         cfg.memory_answer, codec=fmt.codec,
+                                         baseline_steps=cfg.rollout.context_steps if cfg.memory_baseline == "input"
+                                         else FULL)
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
     r_mem[scored] = memory_reward_values(mem_out, cfg.memory_reward_scale)

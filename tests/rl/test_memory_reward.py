@@ -186,11 +186,13 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
     assert np.isfinite(m["mem/reward/mean"]) and np.isfinite(m["actor/pg_loss"])
 
 
-@pytest.mark.parametrize("scale", ["prob", "log"])
-def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, monkeypatch):
+@pytest.mark.parametrize("scale,baseline", [("prob", "full"), ("log", "full"), ("log", "input")])
+def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, baseline, monkeypatch):
     """``RLConfig.memory_reward_scale``: the R_M that ``rl_step`` hands to ``compute_advantages``
     is the scorer's ``P_mem − P_full`` (``prob``) or ``log P_mem − log P_full`` (``log``),
-    recomputed here from the scorer's own P values."""
+    recomputed here from the scorer's own P values. ``RLConfig.memory_baseline``: the scored
+    baseline views are ``full_traj[t]`` or the k = 1 context each memory was written from."""
+    from mempo_jax.agent.trajectory import FULL
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl import step as step_mod
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
@@ -207,14 +209,18 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
     monkeypatch.setattr(step_mod, "compute_advantages",
                         lambda trajs, rows, rewards, r_mem, *a, **k: seen.append(np.array(r_mem)) or
                         real(trajs, rows, rewards, r_mem, *a, **k))
-    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_scale=scale,
-                   rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
+    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_scale=scale, memory_baseline=baseline,
+                   rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params), _scripted_sample_fn([[VALID] * 6, [ANSWER]]),
-            scorer, questions[:2], AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
-    (out,), (r_mem,) = scorer.outputs, seen
-    assert len(out.p_mem) == len(r_mem) == 12 and np.all(out.p_mem > 0) and np.all(out.p_full > 0)
+    _, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+                       _scripted_sample_fn([[VALID] * 6, [VALID] * 6, [ANSWER]]), scorer, questions[:2],
+                       AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+    (out,), (r_mem,), ((views, _, _),) = scorer.outputs, seen, scorer.calls
+    steps = 1 if baseline == "input" else FULL
+    assert sorted(views) == sorted(tr.policy_context(steps, t) for tr in trajs for t in range(len(tr.turns)))
+    assert any(tr.policy_context(1, 2) != tr.full_traj(2) for tr in trajs)  # the two baselines differ
+    assert len(out.p_mem) == len(r_mem) == 18 and np.all(out.p_mem > 0) and np.all(out.p_full > 0)
     want = out.p_mem - out.p_full if scale == "prob" else np.log(out.p_mem.astype(np.float64)) - np.log(out.p_full)
     np.testing.assert_allclose(r_mem, want, rtol=1e-5, atol=1e-7)
     assert np.abs(r_mem).max() > 1e-4  # the views differ, so the two scales are told apart
@@ -251,6 +257,25 @@ def test_generated_answer_is_scored_as_its_sampled_ids(spm):
     assert memory_contexts([answered, unanswered], mem_turn, tok, "generated")[2] == answers  # default codec
     _, _, gold = memory_contexts([answered, unanswered], mem_turn, tok, "gold")
     assert gold == [tok.encode(" Rome"), tok.encode(" Rome"), tok.encode(" Rome; Oslo")]
+
+
+def test_input_baseline_is_the_context_the_memory_was_written_from():
+    """``memory_contexts(..., baseline_steps=1)`` (``RLConfig.memory_baseline = "input"`` in k = 1
+    mode): turn t's baseline view is prompt + turn t−1's output + its tool result, not the whole
+    history; the memory view and Z do not change; ``FULL`` gives ``full_traj[t]``."""
+    from mempo_jax.agent.trajectory import FULL
+
+    tr = Trajectory("q", 0, (("paris",),), TOK.encode("who is alice"))
+    tr.turns = [_turn("<mem> none</mem><search> alice</search>"), _turn("<mem> alice paris</mem><search> bob</search>"),
+                _turn("<mem> bob</mem><answer> paris</answer>")]
+    turns = [(0, 0), (0, 1), (0, 2)]
+    full, mem, z = memory_contexts([tr], turns, TOK, "gold")
+    inp, mem1, z1 = memory_contexts([tr], turns, TOK, "gold", baseline_steps=1)
+    assert (mem1, z1) == (mem, z) and full == [tr.full_traj(t) for t in range(3)]
+    assert memory_contexts([tr], turns, TOK, "gold", baseline_steps=FULL)[0] == full
+    p, (t0, t1, _) = tr.prompt_ids, tr.turns
+    assert inp == [p, p + t0.output_ids + t0.observation_ids, p + t1.output_ids + t1.observation_ids]
+    assert inp[2] != full[2]  # turn 0's search result is in the history, not in turn 2's input
 
 
 def test_answer_ids_of_needs_a_closed_non_empty_block():
