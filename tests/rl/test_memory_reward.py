@@ -157,10 +157,10 @@ def _scripted_sample_fn(plan):
     return sample_fn
 
 
-@pytest.mark.parametrize("include", [False, True])
-def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
-    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
+def _toy_learner_and_scorer():
+    """The toy world, and a learner and a recording scorer on its seed-3 toy model."""
     from mempo_jax.model.forward import make_logits_fn
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
     tok, env, questions = toy_world()
@@ -169,6 +169,12 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
     scorer = _Recording(MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], chunk_rows=8))
     learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       micro_batch_rows=4)
+    return tok, env, questions, learner, scorer
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
+    tok, env, questions, learner, scorer = _toy_learner_and_scorer()
     ref = jax.tree.map(lambda x: x.copy(), learner.params)
     first = [MALFORMED["mem not first"], MALFORMED["nested tag"], VALID, MALFORMED["second mem"], VALID, VALID]
     cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_malformed=include,
@@ -193,17 +199,9 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
     recomputed here from the scorer's own P values. ``RLConfig.memory_baseline``: the scored
     baseline views are ``full_traj[t]`` or the k = 1 context each memory was written from."""
     from mempo_jax.agent.trajectory import FULL
-    from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl import step as step_mod
-    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
-    from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
-    tok, env, questions = toy_world()
-    _, graphdef, params = toy_model(tok.vocab_size, seed=3)
-    logits_fn = make_logits_fn(graphdef)
-    scorer = _Recording(MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], chunk_rows=8))
-    learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
-                      micro_batch_rows=4)
+    tok, env, questions, learner, scorer = _toy_learner_and_scorer()
     seen = []
     real = step_mod.compute_advantages
     monkeypatch.setattr(step_mod, "compute_advantages",
