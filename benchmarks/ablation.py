@@ -26,6 +26,8 @@ same sign in every seed.
 Writes ``OUT/ablation.md`` (tables), ``OUT/ablation.png`` (curves and per-kind EM) and JSON
 (``--json``). Run: ``python benchmarks/ablation.py --json ablation.json [--out runs/ablation]
 [--seeds 0,1,2] [--rl_steps N] [--gin_param B ...]`` (the default recipe ``configs/tiny_world.gin``).
+``--sft_from DIR`` copies each seed's SFT start from an earlier run's ``DIR/seedS/sft`` instead of
+training it: a lever (``--gin_param``, ``--memory_coef``) on the same starts costs the RL arms only.
 ``--small``: the smoke test's small world and model, 1 seed, a few steps (nothing is learned).
 """
 
@@ -80,6 +82,23 @@ def start_arm(sft_dir: pathlib.Path, arm_dir: pathlib.Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(sft_dir, tmp, ignore=shutil.ignore_patterns("checkpoints", "eval_rl.json", "summary.json"))
     tmp.rename(arm_dir)
+
+
+def copy_sft_start(src: pathlib.Path, sft_dir: pathlib.Path) -> None:
+    """``sft_dir`` as a copy of an earlier ablation's finished SFT start ``src`` (``--sft_from``; the
+    trainer then resumes it as finished). An existing ``sft_dir`` is kept.
+
+    Raises:
+      FileNotFoundError: ``src`` holds no ``sft_checkpoint`` (not a finished SFT start).
+    """
+    if sft_dir.exists():
+        return
+    if not (src / "sft_checkpoint").is_dir():
+        raise FileNotFoundError(f"--sft_from: {src} is not a finished SFT start (no sft_checkpoint/)")
+    tmp = sft_dir.with_name(sft_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tmp.rename(sft_dir)
 
 
 def rl_metric_mean(run_dir: pathlib.Path, name: str) -> tuple[float, float]:
@@ -204,6 +223,9 @@ def main(argv=None) -> dict:
     p.add_argument("--memory_coef", type=float, default=1.0,
                    help="RLConfig.memory_coef of the MemPO arm (the coefficient lever; the GRPO arms keep 0)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--sft_from", default=None,
+                   help="an earlier ablation's --out: each seed's SFT start is copied from its seedS/sft instead of "
+                        "trained (a lever on the same starts; the recipe and --gin_param must match what trained them)")
     p.add_argument("--curve_every", type=int, default=None, help="RL steps between curve points (default 2; --small 1)")
     p.add_argument("--curve_questions", type=int, default=None, help="held-out questions per curve point (default 96; --small 4)")
     p.add_argument("--bootstrap_samples", type=int, default=2000)
@@ -243,6 +265,8 @@ def main(argv=None) -> dict:
         common_params = base + [f"ExperimentConfig.seed={seed}"]
         sft_dir = out / f"seed{seed}" / "sft"
         t = time.time()
+        if args.sft_from:
+            copy_sft_start(pathlib.Path(args.sft_from) / f"seed{seed}" / "sft", sft_dir)
         train(sft_dir, args.gin_file, common_params + ["RLConfig.steps=0"], cache)
         walls[f"seed{seed}/sft"] = time.time() - t
         sample_fn = None

@@ -69,6 +69,16 @@ def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
     assert (out / "ablation.png").stat().st_size > 1000 and "MemPO − GRPO" in (out / "ablation.md").read_text()
     assert json.loads((tmp_path / "a.json").read_text())["section"] == "ablation"
     assert "| SFT start | k1 |" in capsys.readouterr().out
+    # a lever on the same SFT start: copied, not trained again (its metrics are byte for byte the same)
+    lever = tmp_path / "lever"
+    doc2 = ablation.main(["--small", "--rl_steps", "1", "--out", str(lever), "--sft_from", str(out),
+                          "--arms", "mempo,grpo", "--gin_param", 'RLConfig.memory_baseline="input"'])
+    for name in ("metrics.jsonl", "eval_sft.json"):
+        assert (lever / "seed0" / "sft" / name).read_bytes() == (out / "seed0" / "sft" / name).read_bytes()
+    assert doc2["results"]["arms"]["grpo"]["0"]["eval"]["sft"] == sft_eval
+    assert "memory_baseline = 'input'" in (lever / "seed0" / "mempo" / "config.gin").read_text()
+    with pytest.raises(FileNotFoundError, match="not a finished SFT start"):
+        ablation.main(["--small", "--out", str(tmp_path / "x"), "--sft_from", str(tmp_path / "nowhere")])
 
 
 @pytest.mark.parametrize("binding", ["RLConfig.memory_coef=0.3", 'RolloutConfig.context_steps="full"'])
