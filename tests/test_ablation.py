@@ -67,6 +67,10 @@ def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
     assert res["mempo_minus_grpo_hard"]["n"] == sum(1 for k in ("bridge", "multi")
                                                     for _ in range(int(sft_eval["k1"][f"eval/{k}/n"])))
     assert (out / "ablation.png").stat().st_size > 1000 and "MemPO − GRPO" in (out / "ablation.md").read_text()
+    by_kind = res["mempo_minus_grpo_by_kind"]
+    assert set(by_kind) == {"bridge", "multi"} and by_kind["bridge"]["n"] + by_kind["multi"]["n"] == \
+        res["mempo_minus_grpo_hard"]["n"]
+    assert "MemPO − GRPO (k1 EM, multi):" in (out / "ablation.md").read_text()
     assert json.loads((tmp_path / "a.json").read_text())["section"] == "ablation"
     assert "| SFT start | k1 |" in capsys.readouterr().out
     # a lever on the same SFT start: copied, not trained again (its metrics are byte for byte the same)
