@@ -76,12 +76,18 @@ def train(run_dir: pathlib.Path, gin_file: str, params, cache: pathlib.Path) -> 
 def start_arm(sft_dir: pathlib.Path, arm_dir: pathlib.Path) -> None:
     """A fresh arm folder: the SFT run's folder without its RL checkpoint, RL evaluation and summary
     (the trainer then resumes at the end of SFT). An existing arm folder is kept (it resumes)."""
-    if arm_dir.exists():
+    _copy_once(sft_dir, arm_dir, shutil.ignore_patterns("checkpoints", "eval_rl.json", "summary.json"))
+
+
+def _copy_once(src: pathlib.Path, dst: pathlib.Path, ignore=None) -> None:
+    """Copy folder ``src`` to ``dst`` unless ``dst`` exists, through ``dst.tmp`` then a rename, so a
+    killed copy never leaves a partial ``dst`` (the trainer would resume it)."""
+    if dst.exists():
         return
-    tmp = arm_dir.with_name(arm_dir.name + ".tmp")
+    tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(sft_dir, tmp, ignore=shutil.ignore_patterns("checkpoints", "eval_rl.json", "summary.json"))
-    tmp.rename(arm_dir)
+    shutil.copytree(src, tmp, ignore=ignore)
+    tmp.rename(dst)
 
 
 def copy_sft_start(src: pathlib.Path, sft_dir: pathlib.Path) -> None:
@@ -91,14 +97,9 @@ def copy_sft_start(src: pathlib.Path, sft_dir: pathlib.Path) -> None:
     Raises:
       FileNotFoundError: ``src`` holds no ``sft_checkpoint`` (not a finished SFT start).
     """
-    if sft_dir.exists():
-        return
-    if not (src / "sft_checkpoint").is_dir():
+    if not sft_dir.exists() and not (src / "sft_checkpoint").is_dir():
         raise FileNotFoundError(f"--sft_from: {src} is not a finished SFT start (no sft_checkpoint/)")
-    tmp = sft_dir.with_name(sft_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    tmp.rename(sft_dir)
+    _copy_once(src, sft_dir)
 
 
 def rl_metric_mean(run_dir: pathlib.Path, name: str) -> tuple[float, float]:
