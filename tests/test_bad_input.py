@@ -286,21 +286,52 @@ def test_a_run_folder_without_room_for_a_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_full_disk_while_writing_is_one_line_naming_the_file(tmp_path, capsys):
+def test_a_full_disk_while_writing_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
     """A write that fails with ENOSPC (here the tokenizer cache's temporary file, which /dev/full
     fills at once) is one line naming the file, exit 2: not a traceback."""
+    import tempfile
+
     from mempo_jax.text.tokenizer import train_sentencepiece
 
     probe = tmp_path / "probe"
     model = pathlib.Path(train_sentencepiece(_texts(), probe, 400).path)
     cache = tmp_path / "spm"
     cache.mkdir()
-    tmp = cache / model.with_suffix(".tmp").name  # where this run's tokenizer is written first
+    tmp = cache / (model.stem + ".full.tmp")  # where this run's tokenizer is written first
     tmp.symlink_to("/dev/full")
+
+    def mkstemp_on_dev_full(*args, **kwargs):
+        return os.open(tmp, os.O_WRONLY), str(tmp)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_on_dev_full)
     run = tmp_path / "run"
     rc, err = _main(capsys, run, cache=cache)
     assert rc == 2 and _one_error(err) == f"error: {tmp}: No space left on device [errno 28]"
     assert not run.exists() and not (cache / model.name).exists()
+
+
+def test_two_writers_of_one_cached_tokenizer_both_succeed(tmp_path, monkeypatch):
+    """Processes sharing a tokenizer cache (xdist workers, the small run beside them) may train the
+    same model at once. Here a second writer trains and renames into place between the first
+    writer's write and its rename; both must end with the model loaded, the cache holding it alone.
+    (With one fixed temporary name the second writer renamed the first one's file away: ENOENT.)"""
+    from mempo_jax.text import tokenizer as tok
+
+    cache = tmp_path / "spm"
+    real_replace = os.replace
+    nested = []
+
+    def replace_after_another_writer(src, dst):
+        if not nested:
+            nested.append(None)  # the second writer's own rename goes straight through
+            nested[0] = tok.train_sentencepiece(_texts(), cache, 400)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_another_writer)
+    first = tok.train_sentencepiece(_texts(), cache, 400)
+    assert nested and pathlib.Path(first.path) == pathlib.Path(nested[0].path)
+    assert first.encode("Paris <mem>") == nested[0].encode("Paris <mem>")
+    assert sorted(p.name for p in cache.iterdir()) == [pathlib.Path(first.path).name]
 
 
 def test_a_run_folder_that_is_a_file(tmp_path, capsys):

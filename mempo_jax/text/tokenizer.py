@@ -16,6 +16,7 @@ import io
 import os
 import pathlib
 import re
+import tempfile
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
@@ -152,12 +153,16 @@ def train_sentencepiece(
         raise ValueError(f"SentencePiece cannot train a {vocab_size}-piece vocabulary (ExperimentConfig.vocab_size) "
                          f"on this text: {msg}") from None
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = model_path.with_suffix(".tmp")
+    # A temporary name of this writer's own: processes sharing the cache (xdist workers, the
+    # processes of one host) may train the same model at once, and each must rename its own file.
+    fd, tmp_name = tempfile.mkstemp(prefix=model_path.stem + ".", suffix=".tmp", dir=cache)
+    tmp = pathlib.Path(tmp_name)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(buf.getvalue())
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's model from other users
     except OSError as e:  # e.g. ENOSPC: name the file
         tmp.unlink(missing_ok=True)
         raise OSError(e.errno, e.strerror or str(e), str(tmp)) from None
