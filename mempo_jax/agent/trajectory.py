@@ -144,6 +144,14 @@ class Trajectory:
             return None
         return list(self.prompt_ids) + self.turns[t].output_ids[span[0] : span[1]]
 
+    def later_observations(self, t: int) -> list[int]:
+        """The tool results returned from turn ``t`` on (turns ``t..``'s ``observation_ids``, in
+        order, no outputs): what the episode learned after turn t's memory was written."""
+        ids: list[int] = []
+        for turn in self.turns[t:]:
+            ids += turn.observation_ids
+        return ids
+
     @property
     def num_tool_calls(self) -> int:
         """Turns that called search or access."""

@@ -89,6 +89,12 @@ class RLConfig:
         (the group's turns of the same index: memory t of one trajectory is ranked against memory
         t of the others, so a turn whose R_M is structurally near 0, an early memory that cannot
         yet hold the answer, is not pushed down by the final turns' larger R_M).
+      memory_hindsight: append the tool results returned from turn t on
+        (``Trajectory.later_observations``) to both views of turn t's memory (default ``False``,
+        MEMPO_SPEC §3 as written). Z needs facts that arrive later (a bridge question's second
+        hop, a multi-objective question's other objectives), so before the last turn P(Z | mem)
+        and P(Z | baseline) are both ~0 whatever the memory kept; with the later results
+        appended the views differ only by what this memory kept of the past.
     """
 
     steps: int = 40
@@ -110,6 +116,7 @@ class RLConfig:
     memory_group: str = "question"
     memory_reward_scale: str = "prob"
     memory_baseline: str = "full"
+    memory_hindsight: bool = False
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -131,6 +138,7 @@ class RLConfig:
         check(self, "memory_group", str, choices=("question", "turn"))
         check(self, "memory_reward_scale", str, choices=("prob", "log"))
         check(self, "memory_baseline", str, choices=("full", "input"))
+        check(self, "memory_hindsight", bool)
         check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
@@ -267,7 +275,7 @@ def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[in
 
 
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
-                    *, codec=None, baseline_steps: int = FULL):
+                    *, codec=None, baseline_steps: int = FULL, hindsight: bool = False):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
     ``full_traj[t]`` (``baseline_steps = FULL``, the default; else the k-step policy context of
@@ -277,6 +285,8 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     ``"generated"``, the sampled ids of the trajectory's final ``<answer>`` block
     (``answer_ids_of`` with ``codec``, the policy's ``TagCodec``; default: ``tokenizer``'s tags
     as single ids), gold when the trajectory gave no answer. Never decoded and re-encoded.
+    ``hindsight`` (``RLConfig.memory_hindsight``): both views of turn t end with
+    ``Trajectory.later_observations(t)``, the tool results of turns t.. (none for the answer turn).
 
     Raises:
       ValueError: for an unknown ``answer_source``.
@@ -288,8 +298,9 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     full, mem, answers = [], [], []
     for tr_i, t in mem_turn:
         tr = trajs[tr_i]
-        full.append(tr.policy_context(baseline_steps, t))
-        mem.append(tr.mem_traj(t))
+        later = tr.later_observations(t) if hindsight else []
+        full.append(tr.policy_context(baseline_steps, t) + later)
+        mem.append(tr.mem_traj(t) + later)
         z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
         answers.append(z if z is not None else gold_answer_ids(tokenizer, tr.golds))
     return full, mem, answers
@@ -491,7 +502,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
                                          cfg.memory_answer, codec=fmt.codec,
                                          baseline_steps=cfg.rollout.context_steps if cfg.memory_baseline == "input"
-                                         else FULL)
+                                         else FULL, hindsight=cfg.memory_hindsight)
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
     r_mem[scored] = memory_reward_values(mem_out, cfg.memory_reward_scale)

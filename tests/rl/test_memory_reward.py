@@ -192,12 +192,15 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
     assert np.isfinite(m["mem/reward/mean"]) and np.isfinite(m["actor/pg_loss"])
 
 
-@pytest.mark.parametrize("scale,baseline", [("prob", "full"), ("log", "full"), ("log", "input")])
-def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, baseline, monkeypatch):
+@pytest.mark.parametrize("scale,baseline,hindsight", [("prob", "full", False), ("log", "full", False),
+                                                      ("log", "input", False), ("prob", "input", True)])
+def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, baseline, hindsight,
+                                                                                 monkeypatch):
     """``RLConfig.memory_reward_scale``: the R_M that ``rl_step`` hands to ``compute_advantages``
     is the scorer's ``P_mem − P_full`` (``prob``) or ``log P_mem − log P_full`` (``log``),
     recomputed here from the scorer's own P values. ``RLConfig.memory_baseline``: the scored
-    baseline views are ``full_traj[t]`` or the k = 1 context each memory was written from."""
+    baseline views are ``full_traj[t]`` or the k = 1 context each memory was written from;
+    ``RLConfig.memory_hindsight``: both views end with the later tool results."""
     from mempo_jax.agent.trajectory import FULL
     from mempo_jax.rl import step as step_mod
 
@@ -208,15 +211,18 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
                         lambda trajs, rows, rewards, r_mem, *a, **k: seen.append(np.array(r_mem)) or
                         real(trajs, rows, rewards, r_mem, *a, **k))
     cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_scale=scale, memory_baseline=baseline,
-                   rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
+                   memory_hindsight=hindsight, rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
     _, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
                        _scripted_sample_fn([[VALID] * 6, [VALID] * 6, [ANSWER]]), scorer, questions[:2],
                        AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
-    (out,), (r_mem,), ((views, _, _),) = scorer.outputs, seen, scorer.calls
+    (out,), (r_mem,), ((views, mems, _),) = scorer.outputs, seen, scorer.calls
     steps = 1 if baseline == "input" else FULL
-    assert sorted(views) == sorted(tr.policy_context(steps, t) for tr in trajs for t in range(len(tr.turns)))
+    later = lambda tr, t: tr.later_observations(t) if hindsight else []  # noqa: E731
+    assert sorted(views) == sorted(tr.policy_context(steps, t) + later(tr, t) for tr in trajs
+                                   for t in range(len(tr.turns)))
+    assert sorted(mems) == sorted(tr.mem_traj(t) + later(tr, t) for tr in trajs for t in range(len(tr.turns)))
     assert any(tr.policy_context(1, 2) != tr.full_traj(2) for tr in trajs)  # the two baselines differ
     assert len(out.p_mem) == len(r_mem) == 18 and np.all(out.p_mem > 0) and np.all(out.p_full > 0)
     want = out.p_mem - out.p_full if scale == "prob" else np.log(out.p_mem.astype(np.float64)) - np.log(out.p_full)
@@ -274,6 +280,24 @@ def test_input_baseline_is_the_context_the_memory_was_written_from():
     p, (t0, t1, _) = tr.prompt_ids, tr.turns
     assert inp == [p, p + t0.output_ids + t0.observation_ids, p + t1.output_ids + t1.observation_ids]
     assert inp[2] != full[2]  # turn 0's search result is in the history, not in turn 2's input
+
+
+def test_hindsight_views_end_with_the_later_tool_results():
+    """``memory_contexts(..., hindsight=True)`` (``RLConfig.memory_hindsight``): turn t's memory
+    and baseline views are followed by the tool results of turns t.. in order (turn t's own
+    search result first, no outputs); the answer turn, which has none, is scored as without."""
+    tr = Trajectory("q", 0, (("paris",),), TOK.encode("who is alice"))
+    tr.turns = [_turn("<mem> none</mem><search> alice</search>"), _turn("<mem> alice paris</mem><search> bob</search>"),
+                _turn("<mem> bob</mem><answer> paris</answer>")]
+    t0, t1, t2 = tr.turns
+    t1.observation_ids = TOK.encode("<information> bob was born in rome</information>")
+    t2.observation_ids = []  # the answer turn calls no tool
+    turns = [(0, 0), (0, 1), (0, 2)]
+    full, mem, z = memory_contexts([tr], turns, TOK, "gold", baseline_steps=1)
+    full_h, mem_h, z_h = memory_contexts([tr], turns, TOK, "gold", baseline_steps=1, hindsight=True)
+    later = [t0.observation_ids + t1.observation_ids, t1.observation_ids, []]
+    assert full_h == [f + o for f, o in zip(full, later)] and mem_h == [m + o for m, o in zip(mem, later)]
+    assert z_h == z and full_h[2] == full[2] and mem_h[2] == mem[2]
 
 
 def test_answer_ids_of_needs_a_closed_non_empty_block():
