@@ -529,7 +529,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     upd = _ppo_epochs(learner, batch, cfg, rng)
     timings["timing/update_s"] = time.perf_counter() - t2
 
-    metrics = _step_metrics(trajs, rows, rewards, mem_out, scored, a_t, a_m)
+    metrics = _step_metrics(trajs, rows, rewards, mem_out, r_mem, scored, a_t, a_m)
     metrics.update({k: float(np.mean(v)) for k, v in upd.items()})
     metrics.update(rollout_metrics(trajs))
     metrics.update(lp_metrics)
@@ -548,17 +548,19 @@ def _ppo_epochs(learner, batch: dict, cfg: RLConfig, rng: np.random.Generator) -
     return upd
 
 
-def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, scored: np.ndarray, a_t: np.ndarray,
-                  a_m: np.ndarray) -> dict[str, float]:
+def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, r_mem: np.ndarray, scored: np.ndarray,
+                  a_t: np.ndarray, a_m: np.ndarray) -> dict[str, float]:
     """The step's reward, memory-reward and batch-shape metrics (verl's names where one exists):
     ``rewards`` ``[n_traj]`` outcome rewards, ``mem_out`` the scorer's output over the ``scored``
-    (``[n_mem]`` bool) memory turns, ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
+    (``[n_mem]`` bool) memory turns, ``r_mem`` ``[n_mem]`` their R_M in the configured units
+    (``RLConfig.memory_reward_scale``: ``mem/reward/mean`` is the mean of what the advantages
+    used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
     em = score_trajectories(trajs, "em")
     return {
         "critic/score/mean": float(rewards.mean()),
         "critic/em/mean": float(em.mean()),
         "critic/advantages/mean": float(a_t.mean()) if a_t.size else 0.0,
-        "mem/reward/mean": float(mem_out.r_mem.mean()) if len(mem_out.r_mem) else 0.0,
+        "mem/reward/mean": float(r_mem[scored].mean()) if scored.any() else 0.0,
         "mem/p_full/mean": float(mem_out.p_full.mean()) if len(mem_out.p_full) else 0.0,
         "mem/p_mem/mean": float(mem_out.p_mem.mean()) if len(mem_out.p_mem) else 0.0,
         "mem/advantage/std": float(a_m[scored].std()) if scored.any() else 0.0,

@@ -214,7 +214,7 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
                    memory_hindsight=hindsight, rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    _, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+    m, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
                        _scripted_sample_fn([[VALID] * 6, [VALID] * 6, [ANSWER]]), scorer, questions[:2],
                        AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
     (out,), (r_mem,), ((views, mems, _),) = scorer.outputs, seen, scorer.calls
@@ -228,6 +228,7 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
     want = out.p_mem - out.p_full if scale == "prob" else np.log(out.p_mem.astype(np.float64)) - np.log(out.p_full)
     np.testing.assert_allclose(r_mem, want, rtol=1e-5, atol=1e-7)
     assert np.abs(r_mem).max() > 1e-4  # the views differ, so the two scales are told apart
+    np.testing.assert_allclose(m["mem/reward/mean"], want.mean(), rtol=1e-5, atol=1e-7)  # logged in the same units
 
 
 # ---- Z = the sampled answer ids (MEMPO_SPEC §2), never the re-encoded decoded text ----------
