@@ -60,7 +60,7 @@ def episode_skills(q, traj, tokenizer, world) -> dict:
         heads = {_norm(h) for h in {c["name"]: c for c in world.companies}[q.hops[1][0]]["offices"].values()}
         first = searches.index(person) if person in searches else None
         city_seen = any(_contains(r, [city]) for r in results)
-        city_kept = any(city in m for m in mems)
+        city_kept = any(_contains(m, [city]) for m in mems)
         return {"searched_person_first": float(bool(searches) and searches[0] == person),
                 "searched_company_after": float(first is not None and company in searches[first + 1:]),
                 "city_in_a_mem": float(city_kept), "city_dropped": float(city_seen and not city_kept),

@@ -14,7 +14,7 @@ from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from diagnose_skills import episode_skills  # noqa: E402
+from diagnose_skills import _contains, episode_skills  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,11 @@ def test_scripted_multi_episodes_search_every_subject_and_drop_what_lazy_memory_
         # lazy: only the newest sub-answer is kept, the others were seen and dropped
         assert s["em"] == pytest.approx(1 / len(q.golds) if lazy else 1.0)
         assert s["sub_answers_dropped"] == pytest.approx(1 - 1 / len(q.golds) if lazy else 0.0)
+
+
+@pytest.mark.parametrize("text,found", [("<mem> born in Dasroth.</mem>", True), ("dasroth", True),
+                                        ("<mem> Dasrothia; Oslo</mem>", False), ("the Das roth", False)])
+def test_a_name_counts_as_kept_only_as_whole_words(text, found):
+    """``_contains`` (memories, tool results): punctuation splits words, a longer name holding
+    the city as a prefix does not count (a substring test did, for bridge memories)."""
+    assert _contains(text, ["Dasroth"]) is found
