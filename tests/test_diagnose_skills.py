@@ -1,5 +1,5 @@
-"""benchmarks/diagnose_skills.py: the skill steps of an episode, checked on the scripted agent's
-own trajectories (real world, tokenizer and BM25), whose behaviour is known by construction."""
+"""benchmarks/diagnose_skills.py (the skill steps of an episode) and probe_memory_reward.py (which
+memories kept what a tool result showed), checked on the scripted agent's own trajectories (real world, tokenizer and BM25), whose behaviour is known by construction."""
 
 import pathlib
 import sys
@@ -15,6 +15,7 @@ from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from diagnose_skills import _contains, episode_skills  # noqa: E402
+from probe_memory_reward import memory_labels  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +62,23 @@ def test_a_name_counts_as_kept_only_as_whole_words(text, found):
     """``_contains`` (memories, tool results): punctuation splits words, a longer name holding
     the city as a prefix does not count (a substring test did, for bridge memories)."""
     assert _contains(text, ["Dasroth"]) is found
+
+
+@pytest.mark.parametrize("kind", ["bridge", "multi"])
+@pytest.mark.parametrize("lazy", [0.0, 1.0])
+def test_probe_labels_each_memory_after_a_shown_answer_and_before_the_answer_turn(setup, kind, lazy):
+    """The scripted agent searches one subject per turn and answers last; its lazy memory keeps
+    only the newest tool result's fact. So memory t (t >= 1, before the answering turn) follows
+    t shown facts: a bridge memory drops the city when lazy; a multi-objective one drops a
+    sub-answer from t = 2 on when lazy; a diligent one keeps everything."""
+    world, tok, fmt, env = setup
+    offices = {c["name"]: c["offices"] for c in world.companies}
+    rng = np.random.default_rng(2)
+    qs = [q for q in world.train if q.kind == kind][:4]
+    assert kind == "bridge" or any(len(q.golds) > 2 for q in qs)  # some multi memory can drop
+    for q in qs:
+        tr = scripted_trajectory(q, offices, fmt, env, ScriptedAgentConfig(lazy_prob=lazy, duplicate_prob=0.0),
+                                 RolloutConfig(), rng)
+        last = len(tr.turns) - 1
+        want = [(t, "dropped" if lazy and (kind == "bridge" or t >= 2) else "kept") for t in range(1, last)]
+        assert memory_labels(q, tr, tok) == want
