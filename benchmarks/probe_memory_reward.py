@@ -1,7 +1,7 @@
 """Does R_M tell a memory that kept what it saw from one that dropped it? (issue 14 levers)
 
 Samples k = 1 episodes of a tiny-world policy on held-out bridge and multi-objective questions
-(temperature 1, as RL samples them), labels each well-formed memory before the answering turn:
+(at the run's sampling temperature, as RL samples them), labels each well-formed memory before the answering turn:
 
 * bridge: ``kept`` when the birth city, shown by an earlier tool result, is in this ``<mem>``
   (whole words, ``diagnose_skills._contains``), ``dropped`` when it is not;
@@ -37,8 +37,6 @@ def memory_labels(q, traj, tokenizer) -> list[tuple[int, str]]:
     """``[(turn, "kept" | "dropped")]`` for the well-formed memories of ``traj`` written after a
     tool result showed what ``q`` needs (the birth city for bridge, a sub-answer for multi) and
     before the answering turn (whose memory may rightly replace the city by the answer)."""
-    from mempo_jax.text.protocol import parse_turn
-
     if q.kind == "bridge":
         needed = [[q.hops[0][1][0].removeprefix("born in ")]]
     elif q.kind == "multi":
@@ -48,7 +46,7 @@ def memory_labels(q, traj, tokenizer) -> list[tuple[int, str]]:
     labels, seen = [], ""
     last = len(traj.turns) - 1 if traj.answer is not None else len(traj.turns)
     for t, turn in enumerate(traj.turns[:last]):
-        parsed = parse_turn(tokenizer.decode(turn.output_ids))
+        parsed = turn.parsed  # the rollout's own parse (a turn that hit its budget is malformed)
         shown = [n for n in needed if _contains(seen, n)]
         if shown and parsed.error is None and parsed.mem is not None and traj.mem_traj(t) is not None:
             labels.append((t, "kept" if all(_contains(parsed.mem, n) for n in shown) else "dropped"))
@@ -72,16 +70,14 @@ def main(argv=None) -> dict:
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
     from mempo_jax.rl.step import memory_contexts
-    from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.run.experiment import answer_prefix_ids
 
     cfg, world, sample_fn, params, fmt, env, rollout, policy = tiny_world_policy(args.run_dir, args.stage)
-    _, _, graphdef, _ = load_policy(args.run_dir, folder="sft_checkpoint" if args.stage == "sft" else "checkpoints")
     tok = fmt.tokenizer
     full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_prefix)
     temperature = cfg.rl.rollout.temperature or 1.0
-    scorer = MemoryRewardScorer(make_logits_fn(graphdef), tok.pad_id, answer_prefix, full_prefix=full_prefix,
+    scorer = MemoryRewardScorer(make_logits_fn(sample_fn.sampler.graphdef), tok.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=temperature)
     results: dict = {}
     lines = []
