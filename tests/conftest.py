@@ -38,8 +38,11 @@ import tempfile
 import time
 
 # Cheaper XLA CPU backend passes (LLVM -O0, no expensive LLVM passes): ~40 % less compile time,
-# which is most of this suite's time; the HLO programs are the same. A user's own XLA_FLAGS wins.
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# which is most of this suite's time; and XLA's elemental fusion emitters in place of its MLIR ones
+# (``--xla_cpu_use_fusion_emitters=false``): ~35 % less CPU time again (the small run from scratch:
+# 21 s of CPU, not 34 s). The HLO programs are the same. A user's own XLA_FLAGS wins.
+FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+            "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_XLA}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

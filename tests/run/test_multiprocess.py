@@ -236,9 +236,9 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     assert sum(r["metrics"]["mem/turns"] for r in results) == ref_metrics["mem/turns"]
     # PPO metrics are global. The gradient norm gets 1e-4: the two processes' rows are padded to
     # the global fixed mini-batch shape (rl_step.training_row_bound x processes), so its float32
-    # gradient sums run over other micro-batch groupings than one process's (measured 5.7e-5).
+    # gradient sums run over other micro-batch groupings than one process's (measured 6.7e-5).
     # The KL term is ~1e-5 right after SFT (a cancellation), hence the 1e-7 absolute floor
-    # (measured 1.3e-8).
+    # (measured 1.5e-8).
     for k, rel in (("actor/pg_loss", 1e-5), ("actor/grad_norm", 1e-4), ("actor/kl_loss", 1e-5)):
         for r in results:
             assert r["metrics"][k] == np.float32(r["metrics"][k])
@@ -249,7 +249,7 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     diff = sum(float(np.sum((g - r) ** 2)) for g, r in zip(got, ref)) ** 0.5
     norm = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in ref) ** 0.5
     moved = sum(float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(ref, old)) ** 0.5
-    assert diff <= 5e-5 * norm  # the same parameters as one process (Adam step on the sums above: 1.3e-5)
+    assert diff <= 5e-5 * norm  # the same parameters as one process (Adam step on the sums above: 1.6e-5)
     assert moved > 100 * diff and moved > 1e-4 * norm  # ... after an update that changed them
 
 
