@@ -122,14 +122,66 @@ def pytest_configure(config):
                    "-m 'not slow' leaves it out")
 
 
+# Test modules that take long: seconds in one process (``-n 0``, ``--durations=0``: calls and
+# fixtures) on a 2-core box beside another training run, before ``--xla_cpu_use_fusion_emitters=false``
+# (now ~2/3 of that; the order is what counts). Every other module took under 5 s.
+MODULE_SECONDS = {
+    "tests/run/test_resume.py": 160, "tests/agent/test_engine.py": 110, "tests/test_train_mesh.py": 85,
+    "tests/run/test_qa_training.py": 72, "tests/run/test_faults.py": 72, "tests/test_train_e2e.py": 68,
+    "tests/test_ablation.py": 67, "tests/run/test_multiprocess.py": 57, "tests/model/test_model.py": 48,
+    "tests/rl/test_learner.py": 43, "tests/test_benchmarks.py": 39, "tests/test_plan.py": 35,
+    "tests/agent/test_tags.py": 25, "tests/agent/test_sampling.py": 25, "tests/core/test_mesh_steps.py": 24,
+    "tests/model/test_bfloat16.py": 23, "tests/model/test_attention.py": 20, "tests/model/test_vocab_resize.py": 19,
+    "tests/data/test_messages.py": 19, "tests/rl/test_memory_reward.py": 18, "tests/rl/test_losses.py": 18,
+    "tests/model/test_hf_parity.py": 17, "tests/text/test_stop_strings.py": 17, "tests/rl/test_advantage.py": 13,
+    "tests/rl/test_old_logprobs.py": 13, "tests/rl/test_scoring.py": 13, "tests/core/test_sharding.py": 13,
+    "tests/tools/test_retriever_limits.py": 12, "tests/test_evaluate.py": 12, "tests/run/test_hf_train.py": 12,
+    "tests/tools/test_retrieval_server.py": 12, "tests/core/test_mesh_rollouts.py": 10, "tests/agent/test_rollout.py": 9,
+    "tests/model/test_hf_export.py": 8, "tests/test_objectives_sweep.py": 8, "tests/run/test_run_integrity.py": 7,
+    "tests/text/test_chat_template.py": 6,
+}
+# The modules that use ``small_run`` start after this many seconds (as above) of other modules: the
+# small run trains in the background meanwhile (21 s of CPU alone, longer beside two busy workers).
+SMALL_RUN_LEAD_S = 120
+
+
+def module_order(modules: dict[str, int], small_run_users: set[str]) -> list[str]:
+    """The order the test modules run in: longest first (``MODULE_SECONDS``; the others by number of
+    tests, most first), the ``small_run`` users only after ``SMALL_RUN_LEAD_S`` seconds of others.
+    Longest first, the two xdist workers end together: the last files handed out are short ones.
+
+    Args:
+      modules: number of selected tests per module path (``tests/...py``), in collection order.
+      small_run_users: the module paths with a test that uses ``small_run``.
+    """
+    ranked = sorted(modules, key=lambda m: (-MODULE_SECONDS.get(m, 0), -modules[m]))  # stable: ties keep order
+    order, waiting, lead = [], [], 0
+    for m in ranked:
+        if m in small_run_users and lead < SMALL_RUN_LEAD_S:
+            waiting.append(m)
+            continue
+        order.append(m)
+        lead += MODULE_SECONDS.get(m, 0)
+        if lead >= SMALL_RUN_LEAD_S:
+            order += waiting
+            waiting = []
+    return order + waiting
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Moves the test modules that use ``small_run`` after the others (each module kept whole and in
-    its order, so its module fixtures are set up once): in one process (``-n 0``) the fast tests
-    run while the small run trains in the background. Under xdist the ``loadfile`` scheduler hands
-    out whole files, the files with most tests first (its default ``--loadscope-reorder``)."""
-    later = {item.module.__name__ for item in items
-             if "small_run" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in later)
+    """Orders the test modules by ``module_order`` (each module kept whole and in its order, so its
+    module fixtures are set up once). Under xdist the ``loadfile`` scheduler hands out whole files in
+    this order (``pytest.ini``: ``--no-loadscope-reorder``; by default it sorts them by number of
+    tests); in one process (``-n 0``) the small run trains in the background meanwhile."""
+    modules: dict[str, int] = {}
+    users = set()
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        modules[path] = modules.get(path, 0) + 1
+        if "small_run" in getattr(item, "fixturenames", ()):
+            users.add(path)
+    rank = {m: i for i, m in enumerate(module_order(modules, users))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 def pytest_collection_finish(session):
