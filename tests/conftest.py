@@ -2,7 +2,8 @@
 XLA compilation cache and one tokenizer cache for the whole session.
 
 Workers. ``pytest.ini`` runs the suite on two pytest-xdist worker processes (``-n 2``, one test
-file per worker at a time: ``--dist loadfile``); ``-n 0`` runs it in one process. The controller
+file per worker at a time: ``--dist loadfile``, the files in the order of ``module_order``:
+longest first); ``-n 0`` runs it in one process. The controller
 makes the session folder below and removes it at the end; the workers share it (its path passes
 to them in ``$_MEMPO_TEST_SESSION_DIR``), so every cache and the small run serve both.
 
