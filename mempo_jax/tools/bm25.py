@@ -31,6 +31,30 @@ def _tokenize(texts: list[str]) -> list[list[str]]:
     return bm25s.tokenize(texts, stopwords=_STOPWORDS, return_ids=False, show_progress=False)
 
 
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` highest strictly positive scores: score descending, ties by index ascending.
+
+    On the host in numpy, so a search never compiles or runs an XLA program (bm25s' ``retrieve``
+    picks its JAX top-k when JAX is installed, which on a TPU host puts the search on the
+    accelerator), and a tie at the k-th place resolves by corpus position (bm25s' numpy top-k uses
+    ``argpartition``, whose order among equal scores is arbitrary). Documents scoring ``<= 0`` share
+    no term with the query and are never returned, so only the positive scores are partitioned and
+    sorted: a query matching a few documents of a large corpus costs O(num_docs) once.
+
+    Args:
+      scores: ``[num_docs]`` float scores (bm25s' ``get_scores``).
+      k: ``>= 1``.
+
+    Returns:
+      ``[min(k, number of positive scores)]`` int64 indices into ``scores``.
+    """
+    cand = np.flatnonzero(scores > 0)
+    if cand.size > k:  # keep every index scoring at least the k-th highest value (boundary ties included)
+        kth = np.partition(scores[cand], cand.size - k)[cand.size - k]
+        cand = cand[scores[cand] >= kth]
+    return cand[np.lexsort((cand, -scores[cand]))[:k]]
+
+
 class BM25Index:
     """BM25 index with a ``search``/``get`` contract shared with ``RemoteSearchBackend``.
 
@@ -89,15 +113,13 @@ class BM25Index:
                 raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
         if not queries:
             return []
-        k = min(topk, len(self._docs))
-        results = self._retriever.retrieve(_tokenize(queries), k=k, sorted=True, show_progress=False)
         out: list[list[Hit]] = []
-        for idx_row, score_row in zip(np.asarray(results.documents), np.asarray(results.scores)):
-            # stable order: score descending, then corpus position ascending
-            order = sorted(range(len(idx_row)), key=lambda j: (-float(score_row[j]), int(idx_row[j])))
-            out.append(
-                [Hit(self._docs[int(idx_row[j])], float(score_row[j])) for j in order if score_row[j] > 0]
-            )
+        for tokens in _tokenize(queries):
+            if not tokens:  # stopwords only: no term to match
+                out.append([])
+                continue
+            scores = np.asarray(self._retriever.get_scores(tokens))
+            out.append([Hit(self._docs[int(i)], float(scores[i])) for i in top_k(scores, topk)])
         return out
 
     def get(self, doc_id: str) -> Document | None:

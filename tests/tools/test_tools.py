@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mempo_jax.text.protocol import parse_turn, render_turn
-from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.bm25 import BM25Index, top_k
 from mempo_jax.tools.corpus import Document, Hit, load_corpus_jsonl, write_corpus_jsonl
 from mempo_jax.tools.search import ToolEnvironment, ToolError, ToolResult, format_hits
 
@@ -124,6 +128,40 @@ def test_bm25_save_load_round_trip(index, tmp_path):
     assert loaded.get("4") == DOCS[4]
     with pytest.raises(FileNotFoundError):
         BM25Index.load(tmp_path / "nowhere")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2, 4), min_size=1, max_size=40), st.integers(1, 45))
+def test_top_k_matches_sorted_order(levels, k):
+    """Tie-heavy scores (a few levels, zeros and negatives): the brute-force order, k-th place ties by index."""
+    scores = np.asarray(levels, np.float32) * np.float32(0.75)
+    want = [i for i in sorted(range(len(levels)), key=lambda i: (-levels[i], i)) if levels[i] > 0][:k]
+    assert top_k(scores, k).tolist() == want
+
+
+def test_bm25_ties_by_corpus_position_and_no_xla():
+    """53 documents of 3 words from 6: many equal scores at the k-th place. Hits are bm25s' own scores
+    ordered (score desc, position asc), and the search compiles no XLA program (bm25s' ``retrieve``
+    would run its JAX top-k)."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
+    docs = [Document(str(i), "t", " ".join(rng.choice(words, 3))) for i in range(53)]
+    index = BM25Index(docs)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    queries = words + ["alpha beta", "gamma omega", "sigma delta beta", "alpha zzz"]
+    tied_at_k = 0
+    for k in (1, 2, 3, 5, 7):
+        got = index.search(queries, k)
+        for query, hits in zip(queries, got):
+            scores = index._retriever.get_scores(query.split())
+            order = [j for j in sorted(range(len(docs)), key=lambda j: (-float(scores[j]), j)) if scores[j] > 0]
+            assert [(h.document.id, h.score) for h in hits] == [(str(j), float(scores[j])) for j in order[:k]]
+            tied_at_k += len(order) > k and scores[order[k - 1]] == scores[order[k]]
+    assert tied_at_k >= 20  # the corpus does exercise ties at the boundary
+    assert compiles == []
 
 
 # -- observations ---------------------------------------------------------------------------
