@@ -46,10 +46,9 @@ def _contains(text: str, aliases) -> bool:
 
 def episode_skills(q, traj, tokenizer, world) -> dict:
     """The skill steps of one finished episode (see module doc); values in [0, 1]."""
-    from mempo_jax.text.protocol import parse_turn
     from mempo_jax.rl.rewards import outcome_reward
 
-    turns = [parse_turn(tokenizer.decode(t.output_ids)) for t in traj.turns]
+    turns = [t.parsed for t in traj.turns]  # the rollout's own parse (a turn that hit its budget is malformed)
     results = [tokenizer.decode(t.observation_ids) for t in traj.turns]
     searches = [_norm(t.argument) for t in turns if t.action == "search"]
     mems = [_norm(t.mem) for t in turns if t.mem is not None]
