@@ -1,10 +1,12 @@
 """SFT copy warm-up (``SFTConfig.copy_warmup_fraction``, ``sft.with_copy_warmup``): the first batches
 are induction rows ``BOS s s`` drawn from the pool, then the run's own batches, unchanged."""
 
+import pathlib
+
 import numpy as np
 import pytest
 
-from mempo_jax.config import SFTConfig
+from mempo_jax.config import SFTConfig, load_config
 from mempo_jax.rl.sft import iterate_sft_batches, with_copy_warmup
 
 POOL = list(range(100, 140))
@@ -49,3 +51,21 @@ def test_the_warmup_is_a_share_of_the_steps_and_out_of_range_shares_are_refused(
     assert SFTConfig(steps=10).copy_warmup_steps == 0
     with pytest.raises(ValueError, match=r"SFTConfig.copy_warmup_fraction must be <= 1"):
         SFTConfig(copy_warmup_fraction=1.5)
+
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.gin"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_recipes_from_a_checkpoint_train_no_copy_rows(path, monkeypatch):
+    """A recipe that starts from a pretrained checkpoint (``ModelOptions.checkpoint``) trains no
+    synthetic copy rows, neither mixed in nor as copy-only warm-up steps: those rows are random
+    entity tokens for a model trained from scratch. The SmolLM2 recipe inherited tiny_world.gin's
+    ``copy_warmup_fraction = 0.24`` through its include, so 10 of its 40 SFT steps were copy rows
+    (step-0 loss 11.3 nats against 1.89 on its own data), and both pod recipes left the class
+    default ``copy_fraction = 1.0`` (as many copy rows as agent rows)."""
+    monkeypatch.chdir(path.parents[1])  # the recipes include each other by repository-relative path
+    cfg = load_config([str(path)])
+    if not cfg.model.checkpoint:
+        pytest.skip(f"{path.name} trains from scratch")
+    assert (cfg.sft.copy_warmup_steps, cfg.sft.copy_fraction) == (0, 0.0), path.name
