@@ -8,6 +8,7 @@ import pytest
 
 from mempo_jax.config import SFTConfig, load_config
 from mempo_jax.rl.sft import iterate_sft_batches, with_copy_warmup
+from mempo_jax.run.stages import copy_rows_warning
 
 POOL = list(range(100, 140))
 BOS, PAD = 2, 0
@@ -69,3 +70,21 @@ def test_recipes_from_a_checkpoint_train_no_copy_rows(path, monkeypatch):
     if not cfg.model.checkpoint:
         pytest.skip(f"{path.name} trains from scratch")
     assert (cfg.sft.copy_warmup_steps, cfg.sft.copy_fraction) == (0, 0.0), path.name
+    assert copy_rows_warning(cfg) is None
+
+
+def test_copy_rows_on_a_checkpoint_print_a_warning(monkeypatch):
+    """The class defaults train no copy rows; a checkpoint SFT that still trains them (here the
+    SmolLM2 recipe with tiny_world.gin's inherited bindings put back) gets one line naming both
+    bindings and the warm-up steps they give (0.24 of 40 = 10); a from-scratch run gets none."""
+    assert (SFTConfig().copy_fraction, SFTConfig().copy_warmup_fraction) == (0.0, 0.0)
+    monkeypatch.chdir(CONFIGS[0].parents[1])
+    leak = load_config(["configs/smollm2_hotpotqa.gin"], ["SFTConfig.copy_warmup_fraction = 0.24",
+                                                          "SFTConfig.copy_fraction = 0.25"])
+    line = copy_rows_warning(leak)
+    assert line is not None and "ckpt/smollm2-135m-instruct" in line, line
+    assert "SFTConfig.copy_fraction = 0.25" in line and "10 of 40 steps copy-only" in line, line
+    assert copy_rows_warning(load_config(["configs/smollm2_hotpotqa.gin"], ["SFTConfig.copy_fraction = 0.25"]))
+    assert copy_rows_warning(load_config(["configs/smollm2_hotpotqa.gin"], ["SFTConfig.copy_warmup_fraction = 0.24",
+                                                                            "SFTConfig.steps = 0"])) is None
+    assert copy_rows_warning(load_config(["configs/tiny_world.gin"])) is None  # from scratch: copy rows wanted
