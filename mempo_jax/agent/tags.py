@@ -137,6 +137,36 @@ class TagCodec:
         ids = [int(i) for i in ids]
         return self.stop_automaton(self._rows_for(ids)).first_stop(ids, self.stop_ids)
 
+    def end_at_close(self, ids: Sequence[int], close_tag: str) -> list[int]:
+        """``ids`` of a block found by ``find_span`` (it ends with the token holding the last byte of
+        ``close_tag``), made to end exactly at ``close_tag``: in text mode a last token that runs
+        past it (SmolLM2 writes ``</mem><think>`` as ``</ mem >< think >``: ``><`` holds the next
+        tag's ``<``) is replaced by the tokenizer's ids of its bytes up to the close; otherwise, and
+        in tokens mode, ``ids`` unchanged. The memory reward's views are built on this
+        (``rl.step.memory_view``), so the scorer's answer prefix or later tool results follow a
+        block that reads ``…</mem>``, not ``…</mem><``.
+
+        Args:
+          ids: ``[n]`` int token ids (sampled or encoded); only the last token can be replaced.
+          close_tag: a protocol tag of ``ALL_TAG_PIECES``.
+        Returns:
+          ``[n']`` ids (``n' >= n - 1``; equal to ``ids`` unless the last token straddles).
+        """
+        ids = [int(i) for i in ids]
+        if self.mode == "tokens" or not ids:
+            return ids
+        vocab = self.token_bytes(self._rows_for(ids))
+        data, cl = b"".join(vocab[i] for i in ids), close_tag.encode("utf-8")
+        end = data.rfind(cl, max(0, len(data) - len(vocab[ids[-1]]) - len(cl) + 1))
+        extra = len(data) - (end + len(cl))
+        if end < 0 or extra <= 0:
+            return ids
+        keep = vocab[ids[-1]][: len(vocab[ids[-1]]) - extra]
+        try:
+            return ids[:-1] + ([int(i) for i in self.tokenizer.encode(keep.decode("utf-8"))] if keep else [])
+        except UnicodeDecodeError:  # the kept bytes start inside a character: leave the ids as sampled
+            return ids
+
     def turn_text(self, ids: Sequence[int]) -> str:
         """The text of one generated turn, as the turn parser should read it: ``decode(ids)``; in
         text mode cut right after the first closing action tag, so the rest of the token that

@@ -123,7 +123,8 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
     For each chosen trajectory (``rng.random() < fraction``, one draw per trajectory) with a
     final answer turn T that wrote a ``<mem>``, two rows, the loss on the answer ids only:
 
-    * memory view: ``mem_traj[T] + answer_prefix + A``, A the trajectory's own answer ids
+    * memory view: ``mem_traj[T] + answer_prefix + A`` (the scorer's view, ``step.memory_view``),
+      A the trajectory's own answer ids
       (``step.answer_ids_of``): the answer its memory supports, so a memory that lost a fact
       teaches a low ``P(gold | mem)`` and a complete one a high one;
     * full view: ``full_traj[T] + full_prefix + answer_prefix + G`` with ``G`` the gold Z
@@ -147,7 +148,7 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
     Raises:
       ValueError: ``full_trajs`` of another length than ``trajs``.
     """
-    from mempo_jax.rl.step import answer_ids_of, gold_answer_ids
+    from mempo_jax.rl.step import answer_ids_of, gold_answer_ids, memory_view
 
     if full_trajs is not None and len(full_trajs) != len(trajs):
         raise ValueError(f"reader_rows: {len(full_trajs)} full_trajs for {len(trajs)} trajectories")
@@ -156,7 +157,7 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
         if not rng.random() < fraction or not tr.turns:
             continue
         last = len(tr.turns) - 1
-        answer, mem = answer_ids_of(tr.turns[last], codec), tr.mem_traj(last)
+        answer, mem = answer_ids_of(tr.turns[last], codec), memory_view(tr, last, codec)
         if answer is None or mem is None:
             continue
         ctx = mem + list(answer_prefix)

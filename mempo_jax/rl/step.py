@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
-from mempo_jax.text.protocol import ANSWER
+from mempo_jax.text.protocol import ANSWER, MEM
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
@@ -278,6 +278,20 @@ def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[in
     return keep
 
 
+def memory_view(tr: Trajectory, t: int, codec=None) -> Optional[list[int]]:
+    """``mem_traj[t]`` as the memory reward scores it: system + question + turn t's
+    ``<mem>…</mem>`` block ending exactly at ``</mem>`` (``TagCodec.end_at_close``; in text mode
+    the span's last token may hold the next tag's first bytes, e.g. SmolLM2's ``><``, and the view
+    would read ``…</mem><<think>`` once the scorer's prefix follows). ``None`` without a block.
+    ``codec``: the policy's ``TagCodec`` (``None`` or tokens mode: ``mem_traj[t]`` unchanged).
+    Measured on the SmolLM2 recipe's policy (180 views, every one straddling): mean P(gold Z) 0.310
+    before, 0.302 after, |Δ log P| 0.086 on average (docs/hf_checkpoints.md)."""
+    ids = tr.mem_traj(t)
+    if ids is None or codec is None:
+        return ids
+    return codec.end_at_close(ids, MEM[1])
+
+
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
                     *, codec=None, baseline_steps: int = FULL, hindsight: bool = False):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
@@ -304,7 +318,7 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
         tr = trajs[tr_i]
         later = tr.later_observations(t) if hindsight else []
         full.append(tr.policy_context(baseline_steps, t) + later)
-        mem.append(tr.mem_traj(t) + later)
+        mem.append(memory_view(tr, t, codec) + later)
         z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
         answers.append(z if z is not None else gold_answer_ids(tokenizer, tr.golds))
     return full, mem, answers

@@ -124,6 +124,55 @@ def test_find_span_equals_character_offsets(tok, codec, fragment_ids, picks):
         assert MEM[0] in text and text.rstrip().endswith(MEM[1]) or MEM[1] in text
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, len(FRAGMENTS) - 1), max_size=8), st.sampled_from([">", "><", ">.", "></"]),
+       st.lists(st.integers(0, len(FRAGMENTS) - 1), max_size=4))
+def test_end_at_close_ends_the_block_exactly_at_the_close(tok, codec, fragment_ids, middle, close_end, tail):
+    """``end_at_close`` on a found ``<mem>`` block (``<mem>``, random fragments, ``</`` ``mem`` and
+    a last token that may straddle, random fragments): its text is the block's text cut right after
+    the first ``</mem>`` (reference: the decoded text); at most the last id changes."""
+    ids = (tok.encode("<mem>") + [fragment_ids[k] for k in middle] + tok.encode("</mem")
+           + tok.encode(close_end) + [fragment_ids[k] for k in tail])
+    span = codec.find_span(ids, *MEM)
+    block = ids[span[0]:span[1]]
+    text = tok.decode(block)
+    got = codec.end_at_close(block, MEM[1])
+    assert tok.decode(got) == text[: text.find(MEM[1], text.find(MEM[0]) + len(MEM[0])) + len(MEM[1])]
+    assert got[: len(block) - 1] == block[:-1]
+    assert TagCodec(_OneIdTags(), "tokens").end_at_close(block, MEM[1]) == block  # tokens mode: never changed
+
+
+class _OneIdTags:
+    """A stand-in tokenizer with every tag as one piece (tokens mode needs ``piece_id`` only)."""
+    eos_id, pad_id, bos_id, vocab_size = 0, 0, None, 49152
+
+    def piece_id(self, tag):
+        return ALL_TAG_PIECES.index(tag) + 1
+
+
+def test_memory_view_reads_the_close_then_the_scorers_prefix(tok, codec):
+    """The memory reward's view of a text-mode turn (SmolLM2 writes ``</mem><think>`` as
+    ``</ mem >< think >``): ``mem_traj`` ends in the straddling ``><``; ``memory_view`` ends at
+    ``</mem>``, so view + the scorer's answer prefix reads ``…</mem><think></think><answer>``
+    and a hindsight view ``…</mem><information>``, not ``…</mem><<think>``."""
+    from mempo_jax.rl.step import memory_contexts, memory_view
+    from mempo_jax.run.experiment import answer_prefix_ids
+
+    out = tok.encode("<mem> Paris</mem><think> next</think><search> France</search>")
+    assert [tok.decode([i]) for i in out].count("><") == 2
+    turn = make_turn(AgentFormat(tok, codec), out, None, stopped=True)
+    turn.observation_ids = tok.encode("<information>x</information>")
+    tr = Trajectory("q", 0, (("Paris",),), tok.encode("Q:"), [turn])
+    assert tok.decode(tr.mem_traj(0)) == "Q:<mem> Paris</mem><"
+    assert tok.decode(memory_view(tr, 0, codec)) == "Q:<mem> Paris</mem>"
+    assert memory_view(tr, 0, None) == tr.mem_traj(0)
+    _, prefix = answer_prefix_ids(tok)
+    assert tok.decode(memory_view(tr, 0, codec) + prefix) == "Q:<mem> Paris</mem><think></think><answer>"
+    _, mem, _ = memory_contexts([tr], [(0, 0)], tok, "gold", codec=codec, hindsight=True)
+    assert tok.decode(mem[0]) == "Q:<mem> Paris</mem><information>x</information>"
+    assert tok.decode(memory_contexts([tr], [(0, 0)], tok, "gold", hindsight=True)[1][0]).endswith("</mem><<information>x</information>")
+
+
 def test_spans_on_sampled_ids_never_retokenised(tok, codec):
     # "<" "m" "em" ">" is not how the tokenizer writes <mem>, but a policy may sample it
     ids = tok.encode("Ok <") + tok.encode("m") + tok.encode("em") + tok.encode("> Paris") + tok.encode(
