@@ -14,6 +14,7 @@ Every runnable recipe is a ``configs/*.gin`` file that binds fields of these dat
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 import tokenize
@@ -421,8 +422,11 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
     for param in gin_params:  # a syntax error names its --gin_param (gin's message says "line N")
         problem = _syntax_error(param)
         if problem:
+            hint = ("; a string value needs quotes, e.g. X.field=\"value\""
+                    if "malformed node or string" in problem else "")
+            problem = re.sub(r"<ast\.\w+ object at 0x[0-9a-f]+>", "an unquoted name", problem)
             raise ValueError(f"config error: cannot parse --gin_param {param!r}: "
-                             f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}")
+                             f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}{hint}")
     _check_moved(gin_files, gin_params)
     try:
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
@@ -441,10 +445,33 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
                 problem = _syntax_error(pathlib.Path(path).read_text(encoding="utf-8"))
                 if problem:
                     raise ValueError(f"config error: cannot parse {path}: {problem}") from None
+        missing = _missing_gin_file(gin_files) if isinstance(e, (TypeError, OSError)) else ""
+        if missing:  # gin's resource reader fails on a missing file with a TypeError naming no file
+            raise ValueError(f"config error: {missing}") from None
         msg = _one_line_gin_error(e, gin_params)
         raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}") from None
     _check_types(cfg, "ExperimentConfig")
     return cfg
+
+
+def _missing_gin_file(gin_files: Sequence[str]) -> str:
+    """"no such gin file: F ..." for the first of ``gin_files``, or of the files their ``include``
+    lines name (followed recursively, as gin reads them: relative to the working directory), that
+    is not a file; "" when every one exists."""
+    todo, seen = [(str(f), "") for f in gin_files], set()
+    while todo:
+        path, where = todo.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        if not pathlib.Path(path).is_file():
+            return (f"no such gin file: {path}{f' (include at {where})' if where else ''}; paths are relative to "
+                    f"the working directory {os.getcwd()} (run from the repository root)")
+        for n, line in enumerate(pathlib.Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+            m = re.match(r"""\s*include\s+['"]([^'"]+)['"]""", line)
+            if m:
+                todo.append((m.group(1), f"{path}:{n}"))
+    return ""
 
 
 def _check_moved(gin_files: Sequence[str], gin_params: Sequence[str]) -> None:

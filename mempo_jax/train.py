@@ -64,7 +64,7 @@ def _parse_args(argv):
     p.add_argument("--run_dir", required=True, help="output folder (metrics, summary, checkpoints)")
     p.add_argument("--gin_file", action="append", default=None, help=f"gin config (default {DEFAULT_GIN})")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. RLConfig.steps=10")
-    p.add_argument("--cache_dir", default=None, help="tokenizer cache (default RUN_DIR/../.cache or $MEMPO_CACHE)")
+    p.add_argument("--cache_dir", default=None, help="tokenizer cache (default $MEMPO_CACHE, else RUN_DIR/.cache)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in RUN_DIR (a run folder holding one is always resumed)")
     return p.parse_args(argv)

@@ -112,6 +112,8 @@ def test_a_bad_value_in_a_gin_file_names_the_file_and_line(tmp_path, capsys):
     ("RLConfig.steps=(3", "EOF in multi-line statement"),
     ("RLConfig.steps 3", "Couldn't parse statement, expected ':' or '='."),
     ("RLConfig.steps=3=4", "Expected newline."),
+    ("RolloutConfig.context_steps=full",  # a string without quotes: the message says so, no <ast.Name object at 0x…>
+     'malformed node or string on line 1: an unquoted name; a string value needs quotes, e.g. X.field="value"'),
 ])
 def test_an_unparsable_gin_param_is_one_line_naming_it(text, problem, tmp_path, capsys):
     """``RLConfig.steps=(3`` raised a ``tokenize.TokenError`` traceback (exit 1)."""
@@ -124,6 +126,35 @@ def test_an_unparsable_gin_param_is_one_line_naming_it(text, problem, tmp_path, 
     assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(gin)]) == 2
     line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
     assert line == f"error: config error: cannot parse {gin}: EOF in multi-line statement (line 2)"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_gin_file_or_include_is_named(tmp_path, capsys, monkeypatch):
+    """A ``--gin_file`` or an ``include`` that names no file: one line naming it, the including
+    file and line, and the working directory includes resolve against (gin's own error was
+    ``expected str, bytes or os.PathLike object, not NoneType``, naming nothing)."""
+    from mempo_jax import train
+
+    monkeypatch.chdir(REPO)
+    assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", "configs/smollm2_hotpot.gin"]) == 2
+    line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
+    assert line == (f"error: config error: no such gin file: configs/smollm2_hotpot.gin; paths are relative to the "
+                    f"working directory {REPO} (run from the repository root)")
+    gin = tmp_path / "x.gin"
+    gin.write_text("RLConfig.steps = 3\ninclude 'configs/tiny_wrld.gin'\n")
+    assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(gin)]) == 2
+    line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
+    assert line.startswith(f"error: config error: no such gin file: configs/tiny_wrld.gin (include at {gin}:2); "), line
+    monkeypatch.chdir(tmp_path)  # a recipe's repository-relative include, run from elsewhere
+    assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(REPO / "configs" / "hotpotqa.gin")]) == 2
+    line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
+    assert f"configs/tiny_world.gin (include at {REPO / 'configs' / 'hotpotqa.gin'}:6)" in line, line
+    assert f"working directory {tmp_path}" in line and not (tmp_path / "run").exists()
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path, capsys):
+    rc, err = _main(capsys, tmp_path / "run", f'ModelOptions.checkpoint="{tmp_path / "nope"}"', "ModelOptions.overrides=()")
+    assert rc == 2 and _one_error(err).startswith(f"error: ModelOptions.checkpoint: no such folder: {tmp_path / 'nope'}")
     assert not (tmp_path / "run").exists()
 
 

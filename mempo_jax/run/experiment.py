@@ -282,6 +282,9 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     if set(dtypes) - {"dtype", "param_dtype"}:
         raise ValueError(f"ModelOptions.overrides {sorted(set(dtypes) - {'dtype', 'param_dtype'})} cannot change "
                          f"the architecture of checkpoint {options.checkpoint}; only dtype / param_dtype")
+    if not pathlib.Path(options.checkpoint).is_dir():
+        raise FileNotFoundError(f"ModelOptions.checkpoint: no such folder: {options.checkpoint} (relative to the "
+                                f"working directory {pathlib.Path.cwd()})")
     if not pathlib.Path(options.checkpoint, "config.json").is_file():
         raise FileNotFoundError(f"ModelOptions.checkpoint: no config.json in {options.checkpoint}")
     rules = rules or DEFAULT_RULES
