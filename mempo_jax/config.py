@@ -456,8 +456,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
 
 def _missing_gin_file(gin_files: Sequence[str]) -> str:
     """"no such gin file: F ..." for the first of ``gin_files``, or of the files their ``include``
-    lines name (followed recursively, as gin reads them: relative to the working directory), that
-    is not a file; "" when every one exists."""
+    statements name (gin's own parser, followed recursively; gin reads them relative to the working
+    directory), that is not a file; "" when every one exists."""
     todo, seen = [(str(f), "") for f in gin_files], set()
     while todo:
         path, where = todo.pop(0)
@@ -467,10 +467,13 @@ def _missing_gin_file(gin_files: Sequence[str]) -> str:
         if not pathlib.Path(path).is_file():
             return (f"no such gin file: {path}{f' (include at {where})' if where else ''}; paths are relative to "
                     f"the working directory {os.getcwd()} (run from the repository root)")
-        for n, line in enumerate(pathlib.Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-            m = re.match(r"""\s*include\s+['"]([^'"]+)['"]""", line)
-            if m:
-                todo.append((m.group(1), f"{path}:{n}"))
+        parser = gin.config_parser.ConfigParser(pathlib.Path(path).read_text(encoding="utf-8"),
+                                                gin.config.ParserDelegate(skip_unknown=True))
+        try:
+            todo += [(st.filename, f"{path}:{st.location.line_num}") for st in parser
+                     if isinstance(st, gin.config_parser.IncludeStatement)]
+        except (SyntaxError, tokenize.TokenError, ValueError):  # gin's own error says what does not parse
+            continue
     return ""
 
 

@@ -161,9 +161,9 @@ class TagCodec:
         extra = len(data) - (end + len(cl))
         if end < 0 or extra <= 0:
             return ids
-        keep = vocab[ids[-1]][: len(vocab[ids[-1]]) - extra]
+        keep = vocab[ids[-1]][: len(vocab[ids[-1]]) - extra]  # never empty: it holds the close's last byte
         try:
-            return ids[:-1] + ([int(i) for i in self.tokenizer.encode(keep.decode("utf-8"))] if keep else [])
+            return ids[:-1] + [int(i) for i in self.tokenizer.encode(keep.decode("utf-8"))]
         except UnicodeDecodeError:  # the kept bytes start inside a character: leave the ids as sampled
             return ids
 
