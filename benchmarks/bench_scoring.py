@@ -3,7 +3,7 @@ vs transformers forward passes, for the same tokens on the same weights.
 
 M synthetic ``<mem>`` turns: a full-history context (``--full_len`` tokens, varied), a memory
 context (``--mem_len`` tokens, varied) and an answer Z (4 tokens). Three ways to get
-``P(Z | full)`` and ``P(Z | mem)`` (MEMPO_SPEC §3):
+``P(Z | full)`` and ``P(Z | mem)`` (docs/algorithm.md §3):
 
 * stacked packed: ``MemoryRewardScorer`` (default ``packing``) with ``chunk_rows = 2M`` — one
   jitted call over the stacked rows packed end to end (segment ids, per-segment positions,

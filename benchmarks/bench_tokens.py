@@ -5,7 +5,7 @@ The trained policy of ``--run_dir`` (default ``runs/tiny``, written by ``python 
 does (``evaluate.make_sample_fn``, ``evaluation.evaluate_policy``, the run's own rollout options
 and top-k from its ``config.gin``) on the first ``--limit`` held-out questions of its world, greedy,
 in both context modes. TT = tokens processed per question (every turn's context + output,
-summed), PT = the largest single context + output (MEMPO_SPEC §6). Target: k = 1 TT ≤ 35 % of
+summed), PT = the largest single context + output (docs/algorithm.md §6). Target: k = 1 TT ≤ 35 % of
 full-history TT at equal or better EM (the paper reports −67.58 %). The run's own ``summary.json``
 evaluation (all held-out questions) is reported next to it when present.
 

@@ -6,7 +6,7 @@ Bridge (person P, company C): searched P first; searched C later; wrote P's birt
 Multi-objective: share of sub-question subjects searched, share of sub-answers right.
 Single: searched the subject, EM.
 
-Memory accounting (what the memory reward can fix, MEMPO_SPEC §3: R_M < 0 when a ``<mem>``
+Memory accounting (what the memory reward can fix, docs/algorithm.md §3: R_M < 0 when a ``<mem>``
 lost what the full history holds): ``city_dropped`` (bridge), the birth city was in a tool result
 but in no ``<mem>``; ``sub_answers_seen`` / ``sub_answers_dropped`` (multi), the share of
 objectives whose gold answer was in a tool result / was in one but is not in the memory of the

@@ -9,7 +9,7 @@ Samples k = 1 episodes of a tiny-world policy on held-out bridge and multi-objec
   ``<mem>``, ``dropped`` when one is missing;
 
 and scores every labelled memory with the policy's own ``MemoryRewardScorer`` under the four
-views of ``RLConfig``: baseline ``full`` (MEMPO_SPEC §3) or ``input`` (the context the memory was
+views of ``RLConfig``: baseline ``full`` (docs/algorithm.md §3) or ``input`` (the context the memory was
 written from), each without and with ``memory_hindsight`` (both views end with the tool results
 of turns t..). R_M in probability units (P_mem − P_full, Z = gold). A lever can only teach what
 to remember if ``gap = mean R_M(kept) − mean R_M(dropped)`` is clearly above 0 and large

@@ -1,5 +1,5 @@
 """The evaluation command: a trained run, or any Hugging Face checkpoint, on QA datasets, in every
-context mode (MEMPO_SPEC §6).
+context mode (docs/algorithm.md §6).
 
 ::
 
@@ -22,7 +22,7 @@ format_fail, tool_calls, n}}}``), ``DIR/eval.md`` (a markdown table), ``DIR/eval
 per dataset and mode), ``DIR/predictions.jsonl`` (one line per question and mode) and
 ``DIR/eval_meta.json`` (run folder, step, corpus of each dataset, rollout options).
 
-Retrieval (MEMPO_SPEC §7), per dataset:
+Retrieval (docs/algorithm.md §7), per dataset:
 
 * ``--retriever_url URL``: a running Search-R1-compatible server (``RemoteSearchBackend``);
 * ``--corpus FILE``: a local BM25 index over a Search-R1 / FlashRAG corpus JSONL;

@@ -1,4 +1,4 @@
-"""Test setup: 8 emulated CPU devices, set before JAX is imported (ARCHITECTURE.md), and one
+"""Test setup: 8 emulated CPU devices, set before JAX is imported, and one
 XLA compilation cache and one tokenizer cache for the whole session.
 
 Workers. ``pytest.ini`` runs the suite on two pytest-xdist worker processes (``-n 2``, one test

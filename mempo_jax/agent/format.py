@@ -4,7 +4,7 @@ An ``AgentFormat`` bundles the tokenizer, its ``TagCodec`` (tags as ids or as te
 template (a checkpoint's chat template, or the plain one of the from-scratch tokenizer), the
 system prompt and the tool-result layout. The rollout, the scripted agent, the SFT reader and the
 evaluator build every context through it, so a trajectory's ids are the same concatenation of
-pieces wherever it is made (MEMPO_SPEC §2): ``prompt_ids`` + turn 1's sampled ids +
+pieces wherever it is made (docs/algorithm.md §2): ``prompt_ids`` + turn 1's sampled ids +
 ``observation_ids`` of its tool result + turn 2's sampled ids + … ; k-step contexts are cut from
 the same pieces, so they are rendered through the same template.
 """

@@ -1,4 +1,4 @@
-"""Multi-turn rollout: batched sampling on device, tools on the host (MEMPO_SPEC §2).
+"""Multi-turn rollout: batched sampling on device, tools on the host (docs/algorithm.md §2).
 
 Every turn, the contexts of all unfinished trajectories are left-padded into one static-shape
 batch (power-of-two buckets for rows and length), sampled in one jitted call, parsed on the host,
@@ -213,7 +213,7 @@ def warm_sampler(sample_fn: SampleFn, params, pad_id: int, cfg: RolloutConfig, n
 
 def new_trajectories(fmt: AgentFormat, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
     """``group_size`` fresh trajectories per question; the group id is the question's index in
-    ``questions`` (+ ``group_offset``), assigned before the copies are made (MEMPO_SPEC §4).
+    ``questions`` (+ ``group_offset``), assigned before the copies are made (docs/algorithm.md §4).
 
     ``questions`` items need ``id``, ``question`` and ``golds``.
     """

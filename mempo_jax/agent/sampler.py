@@ -5,7 +5,7 @@ of static options, the whole generation one jitted program, a preallocated KV ca
 ``prompt bucket + max_new_tokens`` slots, static shapes. Returned log-probs are
 ``log softmax(logits / temperature)`` of the sampled ids, i.e. exactly what
 ``mempo_jax.model.forward.sequence_logprobs`` gives the same ids at the same temperature
-(MEMPO_SPEC §2 token-in/token-out, §5 "log-probs in the trainer use the same temperature").
+(docs/algorithm.md §2 token-in/token-out, §5 "log-probs in the trainer use the same temperature").
 """
 
 from __future__ import annotations

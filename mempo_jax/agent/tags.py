@@ -8,7 +8,7 @@ Two modes (``ModelOptions.tags``; ``python -m mempo_jax.evaluate --tags``):
 * ``"text"`` — the tags are ordinary text, several BPE tokens each (how a checkpoint SFT'd on
   text trajectories writes them). Spans and stops are found on the sampled ids through the bytes
   each token decodes to (``HFTokenizer.token_bytes``) and their offsets, never by re-tokenising
-  text (ARCHITECTURE.md, token-in/token-out). The sampler stops a row on the device with the
+  text (token in, token out: docs/algorithm.md §2). The sampler stops a row on the device with the
   codec's ``stop_automaton`` (``mempo_jax.text.stop_strings``: a byte automaton over the closing
   action tags lifted to ``[states, vocab]`` tables), and ``first_stop`` makes the same lookups on
   the host, so both agree on every row: the first token whose bytes complete ``</search>``,

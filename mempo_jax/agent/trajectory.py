@@ -1,4 +1,4 @@
-"""Trajectory records and the context views cut from them (MEMPO_SPEC §2).
+"""Trajectory records and the context views cut from them (docs/algorithm.md §2).
 
 One trajectory is sampled per rollout row; everything else is a *view* of it:
 
@@ -164,14 +164,14 @@ class Trajectory:
 
     def token_stats(self) -> tuple[int, int]:
         """``(TT, PT)``: total tokens over all turns (context + generated, summed) and the peak
-        tokens of one context (context + generated of the largest turn). MEMPO_SPEC §6."""
+        tokens of one context (context + generated of the largest turn). docs/algorithm.md §6."""
         sizes = [turn.context_len + len(turn.output_ids) for turn in self.turns]
         return int(sum(sizes)), int(max(sizes, default=0))
 
 
 @dataclasses.dataclass
 class TrainingRows:
-    """Trajectories cut into training sequences (MEMPO_SPEC §5), right-padded.
+    """Trajectories cut into training sequences (docs/algorithm.md §5), right-padded.
 
     Attributes:
       input_ids: ``[rows, seq]`` int32.

@@ -1,7 +1,7 @@
 """The host side of one turn, shared by both rollout engines (``rollout.rollout`` and
 ``engine.rollout_cached``): record a sampled turn (parse it, find its ``<mem>`` span) and answer it
 (an answer ends the episode; searches and accesses go to the tools in one batched call; a malformed
-turn gets an error observation, MEMPO_SPEC §1)."""
+turn gets an error observation, docs/algorithm.md §1)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def make_turn(fmt: AgentFormat, output_ids: Sequence[int], logprobs: Optional[Se
 def apply_tools(fmt: AgentFormat, tool_env, trajs: Sequence[Trajectory], turns: Sequence[Turn], cfg) -> None:
     """Append each turn to its trajectory and answer it: an answer ends the episode; a search or
     access goes to the tool environment (one batched call); a malformed turn gets an error
-    observation and the episode goes on (MEMPO_SPEC §1)."""
+    observation and the episode goes on (docs/algorithm.md §1)."""
     pending = []
     for tr, turn in zip(trajs, turns):
         tr.turns.append(turn)

@@ -1,7 +1,7 @@
 """Padding to static shapes: power-of-two length buckets so jit compiles a handful of programs.
 
-ARCHITECTURE.md, "Static shapes": pad to buckets (powers of two) so jit compiles a handful of
-programs, not one per batch.
+Static shapes (docs/algorithm.md §2): pad to buckets (powers of two) so jit compiles a handful
+of programs, not one per batch.
 """
 
 from __future__ import annotations

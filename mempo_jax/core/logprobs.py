@@ -6,7 +6,7 @@ log-probs), the memory-reward scorer and the sampler's parity tests.
 Convention: for ``input_ids [batch, seq]`` and the model's ``logits [batch, seq, vocab]``
 (``logits[:, t]`` predicts token ``t + 1``), ``logp[:, t]`` is the log-probability of
 ``input_ids[:, t]`` given ``input_ids[:, :t]``; ``logp[:, 0]`` is 0 (nothing predicts the first
-token). Temperature divides the logits before the softmax, as in the sampler (MEMPO_SPEC §5:
+token). Temperature divides the logits before the softmax, as in the sampler (docs/algorithm.md §5:
 "log-probs in the trainer use the same temperature as the sampler").
 """
 

@@ -1,6 +1,6 @@
 """QA datasets in their public formats → ``QAExample`` records, and a grain source over them.
 
-Formats (MEMPO_SPEC §6–7; all read by ``load_dataset(path, format="auto")``):
+Formats (docs/algorithm.md §6–7; all read by ``load_dataset(path, format="auto")``):
 
 * ``"flashrag"`` — FlashRAG / Search-R1 rows ``{"id", "question", "golden_answers": [str]}``
   (JSONL or Search-R1 parquet); when ``golden_answers`` is absent, Search-R1's
@@ -18,7 +18,7 @@ Formats (MEMPO_SPEC §6–7; all read by ``load_dataset(path, format="auto")``):
   the file and its columns.
 
 Gold strings are whitespace-stripped and de-duplicated (order kept); rewards apply SQuAD
-normalisation later (MEMPO_SPEC §3).
+normalisation later (docs/algorithm.md §3).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ rendered into a passage corpus in the Search-R1 JSONL format (``{"id", "contents
   per city). The company passage alone does not say which office is meant, so an agent that keeps
   only its ``<mem>`` must have remembered the birth city.
 * ``multi`` — multi-objective: 2–4 single-hop sub-questions in one prompt, answers joined by
-  ``;`` (MEMPO_SPEC §1). Every earlier sub-answer must survive in ``<mem>`` until the answer turn.
+  ``;`` (docs/algorithm.md §1). Every earlier sub-answer must survive in ``<mem>`` until the answer turn.
 
 Train and held-out splits share no question (they are split by question text).
 """
@@ -260,7 +260,7 @@ def answer_all(questions: Sequence[str]) -> str:
 
 def compose_objectives(singles: Sequence[Question], k: int, num: int, seed: int) -> list[Question]:
     """``num`` questions of ``k`` objectives each, from single-hop questions, in the world's own
-    multi-objective layout (``answer_all``; MEM1's scaling experiment, MEMPO_SPEC §6: 2–10 objectives).
+    multi-objective layout (``answer_all``; MEM1's scaling experiment, docs/algorithm.md §6: 2–10 objectives).
 
     Each composite draws ``k`` single-hop questions with distinct subjects (so every objective
     needs its own search, and its answer comes from its own turn); objective j's fact is

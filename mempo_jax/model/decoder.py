@@ -7,7 +7,7 @@ buffer per k / v, written with ``lax.dynamic_update_slice`` at ``cache_index``. 
 heads-major (``[layers, batch, kv_heads, size, head_dim]``): the decode step's attention dots
 then read each layer's ``[batch, kv_heads, size, head_dim]`` slice as it lies in memory (with a
 slot-major cache XLA CPU transposed every layer's k and v, 2 x 8.4 MB per layer at batch 64 and
-256 slots, on every decode step; see ``/work/notes/issue7.md``, "Decode profile").
+256 slots, on every decode step).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Grouped advantages: outcome A_T per trajectory, memory A_M per ``<mem>`` span (MEMPO_SPEC §4).
+"""Grouped advantages: outcome A_T per trajectory, memory A_M per ``<mem>`` span (docs/algorithm.md §4).
 
 Everything here is pure JAX and jittable (``num_groups`` and ``shape`` are static). Group
 statistics are segment reductions over question ids (``jax.ops.segment_*``), never Python loops
@@ -34,7 +34,7 @@ def group_normalize(
     valid: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
-    """Per-group z-score ``(v - mean_g) / (std_g + eps)`` with segment ops (MEMPO_SPEC §4, GRPO).
+    """Per-group z-score ``(v - mean_g) / (std_g + eps)`` with segment ops (docs/algorithm.md §4, GRPO).
 
     ``std_g`` is the unbiased standard deviation (divisor ``N_g - 1``) over the group's valid
     entries. Special cases, decided exactly (not through float arithmetic):
@@ -69,7 +69,7 @@ def group_normalize(
 
 
 def outcome_advantage(rewards: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
-    """Outcome advantage A_T: GRPO group normalisation of R_T (MEMPO_SPEC §4).
+    """Outcome advantage A_T: GRPO group normalisation of R_T (docs/algorithm.md §4).
 
     Args:
       rewards: ``[N]`` float outcome rewards, one per trajectory.
@@ -89,7 +89,7 @@ def memory_advantage(
     valid: jax.Array,
     norm: str = "zscore",
 ) -> jax.Array:
-    """Memory advantage A_M per ``<mem>`` turn (MEMPO_SPEC §4).
+    """Memory advantage A_M per ``<mem>`` turn (docs/algorithm.md §4).
 
     One mean/std per question group, pooled over *every turn of every trajectory* of that group;
     each turn's R_M is normalised with it (so turns of one trajectory get different values).
@@ -164,7 +164,7 @@ def token_advantages(
     mem_token_adv: jax.Array,
     loss_mask: jax.Array,
 ) -> jax.Array:
-    """Final per-token advantage ``A = (A_T[:, None] + A_M) * loss_mask`` (MEMPO_SPEC §4).
+    """Final per-token advantage ``A = (A_T[:, None] + A_M) * loss_mask`` (docs/algorithm.md §4).
 
     Args:
       outcome_adv: ``[B]`` float A_T per sequence.

@@ -2,7 +2,7 @@
 
 The learner owns the policy parameters and the optimizer state. All functions are jitted once
 per (rows, seq) bucket; mini-batches are split into micro-batches that accumulate gradients
-with one denominator for the whole mini-batch (MEMPO_SPEC §5: gradient accumulation equals the
+with one denominator for the whole mini-batch (docs/algorithm.md §5: gradient accumulation equals the
 full-batch gradient; tunix-style (sum, denominator) losses).
 """
 

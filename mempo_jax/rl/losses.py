@@ -1,4 +1,4 @@
-"""PPO/GRPO policy loss with KL to a reference policy (MEMPO_SPEC §5).
+"""PPO/GRPO policy loss with KL to a reference policy (docs/algorithm.md §5).
 
 Formulas follow verl's ``trainer/ppo/core_algos.py``: ``compute_policy_loss`` (clipped surrogate
 with dual clip), ``kl_penalty`` (k1 / k2 / k3 estimators with their clamps) and ``agg_loss``.
@@ -32,7 +32,7 @@ register_loss_agg_mode = _AGG.register  # fn(values, mask, norm_length, segment_
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Static options of the MemPO policy loss (MEMPO_SPEC §5; verl actor defaults).
+    """Static options of the MemPO policy loss (docs/algorithm.md §5; verl actor defaults).
 
     Attributes:
       clip_ratio_low / clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``.
@@ -263,7 +263,7 @@ def mempo_loss(
     entropy: Array | None = None,
     segment_ids: Array | None = None,
 ) -> tuple[Array, Array, dict[str, Array]]:
-    """MemPO actor loss of one micro-batch as summable parts (MEMPO_SPEC §5).
+    """MemPO actor loss of one micro-batch as summable parts (docs/algorithm.md §5).
 
     Per token: ``pg + kl_coef · kl_penalty(logp, ref_logp, kl_type) - entropy_coef · entropy``,
     aggregated with ``cfg.loss_agg_mode``. The mini-batch loss is

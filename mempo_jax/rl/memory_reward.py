@@ -1,4 +1,4 @@
-"""Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (MEMPO_SPEC §3).
+"""Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (docs/algorithm.md §3).
 
 Z is scored after a fixed, never-scored prefix (``answer_prefix``, and ``full_prefix`` on the
 full view only): ``RLConfig.memory_prefix`` picks it (``experiment.answer_prefix_ids``).
@@ -34,7 +34,7 @@ LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
 def answer_likelihood(logp: jax.Array, answer_mask: jax.Array) -> jax.Array:
-    """Length-normalised likelihood ``P(Z | c) = exp(Σ_t logp·m / Σ_t m)`` (MEMPO_SPEC §3).
+    """Length-normalised likelihood ``P(Z | c) = exp(Σ_t logp·m / Σ_t m)`` (docs/algorithm.md §3).
 
     The geometric mean of Z's token probabilities.
 
@@ -134,7 +134,7 @@ ANSWER_FRACTION = 4  # a packed row of L columns scores at most L // 4 answer to
 
 
 class MemoryRewardOutput(NamedTuple):
-    """Per-turn memory reward (MEMPO_SPEC §3); ``[M]`` float32 numpy arrays, probability units."""
+    """Per-turn memory reward (docs/algorithm.md §3); ``[M]`` float32 numpy arrays, probability units."""
 
     r_mem: np.ndarray  # p_mem − p_full
     p_full: np.ndarray  # P(Z | full_traj[t])
@@ -147,7 +147,7 @@ LOG_FLOOR = 1e-30  # P below this counts as this in ``memory_reward_values(..., 
 def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> np.ndarray:
     """R_M of each scored turn in the chosen units (``RLConfig.memory_reward_scale``).
 
-    ``"prob"`` (MEMPO_SPEC §3): ``P_mem − P_full``, in [−1, 1]. ``"log"``: ``log P_mem − log
+    ``"prob"`` (docs/algorithm.md §3): ``P_mem − P_full``, in [−1, 1]. ``"log"``: ``log P_mem − log
     P_full``, the difference of the mean per-token log-likelihoods of Z (nats per answer token;
     ``P`` floored at ``LOG_FLOOR``). The two rank a memory that lost what the full history held
     the same way, but a difference of probabilities vanishes whenever Z is still unlikely under

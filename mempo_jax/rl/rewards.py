@@ -1,4 +1,4 @@
-"""Outcome reward R_T: exact match / token F1 of the final ``<answer>`` (MEMPO_SPEC §3).
+"""Outcome reward R_T: exact match / token F1 of the final ``<answer>`` (docs/algorithm.md §3).
 
 Host-side, pure Python (strings in, floats out). Formulas follow the official SQuAD v2.0
 evaluation script (``normalize_answer``, ``compute_exact``, ``compute_f1``) as used by FlashRAG's
@@ -116,7 +116,7 @@ def f1_score(prediction: str, golds: Sequence[str]) -> float:
 
 
 def split_objectives(answer: str) -> list[str]:
-    """Split a multi-objective answer on ``';'`` and strip each part (MEMPO_SPEC §1).
+    """Split a multi-objective answer on ``';'`` and strip each part (docs/algorithm.md §1).
 
     Empty parts are kept so that positions stay aligned with objectives:
     ``"a;; b"`` → ``["a", "", "b"]``.
@@ -129,7 +129,7 @@ def outcome_reward(
     golds: Sequence[Sequence[str]],
     metric: str = "em",
 ) -> float:
-    """Outcome reward R_T of one trajectory (MEMPO_SPEC §3).
+    """Outcome reward R_T of one trajectory (docs/algorithm.md §3).
 
     Single objective (``len(golds) == 1``): the whole prediction is scored against the aliases
     (not split on ``';'``). Multi-objective (``len(golds) > 1``): the prediction is split with

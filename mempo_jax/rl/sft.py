@@ -1,4 +1,4 @@
-"""Cold-start SFT: trajectories as training rows (MEMPO_SPEC §5, reference: SFT on trajectories
+"""Cold-start SFT: trajectories as training rows (docs/algorithm.md §5, reference: SFT on trajectories
 that contain ``<mem>`` before RL). The trajectories are the scripted agent's or those of an SFT
 messages file (``SFTConfig.data_path``); both are read through ``data/messages.py``.
 
@@ -118,7 +118,7 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
                 full_trajs: Optional[Sequence[Trajectory]] = None) -> list[tuple[list[int], list[float]]]:
     """Memory-reader rows: the two views the memory reward scores, followed by an answer, so that
     ``P(Z | mem_traj[t])`` and ``P(Z | full_traj[t])`` are read on contexts the policy was taught
-    to answer from (MEMPO_SPEC §3; ``SFTConfig.reader_fraction``).
+    to answer from (docs/algorithm.md §3; ``SFTConfig.reader_fraction``).
 
     For each chosen trajectory (``rng.random() < fraction``, one draw per trajectory) with a
     final answer turn T that wrote a ``<mem>``, two rows, the loss on the answer ids only:

@@ -1,15 +1,15 @@
 """One MemPO RL step: rollout → rewards → memory reward → advantages → PPO update.
 
-ARCHITECTURE.md's data flow, in order:
+The data flow of docs/algorithm.md §2–§5, in order:
 
 1. rollout: ``group_size`` trajectories per question, multi-turn with host tools;
-2. outcome reward R_T per trajectory (EM or F1 vs gold, MEMPO_SPEC §3);
+2. outcome reward R_T per trajectory (EM or F1 vs gold, docs/algorithm.md §3);
 3. memory reward R_M per ``<mem>`` turn: ONE detached call over the stacked
-   ``[full_traj; mem_traj]`` batch with the answer Z repeated twice (MEMPO_SPEC §3);
+   ``[full_traj; mem_traj]`` batch with the answer Z repeated twice (docs/algorithm.md §3);
 4. reference log-probs (frozen reference policy) for the KL term;
 5. advantages: A_T per question group, A_M pooled over every turn of every trajectory of the
-   group and written on the ``<mem>`` tokens, A = A_T + A_M on generated tokens (MEMPO_SPEC §4);
-6. PPO update (clipped ratio, dual clip, low_var_kl, token-mean; MEMPO_SPEC §5).
+   group and written on the ``<mem>`` tokens, A = A_T + A_M on generated tokens (docs/algorithm.md §4);
+6. PPO update (clipped ratio, dual clip, low_var_kl, token-mean; docs/algorithm.md §5).
 """
 
 from __future__ import annotations
@@ -68,30 +68,30 @@ class RLConfig:
         rollout records for ``rollout/logprob_diff/*``) or ``"sampler"`` (the sampler's own; no
         recompute, no ``logprob_diff`` metrics).
       memory_reward_on: which trajectories' ``<mem>`` turns get a memory reward: ``"all"``
-        (default, MEMPO_SPEC §3) or ``"correct"`` (only those whose outcome reward is > 0, so
+        (default, docs/algorithm.md §3) or ``"correct"`` (only those whose outcome reward is > 0, so
         A_M only ranks the memories of answers that were right; issue 14's first lever). The
         other turns are left out as malformed ones are (no R_M / A_M, outside the group's R_M
         statistics, not scored).
-      memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, MEMPO_SPEC §4) or
+      memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, docs/algorithm.md §4) or
         ``"center"`` (mean subtracted only, in probability units; ``advantage.memory_advantage``).
       memory_reward_scale: the units of R_M (``memory_reward.memory_reward_values``): ``"prob"``
-        (default, MEMPO_SPEC §3: ``P_mem − P_full``) or ``"log"`` (``log P_mem − log P_full``,
+        (default, docs/algorithm.md §3: ``P_mem − P_full``) or ``"log"`` (``log P_mem − log P_full``,
         nats per answer token: an early memory that dropped an objective gets a signal although
         Z is still unlikely under both views).
-      memory_baseline: the view P_mem is compared with: ``"full"`` (default, MEMPO_SPEC §3:
+      memory_baseline: the view P_mem is compared with: ``"full"`` (default, docs/algorithm.md §3:
         ``full_traj[t]``, the whole history) or ``"input"`` (the context the policy wrote turn t's
         memory from, ``Trajectory.policy_context(rollout.context_steps, t)``; the same as
         ``"full"`` in full mode). In k-step mode a memory that dropped a fact passes the loss on:
         every later memory lacks it and, against the full history, each is penalised for what it
         never saw; against its own input only the memory that dropped it is.
       memory_group: which ``<mem>`` turns share one R_M mean/std: ``"question"`` (default,
-        MEMPO_SPEC §4: every turn of every trajectory of the question's group) or ``"turn"``
+        docs/algorithm.md §4: every turn of every trajectory of the question's group) or ``"turn"``
         (the group's turns of the same index: memory t of one trajectory is ranked against memory
         t of the others, so a turn whose R_M is structurally near 0, an early memory that cannot
         yet hold the answer, is not pushed down by the final turns' larger R_M).
       memory_hindsight: append the tool results returned from turn t on
         (``Trajectory.later_observations``) to both views of turn t's memory (default ``False``,
-        MEMPO_SPEC §3 as written). Z needs facts that arrive later (a bridge question's second
+        docs/algorithm.md §3 as written). Z needs facts that arrive later (a bridge question's second
         hop, a multi-objective question's other objectives), so before the last turn P(Z | mem)
         and P(Z | baseline) are both ~0 whatever the memory kept; with the later results
         appended the views differ only by what this memory kept of the past. Measured on the
@@ -237,7 +237,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
 
 def answer_ids_of(turn: Turn, codec) -> Optional[list[int]]:
     """The sampled ids inside the first ``<answer> … </answer>`` block of ``turn.output_ids``
-    (token-in/token-out, MEMPO_SPEC §2: the ids that were sampled are the ids that are scored),
+    (token-in/token-out, docs/algorithm.md §2: the ids that were sampled are the ids that are scored),
     or ``None`` without a closed, non-empty block.
 
     The one place that cuts the answer out of a turn's ids. ``codec`` is the policy's
@@ -325,7 +325,7 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
 
 
 def gold_answer_ids(tokenizer, golds) -> list[int]:
-    """The gold Z of the memory reward (MEMPO_SPEC §3): each objective's first alias joined by
+    """The gold Z of the memory reward (docs/algorithm.md §3): each objective's first alias joined by
     ``"; "``, encoded with a leading space as rendered in turns. ``golds``: one alias tuple per objective."""
     return tokenizer.encode(" " + "; ".join(g[0] for g in golds))
 
@@ -396,7 +396,7 @@ def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[s
 
 
 def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
-    """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (MEMPO_SPEC §3)."""
+    """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (docs/algorithm.md §3)."""
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
@@ -415,7 +415,7 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
                        *, max_rows: int | None = None, max_mem: int | None = None,
                        mem_valid: np.ndarray | None = None, memory_norm: str = "zscore",
                        turns_per_group: int | None = None):
-    """Token advantages ``[rows, seq]`` and their parts (MEMPO_SPEC §4).
+    """Token advantages ``[rows, seq]`` and their parts (docs/algorithm.md §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
     (``training_row_bound``) and ``max_mem`` on the ``<mem>`` turns (``mem_turn_bound``), rows
@@ -474,7 +474,7 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
 def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_starts, mem_ends, traj_index,
                 loss_mask, memory_coef, *, num_groups, memory_norm, num_mem_groups):
     """``(A [R, L], A_T [N], A_M [M])``: outcome and memory advantages, A_M scattered onto the
-    ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (MEMPO_SPEC §4)."""
+    ``<mem>`` spans, ``A = (A_T[row] + coef · A_M) · loss_mask`` (docs/algorithm.md §4)."""
     a_t = outcome_advantage(rewards, group_ids, num_groups)
     a_m = memory_advantage(r_mem, mem_groups, num_mem_groups, mem_valid, memory_norm)
     mem_tok = scatter_span_values(memory_coef * a_m, mem_rows, mem_starts, mem_ends, mem_valid, loss_mask.shape)

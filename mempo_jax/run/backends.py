@@ -1,5 +1,5 @@
 """Which search backend serves which QA files: a corpus JSONL, a ``/retrieve`` server, or the
-passages the QA files carry (MEMPO_SPEC §7).
+passages the QA files carry (docs/algorithm.md §7).
 
 Shared by the evaluation command (``plan_corpora``: one backend per ``--dataset``) and the trainer
 (``training_backend``: one backend for the training and held-out files). Three sources:

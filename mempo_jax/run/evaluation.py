@@ -1,4 +1,4 @@
-"""Evaluating a policy: one rollout per question, EM/F1/TT/PT/turns/format failures (MEMPO_SPEC §6).
+"""Evaluating a policy: one rollout per question, EM/F1/TT/PT/turns/format failures (docs/algorithm.md §6).
 
 TT (total tokens per question) is the sum over turns of the tokens the model processed for that
 turn (its context + its output); PT (peak tokens) is the largest such single context. In ``full``
@@ -67,7 +67,7 @@ def question_kind(question) -> str:
 
 
 def kind_metrics(questions: Sequence, em: Sequence[float], f1: Sequence[float]) -> dict:
-    """Per-kind means of per-question EM and F1 (MEMPO_SPEC §6 reports EM/F1 per dataset; the tiny
+    """Per-kind means of per-question EM and F1 (docs/algorithm.md §6 reports EM/F1 per dataset; the tiny
     world's datasets are its question kinds).
 
     Args:

@@ -166,7 +166,7 @@ def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], li
 
     Built from the protocol's tags only (encoded as text, so it holds for single-token and text
     tags alike); no think wording is assumed. The answer turn's opening is
-    ``T = <think></think><answer>`` (an empty think: MEMPO_SPEC §1's optional think block).
+    ``T = <think></think><answer>`` (an empty think: docs/algorithm.md §1's optional think block).
 
     * ``"empty_mem"`` (default): full view ``full_traj[t] + <mem></mem> + T + Z``, memory view
       ``mem_traj[t] + T + Z``. Both views then end in a closed ``<mem>`` block before ``T``, as

@@ -399,7 +399,7 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
 
 # -- the MemPO system prompt ---------------------------------------------------------------------
 def system_prompt(enabled_tools: Sequence[str], path: str | os.PathLike | None = None) -> str:
-    """The MemPO system prompt, describing only the enabled tools (MEMPO_SPEC §1).
+    """The MemPO system prompt, describing only the enabled tools (docs/algorithm.md §1).
 
     The text is ``prompts/mempo_system.txt`` (shipped in the package) or the file at ``path``;
     ``{action_tags}`` becomes e.g. ``"<search>, <access> or <answer>"`` and ``{actions}`` one line

@@ -8,7 +8,7 @@ Same surface as ``mempo_jax.text.tokenizer.SentencePieceTokenizer``: ``encode``,
   checkpoint's tokenizer, so ``piece_id`` raises ``KeyError`` for them. By default a run keeps
   them so (``ModelOptions.tags = "text"``, ``TagCodec`` text mode): closing tags and ``<mem>``
   spans are found on the sampled ids through their bytes (``token_bytes`` +
-  ``mempo_jax.text.stop_strings``), never by re-tokenising text (ARCHITECTURE.md, token-in/token-out).
+  ``mempo_jax.text.stop_strings``), never by re-tokenising text (token in, token out: docs/algorithm.md §2).
   With ``tags = "tokens"`` a run uses ``with_protocol_tags(embedding_rows)``: every tag becomes
   one added token whose id is a spare embedding row (Qwen2.5: 151,936 rows vs 151,665 tokens), a
   renamed reserved special token (Llama 3: ``<|reserved_special_token_N|>``) or, after the

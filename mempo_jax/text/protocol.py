@@ -1,6 +1,6 @@
 """The MemPO tag protocol: tag constants, the turn parser, and the canonical turn renderer.
 
-MEMPO_SPEC.md §1: one turn of the policy is ``<mem> m_t </mem>``, an optional
+docs/algorithm.md §1: one turn of the policy is ``<mem> m_t </mem>``, an optional
 ``<think> … </think>``, then exactly one action — ``<search> q </search>``,
 ``<access> id </access>`` or ``<answer> a </answer>``. The environment answers a search or
 access with ``<information> … </information>``. Generation stops at ``</search>``,
@@ -37,7 +37,7 @@ _TAGS: dict[str, tuple[str, str]] = {
 }
 ACTIONS: tuple[str, ...] = ("search", "access", "answer")
 
-# The 12 strings a tokenizer must keep as single pieces (ARCHITECTURE.md, tokenizer.py).
+# The 12 strings a tokenizer must keep as single pieces (docs/algorithm.md §1, tokenizer.py).
 ALL_TAG_PIECES: tuple[str, ...] = tuple(piece for pair in _TAGS.values() for piece in pair)
 STOP_TAGS: tuple[str, ...] = (SEARCH[1], ACCESS[1], ANSWER[1])
 
@@ -56,7 +56,7 @@ Action = Literal["search", "access", "answer"]
 
 @dataclasses.dataclass(frozen=True)
 class ParsedTurn:
-    """One parsed policy turn (MEMPO_SPEC §1).
+    """One parsed policy turn (docs/algorithm.md §1).
 
     Attributes:
       mem: content of the single ``<mem>`` block (verbatim), or None when absent/ambiguous.
@@ -157,7 +157,7 @@ def _scan(text: str) -> tuple[list[_Block], list[str]]:
 
 
 def _structure_errors(blocks: list[_Block]) -> list[str]:
-    """Order/count rules over the top-level blocks (MEMPO_SPEC §1)."""
+    """Order/count rules over the top-level blocks (docs/algorithm.md §1)."""
     errors: list[str] = []
     names = [b.name for b in blocks]
     actions = [i for i, n in enumerate(names) if n in ACTIONS]
@@ -185,7 +185,7 @@ def _structure_errors(blocks: list[_Block]) -> list[str]:
 
 
 def parse_turn(text: str) -> ParsedTurn:
-    """Parse one generated turn; never raises (MEMPO_SPEC §1: parsing never throws).
+    """Parse one generated turn; never raises (docs/algorithm.md §1: parsing never throws).
 
     A valid turn is: optional whitespace, ``<mem>…</mem>``, optional whitespace, optional
     ``<think>…</think>``, optional whitespace, exactly one closed action block
@@ -233,7 +233,7 @@ _FORMAT_HELP = (
 
 
 def format_error_observation(error: str) -> str:
-    """Observation body for an invalid turn (MEMPO_SPEC §1: error observation, episode goes on).
+    """Observation body for an invalid turn (docs/algorithm.md §1: error observation, episode goes on).
 
     The environment wraps the returned text in ``<information>…</information>``; any
     ``<information>`` pieces inside ``error`` are removed so the wrapper stays well-formed.

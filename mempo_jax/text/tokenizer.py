@@ -4,7 +4,7 @@ The tokenizer is trained on the world's text (or a real corpus) with every proto
 (``<mem>``, ``</mem>``, ``<think>``, … ``</information>``) as a *user-defined symbol*, so a tag is
 always exactly one id, wherever it appears. That makes the rollout's bookkeeping exact: the
 ``<mem>`` span of a turn and the stop tags are found on the sampled ids, never by re-tokenising
-text (ARCHITECTURE.md, "Token-in/token-out").
+text (token in, token out: docs/algorithm.md §2).
 
 The trained model is cached on disk, keyed by a hash of its training text and options.
 """

@@ -1,6 +1,6 @@
 """Local BM25 search over a list of Documents, on the ``bm25s`` library.
 
-The local stand-in for Search-R1's retrieval server (MEMPO_SPEC §2, §7): Lucene BM25
+The local stand-in for Search-R1's retrieval server (docs/algorithm.md §2, §7): Lucene BM25
 (bm25s defaults k1 = 1.5, b = 0.75), title + text tokenised with bm25s' scikit-learn-style
 tokenizer (lower-case, ``\\b\\w\\w+\\b``), English stopwords removed, no stemming.
 Persistence uses bm25s' own ``save``/``load`` (``.npy`` without pickle, JSON vocab) plus a JSONL

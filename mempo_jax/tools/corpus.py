@@ -1,6 +1,6 @@
 """Retrieval corpus: documents, search hits, corpus JSONL I/O and corpus pooling from QA files.
 
-MEMPO_SPEC §7: corpus JSONL rows are ``{"id": str, "contents": "\\"Title\\"\\npassage"}`` — the
+docs/algorithm.md §7: corpus JSONL rows are ``{"id": str, "contents": "\\"Title\\"\\npassage"}`` — the
 DPR wiki-2018 passage style that FlashRAG and Search-R1 corpora use.
 """
 
@@ -66,7 +66,7 @@ class Document:
         return cls(id, title, text)
 
     def to_row(self) -> dict[str, str]:
-        """The corpus JSONL row ``{"id", "contents"}`` (MEMPO_SPEC §7)."""
+        """The corpus JSONL row ``{"id", "contents"}`` (docs/algorithm.md §7)."""
         return {"id": self.id, "contents": self.contents}
 
 
@@ -79,7 +79,7 @@ class Hit:
 
 
 def load_corpus_jsonl(path: PathLike) -> list[Document]:
-    """Read a Search-R1/FlashRAG corpus JSONL (rows ``{"id", "contents"}``, MEMPO_SPEC §7).
+    """Read a Search-R1/FlashRAG corpus JSONL (rows ``{"id", "contents"}``, docs/algorithm.md §7).
 
     Integer ids are accepted and converted to strings. Blank lines are skipped.
 

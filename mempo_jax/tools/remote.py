@@ -1,6 +1,6 @@
 """Client of a Search-R1-compatible retrieval server, with BM25Index's search()/get() contract.
 
-MEMPO_SPEC §7: ``POST {url}/retrieve`` with ``{"queries", "topk", "return_scores": true}``;
+docs/algorithm.md §7: ``POST {url}/retrieve`` with ``{"queries", "topk", "return_scores": true}``;
 documents are ``{"id", "contents"}`` rows (split into title and text by
 ``Document.from_contents``). ``GET {url}/access?id=…`` reads one document (this project's
 server; 404 = unknown id).

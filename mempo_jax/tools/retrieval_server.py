@@ -1,6 +1,6 @@
 """A Search-R1-compatible retrieval server over a local BM25 index (FastAPI + uvicorn).
 
-MEMPO_SPEC §7 (Search-R1 ``search_r1/search/retrieval_server.py`` contract)::
+docs/algorithm.md §7 (Search-R1 ``search_r1/search/retrieval_server.py`` contract)::
 
     POST /retrieve  {"queries": [str], "topk": int, "return_scores": bool}
       → {"result": [[{"document": {"id", "contents"}, "score": float}, …] per query]}

@@ -1,6 +1,6 @@
 """Host-side tools of the rollout: turn a parsed ``<search>``/``<access>`` into an observation.
 
-MEMPO_SPEC §2: the tool runs on the host (reference: ``ToolParser.parse`` →
+docs/algorithm.md §2: the tool runs on the host (reference: ``ToolParser.parse`` →
 ``AsearcherSearchTool.execute``, a retrieval call); §1: a turn with no valid action gets an
 error observation and the episode goes on. The environment wraps every observation returned
 here in ``<information>…</information>``. Tool failures never raise into the rollout: a backend
@@ -99,7 +99,7 @@ def _quote(arg: str) -> str:
 
 
 class ToolEnvironment:
-    """Executes search/access turns against a backend (MEMPO_SPEC §2).
+    """Executes search/access turns against a backend (docs/algorithm.md §2).
 
     Args:
       search_backend: ``search(queries, topk) -> list[list[Hit]]`` and ``get(id) -> Document|None``.

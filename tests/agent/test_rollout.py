@@ -1,4 +1,4 @@
-"""Rollout bookkeeping: context views, loss masks and <mem> spans (MEMPO_SPEC §2, §5).
+"""Rollout bookkeeping: context views, loss masks and <mem> spans (docs/algorithm.md §2, §5).
 
 Uses the real world, the real SentencePiece tokenizer, real BM25 tools and, for sampled turns,
 the real jitted sampler over a tiny random model.

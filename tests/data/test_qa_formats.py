@@ -15,7 +15,7 @@ from mempo_jax.tools.corpus import Document, load_corpus_jsonl, pool_hotpotqa_co
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
 MUSIQUE = "musique/musique_dev_10_with_paragraphs.hoprag.jsonl"
 
-# (file, detected format, record count) — counts from shared/data/SOURCES.md
+# (file, detected format, record count) — counts from the data folder's SOURCES.md
 SHARED_FILES = [
     (HOTPOT, "hotpotqa", 300),
     ("hotpotqa/hotpotqa_dev_500_qa.r1searcher.jsonl", "qa", 500),

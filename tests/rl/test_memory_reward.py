@@ -231,7 +231,7 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
     np.testing.assert_allclose(m["mem/reward/mean"], want.mean(), rtol=1e-5, atol=1e-7)  # logged in the same units
 
 
-# ---- Z = the sampled answer ids (MEMPO_SPEC §2), never the re-encoded decoded text ----------
+# ---- Z = the sampled answer ids (docs/algorithm.md §2), never the re-encoded decoded text ----------
 
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""Golden tests for mempo_jax.rl.rewards (MEMPO_SPEC §3, SQuAD v2 eval conventions)."""
+"""Golden tests for mempo_jax.rl.rewards (docs/algorithm.md §3, SQuAD v2 eval conventions)."""
 
 import pytest
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Tag protocol and turn parser (MEMPO_SPEC §1): never raises, error iff invalid, round trip."""
+"""Tag protocol and turn parser (docs/algorithm.md §1): never raises, error iff invalid, round trip."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_constants():
         ("  <mem>m</mem>\n<answer>Paris</answer>\n\n", ("m", None, "answer", "Paris")),
         ("<mem></mem><access> 17 </access>", ("", None, "access", " 17 ")),
         ("<mem>a < b > c</mem><answer>x</answer>", ("a < b > c", None, "answer", "x")),
-        # multi-objective answer is kept intact (MEMPO_SPEC §1, ';' separated)
+        # multi-objective answer is kept intact (docs/algorithm.md §1, ';' separated)
         ("<mem>m</mem><answer>a; b; c</answer>", ("m", None, "answer", "a; b; c")),
     ],
 )
