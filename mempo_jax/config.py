@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 import gin
 
+from mempo_jax import recipes
 from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
@@ -33,7 +34,7 @@ from mempo_jax.rl.step import RLConfig
 from mempo_jax.core.validation import check, require
 
 
-DEFAULT_GIN = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_world.gin")  # the default recipe
+DEFAULT_GIN = recipes.resolve_recipe(recipes.DEFAULT_RECIPE)  # the default recipe's file
 
 # SentencePiece's fixed pieces: pad/unk/bos/eos, the protocol tags and the 256 byte-fallback pieces
 # (the trainer also needs one piece per distinct character of its text; ``train_sentencepiece``).
@@ -396,6 +397,7 @@ MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows
                 "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
                 "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows"}
 _registered = False
+_gin_search_dirs: set[str] = set()  # folders already given to gin.add_config_file_search_path
 
 
 def _register() -> None:
@@ -410,8 +412,20 @@ def _register() -> None:
         _registered = True
 
 
+def _add_gin_search_dirs(gin_files: Sequence[str]) -> None:
+    """Let gin find an ``include`` beside the given files and among the shipped recipes
+    (``recipes.search_dirs``; gin tries the working directory first)."""
+    for folder in recipes.search_dirs(gin_files):
+        if folder not in _gin_search_dirs:
+            gin.add_config_file_search_path(folder)
+            _gin_search_dirs.add(folder)
+
+
 def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> ExperimentConfig:
     """Parse gin files and bindings into a validated ``ExperimentConfig``.
+
+    A gin file is a path or a shipped recipe's name (``smollm2_hotpotqa``; ``recipes.resolve_recipe``),
+    from any working directory; its ``include`` statements are found as ``recipes.find_file`` says.
 
     Raises:
       ValueError: one line naming the unknown binding, the unparsable ``--gin_param``, the bad
@@ -419,6 +433,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
     """
     _register()
     gin.clear_config()
+    gin_files = [recipes.resolve_recipe(f) for f in gin_files]
+    _add_gin_search_dirs(gin_files)
     for param in gin_params:  # a syntax error names its --gin_param (gin's message says "line N")
         problem = _syntax_error(param)
         if problem:
@@ -456,21 +472,24 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
 
 def _missing_gin_file(gin_files: Sequence[str]) -> str:
     """"no such gin file: F ..." for the first of ``gin_files``, or of the files their ``include``
-    statements name (gin's own parser, followed recursively; gin reads them relative to the working
-    directory), that is not a file; "" when every one exists."""
-    todo, seen = [(str(f), "") for f in gin_files], set()
+    statements name (gin's own parser, followed recursively; found as ``recipes.find_file`` says),
+    that is not a file; "" when every one exists."""
+    todo, seen = [(str(f), "", None) for f in gin_files], set()
     while todo:
-        path, where = todo.pop(0)
+        name, where, beside = todo.pop(0)
+        found = recipes.find_file(name, beside)
+        if found is None:
+            return (f"no such gin file: {name}{f' (include at {where})' if where else ''}; looked in the working "
+                    f"directory {os.getcwd()}{', beside the including file' if where else ''} and among the "
+                    f"shipped recipes ({', '.join(recipes.recipe_names())})")
+        path = str(found)
         if path in seen:
             continue
         seen.add(path)
-        if not pathlib.Path(path).is_file():
-            return (f"no such gin file: {path}{f' (include at {where})' if where else ''}; paths are relative to "
-                    f"the working directory {os.getcwd()} (run from the repository root)")
-        parser = gin.config_parser.ConfigParser(pathlib.Path(path).read_text(encoding="utf-8"),
+        parser = gin.config_parser.ConfigParser(found.read_text(encoding="utf-8"),
                                                 gin.config.ParserDelegate(skip_unknown=True))
         try:
-            todo += [(st.filename, f"{path}:{st.location.line_num}") for st in parser
+            todo += [(st.filename, f"{path}:{st.location.line_num}", found.parent) for st in parser
                      if isinstance(st, gin.config_parser.IncludeStatement)]
         except (SyntaxError, tokenize.TokenError, ValueError):  # gin's own error says what does not parse
             continue

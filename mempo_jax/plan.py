@@ -341,8 +341,10 @@ def plan_dict(plan: MemoryPlan) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI: print the plan; exit 0 when it fits, 1 when it does not, 2 on a config error."""
+    from mempo_jax.recipes import gin_file_help
+
     p = argparse.ArgumentParser(prog="python -m mempo_jax.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gin_file", action="append", default=[], help="gin config (repeatable)")
+    p.add_argument("--gin_file", action="append", default=[], help=gin_file_help(None))
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
     args = p.parse_args(argv)

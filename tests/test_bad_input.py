@@ -138,18 +138,18 @@ def test_a_missing_gin_file_or_include_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", "configs/smollm2_hotpot.gin"]) == 2
     line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
-    assert line == (f"error: config error: no such gin file: configs/smollm2_hotpot.gin; paths are relative to the "
-                    f"working directory {REPO} (run from the repository root)")
+    assert line.startswith(f"error: config error: no such gin file: configs/smollm2_hotpot.gin; looked in the "
+                           f"working directory {REPO} and among the shipped recipes (hotpotqa, "), line
+    assert "smollm2_hotpotqa, tiny_world" in line, line
     gin = tmp_path / "x.gin"
     gin.write_text("RLConfig.steps = 3\ninclude 'configs/tiny_wrld.gin'\n")
+    monkeypatch.chdir(tmp_path)
     assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(gin)]) == 2
     line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
-    assert line.startswith(f"error: config error: no such gin file: configs/tiny_wrld.gin (include at {gin}:2); "), line
-    monkeypatch.chdir(tmp_path)  # a recipe's repository-relative include, run from elsewhere
-    assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(REPO / "configs" / "hotpotqa.gin")]) == 2
-    line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
-    assert f"configs/tiny_world.gin (include at {REPO / 'configs' / 'hotpotqa.gin'}:6)" in line, line
-    assert f"working directory {tmp_path}" in line and not (tmp_path / "run").exists()
+    assert line.startswith(f"error: config error: no such gin file: configs/tiny_wrld.gin (include at {gin}:2); "
+                           f"looked in the working directory {tmp_path}, beside the including file and among the "
+                           "shipped recipes"), line
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_checkpoint_folder_is_named(tmp_path, capsys):

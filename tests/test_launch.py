@@ -140,10 +140,13 @@ def test_help_prints_usage():
 
 
 def test_scripts_are_shellcheck_clean():
+    """shellcheck is a system tool, not a pip package: README's test command skips this check on a
+    machine without it; ``.ci/run`` installs it and sets ``MEMPO_REQUIRE_SHELLCHECK=1``, which makes it
+    required."""
     if shutil.which("shellcheck") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("shellcheck missing under CI (apt-get install -y shellcheck)")
-        pytest.skip("shellcheck not installed")
+        if os.environ.get("MEMPO_REQUIRE_SHELLCHECK") == "1":
+            pytest.fail("shellcheck missing and MEMPO_REQUIRE_SHELLCHECK=1 (apt-get install -y shellcheck)")
+        pytest.skip("shellcheck not installed (a system package: apt-get install shellcheck); .ci/run requires it")
     scripts = sorted(str(p) for p in (REPO / "launch").glob("*.sh"))
     assert len(scripts) == 7
     proc = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=REPO)

@@ -23,12 +23,12 @@ import numpy as np
 
 
 def _parse_args(argv):
-    from mempo_jax.config import DEFAULT_GIN
+    from mempo_jax.recipes import gin_file_help
 
     p = argparse.ArgumentParser(prog="python -m mempo_jax.data.write_sft_messages",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output file (.jsonl, or .parquet)")
-    p.add_argument("--gin_file", action="append", default=None, help=f"gin config (default {DEFAULT_GIN})")
+    p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. ExperimentConfig.seed=1")
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="which questions to play (default: train; heldout is for inspection, never train on it)")

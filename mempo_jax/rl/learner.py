@@ -271,7 +271,7 @@ class Learner:
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), micro)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"sft/loss": loss, "sft/grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"sft/loss": loss, "sft/grad_norm": optax.tree.norm(grads)}
 
     def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
         """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
@@ -321,7 +321,7 @@ class Learner:
         m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
         m0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0)
         (grads, msum), _ = jax.lax.scan(body, (zeros, m0), micro)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -409,7 +409,8 @@ def system_prompt(enabled_tools: Sequence[str], path: str | os.PathLike | None =
 
     Args:
       enabled_tools: a subset of ``("search", "access")``, any order; may be empty (answer only).
-      path: a text file (UTF-8) to use instead of the packaged one (config ``system_prompt_path``).
+      path: a text file (UTF-8) to use instead of the packaged one (config ``system_prompt_path``):
+        relative to the working directory, else a shipped file (``recipes.find_file``).
 
     Returns:
       The prompt text.
@@ -428,10 +429,13 @@ def system_prompt(enabled_tools: Sequence[str], path: str | os.PathLike | None =
         text = importlib.resources.files("mempo_jax.agent").joinpath(SYSTEM_PROMPT_FILE).read_text(encoding="utf-8")
         where = f"mempo_jax/agent/{SYSTEM_PROMPT_FILE}"
     else:
-        path = pathlib.Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"system prompt file not found: {path}")
-        text, where = path.read_text(encoding="utf-8"), str(path)
+        from mempo_jax.recipes import find_file
+
+        found = find_file(path)  # the working directory, else a shipped file (configs/prompts/...)
+        if found is None:
+            raise FileNotFoundError(f"system prompt file not found: {path} (looked in the working directory "
+                                    f"{os.getcwd()} and among the shipped configs)")
+        text, where = found.read_text(encoding="utf-8"), str(found)
     text = text.rstrip("\n")
     if not text.strip():
         raise ValueError(f"system prompt file {where} is empty")

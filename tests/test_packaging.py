@@ -1,0 +1,91 @@
+"""The package: pyproject.toml agrees with requirements*.txt and lists every subpackage; the shipped
+recipes load by name from any working directory, with includes found beside the including file or
+among the shipped recipes; a shipped prompt file named in a recipe is found from anywhere."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+
+import pytest
+
+from mempo_jax import recipes
+from mempo_jax.config import load_config
+from mempo_jax.text.chat_template import system_prompt
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _requirements(path: pathlib.Path) -> list[str]:
+    """The requirement lines of a requirements file: comments, blanks and ``-r`` includes dropped."""
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line and not line.startswith(("#", "-r"))]
+
+
+def test_runtime_and_test_pins_match_the_requirements_files():
+    assert PYPROJECT["project"]["dependencies"] == _requirements(REPO / "requirements.txt")
+    assert PYPROJECT["project"]["optional-dependencies"]["test"] == _requirements(REPO / "requirements-test.txt")
+    jax_pin = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("jax=="))
+    version = jax_pin.split("==")[1]
+    assert PYPROJECT["project"]["optional-dependencies"]["cuda"] == [f"jax[cuda12]=={version}"]
+    assert PYPROJECT["project"]["optional-dependencies"]["tpu"] == [f"jax[tpu]=={version}"]
+
+
+def test_every_subpackage_and_the_recipes_are_packaged():
+    folders = sorted(".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "mempo_jax").rglob("__init__.py"))
+    listed = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert sorted(p for p in listed if p != "mempo_jax.configs") == folders
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"mempo_jax.configs": "configs"}
+
+
+def test_console_scripts_name_existing_functions():
+    import importlib
+
+    scripts = PYPROJECT["project"]["scripts"]
+    assert {"mempo-train", "mempo-evaluate", "mempo-plan", "mempo-retrieve-server"} <= set(scripts)
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(vars(importlib.import_module(module))[func]), target
+
+
+def test_recipe_names_and_resolution(tmp_path, monkeypatch):
+    assert {"tiny_world", "hotpotqa", "smollm2_hotpotqa"} <= set(recipes.recipe_names())
+    monkeypatch.chdir(tmp_path)
+    shipped = recipes.RECIPES_DIR / "smollm2_hotpotqa.gin"
+    for name in ("smollm2_hotpotqa", "smollm2_hotpotqa.gin", "configs/smollm2_hotpotqa.gin"):
+        assert pathlib.Path(recipes.resolve_recipe(name)).resolve() == shipped.resolve(), name
+    own = tmp_path / "tiny_world.gin"  # a file in the working directory wins over the shipped one
+    own.write_text("RLConfig.steps = 1\n")
+    assert recipes.resolve_recipe("tiny_world") == "tiny_world.gin"
+    assert recipes.resolve_recipe("no_such_recipe") == "no_such_recipe"
+
+
+def test_shipped_recipes_load_by_name_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["smollm2_hotpotqa"])  # includes 'configs/tiny_world.gin'
+    assert cfg.dataset == "hotpotqa" and cfg.rl.rollout.context_steps == 1
+    assert load_config(["hotpotqa"], ["RLConfig.steps = 5"]).rl.steps == 5
+
+
+@pytest.mark.parametrize("include", ["tiny_world.gin", "mine/base.gin"])
+def test_includes_are_found_beside_the_file_or_among_the_recipes(tmp_path, monkeypatch, include):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "base.gin").write_text("include 'tiny_world.gin'\nRLConfig.steps = 7\n")
+    user = tmp_path / "mine" / "exp.gin"
+    user.write_text(f"include '{include}'\nRLConfig.group_size = 2\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere if include != "mine/base.gin" else tmp_path)
+    cfg = load_config([str(user)])
+    assert cfg.rl.group_size == 2 and cfg.dataset == "tiny_world"
+    assert cfg.rl.steps == (7 if include == "mine/base.gin" else 8)  # tiny_world.gin binds 8
+
+
+def test_a_recipe_prompt_file_is_found_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = system_prompt(("search",), "configs/prompts/mempo_search_short.txt")
+    assert text == system_prompt(("search",), str(recipes.RECIPES_DIR / "prompts" / "mempo_search_short.txt"))
+    with pytest.raises(FileNotFoundError, match="system prompt file not found: nope.txt"):
+        system_prompt(("search",), "nope.txt")
