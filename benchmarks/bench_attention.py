@@ -3,8 +3,8 @@
 One decode step's attention for one layer at batch 64 with SmolLM2-135M's shapes (9 query heads,
 3 kv heads, head dim 64), over ``--keys`` visible keys of a slot cache of 1,024 positions:
 
-* ours: ``mempo_jax.model.slots.blocked_attention`` reading layer 5 of a 30-layer
-  ``[layers, slots, kv_heads, 1024, head_dim]`` float32 cache (what ``slot_forward`` runs per layer
+* ours: ``mempo_jax.model.attention.blocked_attention`` reading layer 5 of a 30-layer
+  ``[layers, slots, kv_heads, 1024, head_dim]`` float32 cache (what ``Decoder`` with a cache runs per layer
   and decode step: key blocks of 256 sliced out of the cache, online softmax);
 * transformers' kernel: ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the
   same keys as contiguous ``[64, 3, keys, 64]`` tensors (what a contiguous per-layer cache gives it).
@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mempo_jax.model.slots import blocked_attention
+    from mempo_jax.model.attention import AttentionMask, blocked_attention
 
     small = args.small
     layers, batch, kvh, heads, hd, size, block = (2, 8, 1, 2, 16, 128, 32) if small else (30, 64, 3, 9, 64, 1024, 256)
@@ -44,7 +44,8 @@ def main(argv=None) -> dict:
     cv = rng.standard_normal((layers, batch, kvh, size, hd), dtype=np.float32)
     q = rng.standard_normal((batch, 1, heads, hd), dtype=np.float32)
     ck_j, cv_j, q_j, layer = jnp.asarray(ck), jnp.asarray(cv), jnp.asarray(q), min(5, layers - 1)
-    ours_fn = jax.jit(lambda q, k, v, pos, bound: blocked_attention(q, k, v, pos, bound, block, layer=jnp.int32(layer)))
+    ours_fn = jax.jit(lambda q, k, v, pos, bound: blocked_attention(q, k, v, AttentionMask.cached(pos), layer=jnp.int32(layer),
+                                                                    kv_bound=bound, block_k=block))
     torch = None
     if have_transformers():
         import torch

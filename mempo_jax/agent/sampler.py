@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from mempo_jax.agent.decoding import is_stop as _is_stop, pick
+from mempo_jax.model.attention import BLOCK_K
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
@@ -185,6 +186,13 @@ class Sampler:
 # ----------------------------------------------------------------------------------- internals
 
 
+def _cache_size(prompt_len: int, max_new_tokens: int) -> int:
+    """Positions of a slot of the generate program: ``prompt_len + max_new_tokens`` rounded up to a
+    multiple of the attention's key block (``attention.BLOCK_K``) when longer than one block."""
+    size = prompt_len + max_new_tokens
+    return size if size <= BLOCK_K else -(-size // BLOCK_K) * BLOCK_K
+
+
 def _as(x, dtype):
     """``x`` in ``dtype``: a ``jax.Array`` stays one (it may span processes), anything else numpy."""
     return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
@@ -201,7 +209,7 @@ def _compiled_generate(graphdef, model_cfg, stop_ids, pad_id, mesh, rules, stati
         impl = functools.partial(_generate_with_automaton, impl)
     b, p, n, greedy, use_top_p = static
     impl = functools.partial(impl, max_new_tokens=n, greedy=greedy, use_top_p=use_top_p,
-                             cache_sharding=cache_shardings(model_cfg, b, p + n, mesh, rules))
+                             cache_sharding=cache_shardings(model_cfg, b, _cache_size(p, n), mesh, rules))
     params = param_shardings(split_model(abstract_model(model_cfg))[1], mesh, rules)
     ids = logical_to_sharding(("batch", None), mesh, rules, (b, p))
     rows = logical_to_sharding(("batch",), mesh, rules, (b,))
@@ -230,20 +238,16 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
     model = nnx.merge(graphdef, params)
     b, p = prompt_ids.shape
     n = max_new_tokens
-    size = p + n
-    slots = jnp.arange(size)
     plen = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
-    prompt_slots = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)  # [B, S]
 
-    # Prefill: all P prompt tokens at slots [0, P).
-    causal = slots[None, :] <= jnp.arange(p)[:, None]  # [P, S]
-    mask = causal[None] & prompt_slots[:, None, :]
-    cache = init_cache(model_cfg, b, size)
+    # Prefill: row b is cache slot b; its real prompt tokens at positions [0, plen) (padding not written).
+    cache = init_cache(model_cfg, b, _cache_size(p, n))
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     last = jnp.max(jnp.where(prompt_mask, jnp.arange(p)[None], 0), axis=-1)
     # LM head on each row's last prompt token only (not a [B, P, vocab] tensor).
-    logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), mask, cache, jnp.int32(0), logits_at=last)
+    logits, cache = model(prompt_ids, positions_from_mask(prompt_mask), cache=cache, write=prompt_mask,
+                          kv_bound=jnp.max(plen), logits_at=last)
     last_logits = logits[:, 0]
 
     pick = functools.partial(_pick, key=key, temperature=temperature, top_p=top_p, greedy=greedy,
@@ -264,12 +268,10 @@ def _generate_impl(graphdef, model_cfg, stop_ids, pad_id, params, prompt_ids, pr
         return (i < n) & ~jnp.all(done)
 
     def body(state):
-        # Feed token i-1 (slot P+i-1, position plen+i-1), sample token i.
+        # Feed token i-1 (position plen+i-1), sample token i.
         i, tokens, logps, valid, done, cache = state[:6]
         prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
-        slot = p + i - 1
-        attend = prompt_slots | ((slots[None, :] >= p) & (slots[None, :] <= slot))  # [B, S]
-        logits, cache = model(prev, (plen + i - 1)[:, None], attend[:, None, :], cache, slot)
+        logits, cache = model(prev, (plen + i - 1)[:, None], cache=cache, kv_bound=jnp.max(plen) + i)
         tok, lp = pick(logits[:, 0], i)
         active = ~done
         tok = jnp.where(active, tok, pad_id)

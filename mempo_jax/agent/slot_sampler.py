@@ -16,7 +16,8 @@ cache is updated in place, never copied):
   ``lax.while_loop`` that exits early when none is left); a slot stops at a stop id, a completed
   stop string (``stop_strings``) or its token budget, and then idles until the host refills it.
 
-Attention reads the live cache blocks only (``mempo_jax.model.slots.blocked_attention``).
+The forward pass is the ``Decoder``'s own with a cache; its attention reads the live cache blocks
+only (``mempo_jax.model.attention.blocked_attention`` with ``kv_bound``).
 Sampling is ``mempo_jax.agent.sampler``'s: ``log softmax(logits / temperature)`` log-probs, top-p,
 argmax when greedy. The PRNG key of step j of turn u of trajectory i is
 ``fold_in(fold_in(fold_in(key, u), j), i)`` — a pure function of (key, trajectory, turn, step),
@@ -38,7 +39,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
-from mempo_jax.model.slots import slot_forward
 from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 from mempo_jax.agent.decoding import is_stop as _is_stop, pick as _pick
 
@@ -256,8 +256,9 @@ def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ro
     write = (jnp.arange(t)[None, :] < counts[:, None]) & real[:, None]
     positions = starts[:, None] + jnp.arange(t)[None, :]
     bound = jnp.max(jnp.where(write, positions, 0)) + 1
-    logits, cache = slot_forward(model, ids, positions, state.cache, rows, write, bound,
-                                 jnp.maximum(counts - 1, 0), min(block, state.cache.k.shape[3]))
+    logits, cache = model(ids, positions, cache=state.cache, rows=rows, write=write, kv_bound=bound, block_k=block,
+                          logits_at=jnp.maximum(counts - 1, 0))
+    logits = logits[:, 0]
     keys = _row_keys(key, turn, jnp.zeros_like(turn), traj)
     tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
     stop, fsm = _stop_now(tok, jnp.zeros_like(tok), stop_ids, tables)
@@ -309,8 +310,9 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
         act = st["active"]
         pos = st["lengths"]
         bound = jnp.max(jnp.where(act, pos, 0)) + 1
-        logits, cache = slot_forward(model, st["last"][:, None], pos[:, None], cache, gather, act[:, None], bound,
-                                     jnp.zeros((r,), jnp.int32), min(block, cache.k.shape[3]))
+        logits, cache = model(st["last"][:, None], pos[:, None], cache=cache, rows=rows, write=act[:, None],
+                              kv_bound=bound, block_k=block, logits_at=jnp.zeros((r,), jnp.int32))
+        logits = logits[:, 0]
         keys = _row_keys(key, st["turn"], st["gen"], st["traj"])
         tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
         stop, fsm = _stop_now(tok, st["fsm"], stop_ids, tables)

@@ -1,20 +1,23 @@
-"""Attention kernels of the decoder: dense masked softmax, and blocked (flash-style) attention.
+"""The decoder's one attention function (``attention``): dense masked softmax for short rows,
+blocked (flash-style) attention for long rows and for every KV-cache read.
 
 ``dense_attention`` materialises the ``[batch, kv_heads, groups, T, S]`` float32 scores (HF
-``eager_attention_forward``); it is what decode (T = 1) uses. ``blocked_attention`` computes the
-same result one ``[block_q, block_k]`` tile at a time with the online-softmax recurrence of
-FlashAttention (Dao et al. 2022, "FlashAttention", Algorithm 1; Rabe & Staats 2021, "Self-attention
-does not need O(n²) memory"): per query block a running maximum ``m``, normaliser ``l`` and
-weighted sum ``acc`` are rescaled by ``exp(m_old − m_new)`` as each key block arrives, so no
-``[T, S]`` score tensor exists. Tiles whose mask is all False (above the causal diagonal, another
-segment of a packed row, padding) are skipped at run time (``lax.cond``).
+``eager_attention_forward``); training and scoring rows up to ``BLOCKED_MIN_LEN`` tokens use it.
+``blocked_attention`` computes the same result one ``[block_q, block_k]`` tile at a time with the
+online-softmax recurrence of FlashAttention (Dao et al. 2022, "FlashAttention", Algorithm 1; Rabe &
+Staats 2021, "Self-attention does not need O(n²) memory"): per query block a running maximum
+``m``, normaliser ``l`` and weighted sum ``acc`` are rescaled by ``exp(m_old − m_new)`` as each key
+block arrives, so no ``[T, S]`` score tensor exists. Over a KV cache (``[layers, slots, kv_heads,
+size, head_dim]``, one context per slot from position 0) each key block is sliced out of the cache
+in place and the loop stops after the last block any query can see (a traced trip count:
+flash-decoding's split-K decode); without a cache, tiles whose mask is all False (above the causal
+diagonal, another segment of a packed row, padding) are skipped at run time (``lax.cond``).
 
-Masks come either as a dense ``[batch, T, S]`` bool array (the sampler's cache masks) or as an
-``AttentionMask`` — O(T + S) integers from which each tile's mask is computed: causal by index,
-key validity, and optional segment ids (packed rows: a query attends only to keys of its own
-segment).
+Masks come either as a dense ``[batch, T, S]`` bool array or as an ``AttentionMask`` — O(T + S)
+integers from which each tile's mask is computed: causal by index (``AttentionMask.causal``, or
+by cache position, ``AttentionMask.cached``), key validity, and optional segment ids (packed rows:
+a query attends only to keys of its own segment).
 """
-
 from __future__ import annotations
 
 import math
@@ -35,15 +38,16 @@ class AttentionMask(NamedTuple):
     ``kv_valid[b, s] and s <= q_index[b, t] and (segments are None or q_segments[b, t] == kv_segments[b, s])``.
 
     Attributes:
-      q_index: ``[batch, T]`` int32, the key index (cache slot, or column of the same sequence)
-        of each query token: causality is ``s <= q_index``.
-      kv_valid: ``[batch, S]`` bool, True on keys that hold a real token.
+      q_index: ``[batch, T]`` int32, the key index (KV-cache position, or column of the same
+        sequence) of each query token: causality is ``s <= q_index``.
+      kv_valid: ``[batch, S]`` bool, True on keys that hold a real token; ``None``: every key
+        (a KV cache read by position, ``AttentionMask.cached``; its ``shape`` then has ``S = None``).
       q_segments: optional ``[batch, T]`` int32 segment id of each query (packed rows).
       kv_segments: optional ``[batch, S]`` int32 segment id of each key.
     """
 
     q_index: jax.Array
-    kv_valid: jax.Array
+    kv_valid: Optional[jax.Array]
     q_segments: Optional[jax.Array] = None
     kv_segments: Optional[jax.Array] = None
 
@@ -55,22 +59,30 @@ class AttentionMask(NamedTuple):
         q_index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
         return cls(q_index, valid.astype(bool), segment_ids, segment_ids)
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """``(batch, T, S)``, the shape of the dense mask it stands for."""
-        return (self.q_index.shape[0], self.q_index.shape[1], self.kv_valid.shape[1])
+    @classmethod
+    def cached(cls, positions: jax.Array) -> "AttentionMask":
+        """The mask of new tokens at KV-cache ``positions [batch, T]`` int32: each attends to the
+        cache positions ``<= `` its own (a slot holds one context from position 0)."""
+        return cls(positions.astype(jnp.int32), None)
 
-    def dense(self) -> jax.Array:
-        """The ``[batch, T, S]`` bool mask (for tests and for ``dense_attention``)."""
-        return self.tile(0, 0, self.q_index.shape[1], self.kv_valid.shape[1])
+    @property
+    def shape(self) -> tuple[int, int, int | None]:
+        """``(batch, T, S)``, the shape of the dense mask it stands for (``S = None`` without ``kv_valid``)."""
+        s = None if self.kv_valid is None else self.kv_valid.shape[1]
+        return (self.q_index.shape[0], self.q_index.shape[1], s)
+
+    def dense(self, s: int | None = None) -> jax.Array:
+        """The ``[batch, T, S]`` bool mask (``s``: the key count when ``kv_valid`` is None)."""
+        return self.tile(0, 0, self.q_index.shape[1], self.kv_valid.shape[1] if s is None else s)
 
     def tile(self, q0, k0, bq: int, bk: int) -> jax.Array:
         """``[batch, bq, bk]`` bool mask of queries ``[q0, q0 + bq)`` and keys ``[k0, k0 + bk)``
         (``q0``, ``k0`` may be traced; the arrays must already cover the ranges)."""
         qi = jax.lax.dynamic_slice_in_dim(self.q_index, q0, bq, axis=1)
-        kv = jax.lax.dynamic_slice_in_dim(self.kv_valid, k0, bk, axis=1)
         ks = k0 + jnp.arange(bk, dtype=jnp.int32)
-        m = kv[:, None, :] & (ks[None, None, :] <= qi[:, :, None])
+        m = ks[None, None, :] <= qi[:, :, None]
+        if self.kv_valid is not None:
+            m = m & jax.lax.dynamic_slice_in_dim(self.kv_valid, k0, bk, axis=1)[:, None, :]
         if self.q_segments is not None:
             qs = jax.lax.dynamic_slice_in_dim(self.q_segments, q0, bq, axis=1)
             kseg = jax.lax.dynamic_slice_in_dim(self.kv_segments, k0, bk, axis=1)
@@ -83,7 +95,8 @@ class AttentionMask(NamedTuple):
             return jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)
         qs = None if self.q_segments is None else p(self.q_segments, t, -1)
         ks = None if self.kv_segments is None else p(self.kv_segments, s, -2)
-        return AttentionMask(p(self.q_index, t, -1), p(self.kv_valid, s, False), qs, ks)
+        kv = None if self.kv_valid is None else p(self.kv_valid, s, False)
+        return AttentionMask(p(self.q_index, t, -1), kv, qs, ks)
 
 
 def _grouped(q: jax.Array, kvh: int) -> jax.Array:
@@ -106,10 +119,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_maj
       ``[batch, T, heads, head_dim]`` in ``q.dtype`` (before the output projection). Scores and
       softmax in float32, the probabilities cast to ``q.dtype`` for the value product.
     """
-    if isinstance(mask, AttentionMask):
-        mask = mask.dense()
     b, t, h, hd = q.shape
     kvh = k.shape[1] if heads_major else k.shape[2]
+    if isinstance(mask, AttentionMask):
+        mask = mask.dense(k.shape[2] if heads_major else k.shape[1])
     kv_spec = "bksh" if heads_major else "bskh"
     qg = _grouped(q, kvh)
     scores = jnp.einsum(f"btkgh,{kv_spec}->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -119,104 +132,128 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_maj
     return jnp.einsum(f"bkgts,{kv_spec}->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
 
 
-def _online_softmax_tile(carry, qb: jax.Array, kb: jax.Array, vb: jax.Array, mt: jax.Array, scale: jax.Array):
-    """One key tile of the online softmax (FlashAttention, Alg. 1, lines 8-11).
-
-    Args:
-      carry: ``(m, l, acc)``: running row max and normaliser ``[B, kv, g, bq]`` and unnormalised
-        output ``[B, kv, g, bq, hd]``, all float32.
-      qb: ``[B, bq, kv, g, hd]`` query block; kb, vb: ``[B, kv, bk, hd]`` key and value tile.
-      mt: ``[B, bq, bk]`` bool mask tile; scale: ``1 / sqrt(hd)``.
-
-    Returns:
-      the updated ``(m, l, acc)``.
-    """
-    m, l, acc = carry
-    sc = jnp.einsum("btkgh,bksh->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(mt[:, None, None], sc, _NEG)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-    p = jnp.exp(sc - m_new[..., None])
-    corr = jnp.exp(m - m_new)
-    l = l * corr + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(qb.dtype), vb, preferred_element_type=jnp.float32)
-    return m_new, l, acc * corr[..., None] + pv
+def _key_block(cache: jax.Array, layer, rows, start, block: int) -> jax.Array:
+    """``[B, kv_heads, block, head_dim]``: positions ``[start, start + block)`` of layer ``layer``
+    of slots ``rows`` (``None``: every slot) of a ``[layers, slots, kv_heads, S, head_dim]`` cache,
+    sliced in place (neither the layer nor the rows' slots are copied first)."""
+    _, s, kvh, _, hd = cache.shape
+    layer, start = jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32)
+    zero = jnp.int32(0)
+    if rows is None:
+        return jax.lax.dynamic_slice(cache, (layer, zero, zero, start, zero), (1, s, kvh, block, hd))[0]
+    return jax.vmap(lambda r: jax.lax.dynamic_slice(cache, (layer, r, zero, start, zero),
+                                                    (1, 1, kvh, block, hd))[0, 0])(rows.astype(jnp.int32))
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False,
-                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
+                      layer: jax.Array | int | None = None, rows: jax.Array | None = None,
+                      kv_bound: jax.Array | None = None, block_q: int = BLOCK_Q,
+                      block_k: int = BLOCK_K) -> jax.Array:
     """``dense_attention`` computed tile by tile with an online softmax (FlashAttention, Alg. 1).
 
-    Queries are processed ``block_q`` at a time (``lax.scan``; each query block rematerialised in
-    the backward pass, ``jax.checkpoint``), keys ``block_k`` at a time inside; a tile whose mask is
-    all False for every row of the batch is skipped. Peak attention memory is one
+    Queries are processed ``block_q`` at a time (``lax.map``; each query block rematerialised in
+    the backward pass, ``jax.checkpoint``), keys ``block_k`` at a time inside. Per key tile the
+    running max ``m``, normaliser ``l`` and weighted sum ``acc`` are rescaled by
+    ``exp(m_old − m_new)``; masked entries get probability exactly 0. Peak attention memory is one
     ``[batch, heads, block_q, block_k]`` float32 tile instead of ``[batch, heads, T, S]``.
 
+    Which key tiles are read: with ``kv_bound`` (a traced scalar: no query sees a key at or past
+    it) only the first ``ceil(kv_bound / block_k)`` tiles (a ``while`` loop, forward only: the
+    decode and prefill of a KV cache, flash-decoding's split-K); without it every tile, a tile
+    whose mask is all False for every row being skipped (``lax.cond``; reverse-differentiable).
+
     Args:
-      q: ``[batch, T, heads, head_dim]``.
-      k, v: ``[batch, S, kv_heads, head_dim]``, or ``[batch, kv_heads, S, head_dim]`` with ``heads_major``.
-      mask: ``[batch, T, S]`` bool or an ``AttentionMask``.
-      heads_major: layout of ``k``/``v``.
-      block_q, block_k: tile sizes (tokens; clipped to T and S).
+      q: ``[batch, T, heads, head_dim]`` (after RoPE).
+      k, v: ``[batch, S, kv_heads, head_dim]``, ``[batch, kv_heads, S, head_dim]`` with
+        ``heads_major``, or, with ``layer``, a whole KV cache ``[layers, slots, kv_heads, S,
+        head_dim]`` of which query row b reads layer ``layer`` of slot ``rows[b]`` (``rows=None``:
+        slot b), each key tile sliced straight out of the cache.
+      mask: ``[batch, T, S]`` bool or an ``AttentionMask`` (``kv_valid=None``: every key valid,
+        the mask of a KV cache read by position).
+      heads_major: layout of ``k``/``v`` (ignored with ``layer``).
+      layer: int32 scalar layer of a whole cache; rows: ``[batch]`` int32 slots, with ``layer`` only.
+      kv_bound: optional int32 scalar ``> `` every key position any used query sees.
+      block_q, block_k: tile sizes (tokens; clipped to T and S). With ``layer``, ``S`` must be a
+        multiple of the key tile (the cache is not padded).
 
     Returns:
-      ``[batch, T, heads, head_dim]`` in ``q.dtype``, equal to ``dense_attention`` within
-      float32 rounding on every query row with at least one True mask entry (a row with none
-      gets a finite average of the values of the tiles not skipped, or 0).
+      ``[batch, T, heads, head_dim]`` in ``q.dtype``, equal to ``dense_attention`` within float32
+      rounding on every query row with at least one True mask entry (a row with none gets 0).
 
     Raises:
-      ValueError: if the mask's shape is not ``[batch, T, S]``.
+      ValueError: if the mask's shape is not ``[batch, T, S]``, ``heads`` is not a multiple of
+        ``kv_heads``, ``rows`` come without ``layer``, or the cache does not match the rows / tile.
     """
     b, t, h, hd = q.shape
-    kvh = k.shape[1] if heads_major else k.shape[2]
-    s = k.shape[2] if heads_major else k.shape[1]
+    if layer is None:
+        if rows is not None:
+            raise ValueError("rows needs a whole cache and its layer index")
+        if not heads_major:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv, S, hd]
+        k, v, layer = k[None], v[None], 0
+    kvh, s = k.shape[2], k.shape[3]
+    if rows is None and k.shape[1] != b:
+        raise ValueError(f"{b} query rows but {k.shape[1]} cache slots (pass rows=)")
+    if h % kvh:
+        raise ValueError(f"heads {h} must be a multiple of kv heads {kvh}")
     mshape = mask.shape if isinstance(mask, AttentionMask) else tuple(mask.shape)
-    if tuple(mshape) != (b, t, s):
+    if mshape[2] is not None and tuple(mshape) != (b, t, s):
         raise ValueError(f"attention mask {tuple(mshape)} must be [batch, T, S] = {(b, t, s)}")
     bq, bk = min(block_q, t), min(block_k, s)
     nq, nk = -(-t // bq), -(-s // bk)
     tp, sp = nq * bq, nk * bk
-    if not heads_major:
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv, S, hd]
-    k = jnp.pad(k.astype(q.dtype), ((0, 0), (0, 0), (0, sp - s), (0, 0)))
-    v = jnp.pad(v.astype(q.dtype), ((0, 0), (0, 0), (0, sp - s), (0, 0)))
-    qg = jnp.pad(_grouped(q, kvh), ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
+    if sp != s:
+        if k.shape[0] != 1 or rows is not None:
+            raise ValueError(f"cache size {s} must be a multiple of the key block {bk}")
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, sp - s), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, sp - s), (0, 0)))
+    g = h // kvh
+    qg = (_grouped(q, kvh).astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(hd))).astype(q.dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
     if isinstance(mask, AttentionMask):
         mask = mask.pad(tp, sp)
         tile = mask.tile
     else:
         dense = jnp.pad(mask.astype(bool), ((0, 0), (0, tp - t), (0, sp - s)))
+
         def tile(q0, k0, bq_, bk_):
             return jax.lax.dynamic_slice(dense, (0, q0, k0), (b, bq_, bk_))
-    scale = jnp.float32(1.0 / math.sqrt(hd))
-    g = h // kvh
 
     def q_block(qi):
         q0 = qi * bq
         qb = jax.lax.dynamic_slice_in_dim(qg, q0, bq, axis=1)  # [B, bq, kv, g, hd]
 
-        def k_step(carry, ki):
-            k0 = ki * bk
-            mt = tile(q0, k0, bq, bk)  # [B, bq, bk]
+        def update(j, carry, mt):
+            m, l, acc = carry
+            kb = _key_block(k, layer, rows, j * bk, bk).astype(q.dtype)  # [B, kv, bk, hd]
+            vb = _key_block(v, layer, rows, j * bk, bk).astype(q.dtype)
+            sc = jnp.einsum("btkgh,bksh->bkgts", qb, kb, preferred_element_type=jnp.float32)
+            sc = jnp.where(mt[:, None, None], sc, _NEG)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+            p = jnp.where(mt[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            l = l * corr + jnp.sum(p, axis=-1)
+            acc = acc * corr[..., None] + jnp.einsum("bkgts,bksh->bkgth", p.astype(q.dtype), vb,
+                                                     preferred_element_type=jnp.float32)
+            return m_new, l, acc
 
-            def update(c):
-                kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=2)
-                vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=2)
-                return _online_softmax_tile(c, qb, kb, vb, mt, scale)
-
-            return jax.lax.cond(jnp.any(mt), update, lambda c: c, carry), None
+        def k_step(j, carry):
+            mt = tile(q0, j * bk, bq, bk)  # [B, bq, bk]
+            if kv_bound is not None:  # the trip count already skips the dead tiles
+                return update(j, carry, mt)
+            return jax.lax.cond(jnp.any(mt), lambda c: update(j, c, mt), lambda c: c, carry)
 
         init = (jnp.full((b, kvh, g, bq), _NEG, jnp.float32), jnp.zeros((b, kvh, g, bq), jnp.float32),
                 jnp.zeros((b, kvh, g, bq, hd), jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
+        trips = nk if kv_bound is None else jnp.minimum((kv_bound + bk - 1) // bk, nk).astype(jnp.int32)
+        _, l, acc = jax.lax.fori_loop(0, trips, k_step, init)
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, kv, g, bq, hd]
         return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, bq, h, hd).astype(q.dtype)
 
     if nq == 1:
-        out = q_block(jnp.int32(0))[None]
-    else:
-        out = jax.lax.map(jax.checkpoint(q_block, prevent_cse=False), jnp.arange(nq))  # [nq, B, bq, H, hd]
-    out = jnp.moveaxis(out, 0, 1).reshape(b, tp, h, hd)
-    return out[:, :t]
+        return q_block(jnp.int32(0))[:, :t]
+    out = jax.lax.map(jax.checkpoint(q_block, prevent_cse=False), jnp.arange(nq))  # [nq, B, bq, H, hd]
+    return jnp.moveaxis(out, 0, 1).reshape(b, tp, h, hd)[:, :t]
 
 
 BLOCKED_MIN_LEN = 1024  # tokens: rows up to this length stay on dense attention
@@ -229,3 +266,19 @@ def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     7.1x transformers dense vs 3.7x blocked, ``benchmarks/bench_decode.py``), and the default
     run keeps its float32 reduction order, hence its figures, bit for bit."""
     return t > min_len and s > min_len
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False,
+              layer: jax.Array | int | None = None, rows: jax.Array | None = None,
+              kv_bound: jax.Array | None = None, block_k: int = BLOCK_K) -> jax.Array:
+    """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for long
+    rows (``use_blocked``), ``dense_attention`` otherwise. Arguments and result as
+    ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the output
+    projection)."""
+    if layer is not None:
+        return blocked_attention(q, k, v, mask, layer=layer, rows=rows, kv_bound=kv_bound, block_k=block_k)
+    t = q.shape[1]
+    s = k.shape[2] if heads_major else k.shape[1]
+    if use_blocked(t, s):
+        return blocked_attention(q, k, v, mask, heads_major=heads_major, kv_bound=kv_bound, block_k=block_k)
+    return dense_attention(q, k, v, mask, heads_major=heads_major)

@@ -1,13 +1,13 @@
-"""The Qwen2 / Llama decoder as a Flax NNX module, with a static-shape KV cache.
+"""The Qwen2 / Llama decoder as a Flax NNX module: one forward pass, with or without a KV cache.
 
 Source: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` in Hugging Face transformers (pre-norm blocks:
 RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU → residual; final RMSNorm; LM head
-tied to the embedding or separate). The cache layout follows the gemma sampler: one preallocated
-buffer per k / v, written with ``lax.dynamic_update_slice`` at ``cache_index``. The cache is
-heads-major (``[layers, batch, kv_heads, size, head_dim]``): the decode step's attention dots
-then read each layer's ``[batch, kv_heads, size, head_dim]`` slice as it lies in memory (with a
-slot-major cache XLA CPU transposed every layer's k and v, 2 x 8.4 MB per layer at batch 64 and
-256 slots, on every decode step).
+tied to the embedding or separate). The KV cache is a set of *slots*, one preallocated buffer per
+k / v (``[layers, slots, kv_heads, size, head_dim]``, heads-major: a decode step's attention reads
+each layer's ``[kv_heads, size, head_dim]`` block of a slot as it lies in memory); a slot holds one
+context contiguously from position 0, and new tokens are scattered in at their positions. The
+same forward serves training and scoring (no cache), prefill and decode (a cache; the sampler is
+``mempo_jax.agent.slot_sampler``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.attention import BLOCK_K, AttentionMask
 from mempo_jax.model.layers import MLP, Attention, RMSNorm, logical_param
 
 
@@ -35,12 +36,12 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
-    """A zero KV cache of ``size`` slots per row.
+    """A zero KV cache of ``batch`` slots of ``size`` positions.
 
     Args:
       cfg: the model's config.
-      batch: rows B.
-      size: slots S (prompt bucket + generation budget).
+      batch: slots B.
+      size: positions per slot.
       dtype: cache dtype; default the activation dtype ``cfg.dtype``.
 
     Returns:
@@ -52,6 +53,18 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+class _CacheWrite(NamedTuple):
+    """Where one forward call's new keys/values go: ``slot``/``pos`` ``[B, T]`` scatter indices
+    (out of range: dropped), ``rows`` the slot read by each query row (``None``: row b is slot b),
+    ``kv_bound`` and ``block_k`` of ``attention.blocked_attention``."""
+
+    slot: jax.Array
+    pos: jax.Array
+    rows: jax.Array | None
+    kv_bound: jax.Array
+    block_k: int
+
+
 class Block(nnx.Module):
     """One pre-norm decoder layer (HF ``Qwen2DecoderLayer``)."""
 
@@ -61,22 +74,21 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, attn_mask, cache: KVCache | None, layer: int, cache_index):
+    def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, layer: int = 0,
+                 write: _CacheWrite | None = None):
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
-        tokens are written at slots ``[cache_index, cache_index + T)`` of ``cache.k[layer]``."""
+        tokens are written at ``write`` (slot, position) before attention reads the cache."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
-        if cache is not None:
-            start = (jnp.int32(layer), jnp.int32(0), jnp.int32(0), cache_index, jnp.int32(0))
-            kt = jnp.swapaxes(k, 1, 2)[None].astype(cache.k.dtype)  # [1, B, kv, T, hd]
-            vt = jnp.swapaxes(v, 1, 2)[None].astype(cache.v.dtype)
-            ck = jax.lax.dynamic_update_slice(cache.k, kt, start)
-            cv = jax.lax.dynamic_update_slice(cache.v, vt, start)
-            cache = KVCache(ck, cv)
-            x = x + self.attn.attend(q, ck[layer], cv[layer], attn_mask, heads_major=True)
-        else:
-            x = x + self.attn.attend(q, k, v, attn_mask)
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, cache
+        if cache is None:
+            return self._mlp(x + self.attn.attend(q, k, v, attn_mask)), None
+        ck = cache.k.at[layer, write.slot, :, write.pos, :].set(k.astype(cache.k.dtype), mode="drop")
+        cv = cache.v.at[layer, write.slot, :, write.pos, :].set(v.astype(cache.v.dtype), mode="drop")
+        x = x + self.attn.attend(q, ck, cv, attn_mask, layer=layer, rows=write.rows, kv_bound=write.kv_bound,
+                                 block_k=write.block_k)
+        return self._mlp(x), KVCache(ck, cv)
+
+    def _mlp(self, x):
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nnx.Module):
@@ -101,23 +113,40 @@ class Decoder(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        attn_mask: jax.Array,
+        attn_mask=None,
         cache: KVCache | None = None,
-        cache_index: jax.Array | int | None = None,
+        *,
+        rows: jax.Array | None = None,
+        write: jax.Array | None = None,
+        kv_bound: jax.Array | None = None,
+        block_k: int = BLOCK_K,
         logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Logits of the next token at every input position.
+        """Logits of the next token at every input position: the one forward pass of training,
+        scoring, prefill and decode.
+
+        Without a cache the keys are the T input tokens themselves and ``attn_mask`` says who sees
+        whom. With a cache (the slot layout: slot r holds one context from cache position 0, so a
+        token's cache position is its RoPE position) each layer first writes the new tokens'
+        keys/values at (slot ``rows[b]``, position ``positions[b, t]``), then every query attends to
+        the cache positions ``<= `` its own in its slot (``AttentionMask.cached``), reading only the
+        key blocks below ``kv_bound`` (``attention.blocked_attention``).
 
         Args:
           tokens: ``[B, T]`` int32 ids.
-          positions: ``[B, T]`` int32 RoPE positions.
-          attn_mask: ``[B, T, S]`` bool, True where query t may attend to key slot s, or an
-            ``attention.AttentionMask`` standing for one (no O(T·S) array; packed rows carry
-            segment ids in it). Without a cache ``S == T`` (the keys are the T tokens
-            themselves); with a cache S is the cache size.
-          cache: optional ``KVCache`` of size S; the new keys/values are written at slots
-            ``[cache_index, cache_index + T)`` before attention.
-          cache_index: int32 scalar, required with ``cache``.
+          positions: ``[B, T]`` int32 RoPE positions (= cache positions with a cache).
+          attn_mask: without a cache, ``[B, T, T]`` bool (True where query t may attend to key s)
+            or an ``attention.AttentionMask`` standing for one (packed rows carry segment ids in
+            it); with a cache, ``None``.
+          cache: optional ``KVCache`` ``[layers, slots, kv_heads, size, head_dim]``, ``size`` a
+            multiple of ``min(block_k, size)``.
+          rows: with a cache, ``[B]`` int32 slot of each row (``slots`` or more: a padding row,
+            nothing written); ``None``: ``B == slots`` and row b is slot b (no gather of the cache).
+          write: with a cache, ``[B, T]`` bool, True where the token's key/value is written
+            (default all; padding: False).
+          kv_bound: with a cache, int32 scalar ``> `` every position a used query sees (default
+            ``max(positions) + 1``).
+          block_k: key-block length of the cache attention (tokens).
           logits_at: optional ``[B]`` int32 input positions in ``[0, T)``: the final norm and LM
             head are applied to that one position per row only and the logits are ``[B, 1,
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
@@ -129,22 +158,34 @@ class Decoder(nnx.Module):
           ``[B, K, vocab]`` with ``logits_at``.
 
         Raises:
-          ValueError: on inconsistent shapes or a cache without ``cache_index``.
+          ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         b, t = tokens.shape
         if positions.shape != (b, t):
             raise ValueError(f"positions {positions.shape} must equal tokens {tokens.shape}")
-        s = t if cache is None else cache.k.shape[3]
-        if tuple(attn_mask.shape) != (b, t, s):
-            raise ValueError(f"attn_mask {attn_mask.shape} must be [batch, T, S] = {(b, t, s)}")
-        if cache is not None:
-            if cache_index is None:
-                raise ValueError("cache_index is required when a cache is given")
-            cache_index = jnp.asarray(cache_index, jnp.int32)
+        if cache is None:
+            if attn_mask is None or tuple(attn_mask.shape) != (b, t, t):
+                shape = None if attn_mask is None else tuple(attn_mask.shape)
+                raise ValueError(f"attn_mask {shape} must be [batch, T, T] = {(b, t, t)} without a cache")
+            where = None
+        else:
+            if attn_mask is not None:
+                raise ValueError("with a cache the mask is the cache positions: pass attn_mask=None")
+            positions = positions.astype(jnp.int32)
+            slots, size = cache.k.shape[1], cache.k.shape[3]
+            if rows is None and slots != b:
+                raise ValueError(f"{b} rows but {slots} cache slots (pass rows=)")
+            write = jnp.ones((b, t), bool) if write is None else write
+            slot = jnp.broadcast_to((jnp.arange(b) if rows is None else rows)[:, None], (b, t))
+            kv_bound = jnp.max(positions) + 1 if kv_bound is None else kv_bound
+            gather = None if rows is None else jnp.clip(rows, 0, slots - 1)
+            where = _CacheWrite(slot, jnp.where(write, positions, size), gather, jnp.asarray(kv_bound, jnp.int32),
+                                min(int(block_k), size))
+            attn_mask = AttentionMask.cached(positions)
         dt = self.cfg.activation_dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, attn_mask, cache, i, cache_index)
+            x, cache = block(x, positions, attn_mask, cache, i, where)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != b:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mempo_jax.model.attention import blocked_attention, dense_attention, use_blocked
+from mempo_jax.model.attention import attention
 from mempo_jax.model.config import ModelConfig
 
 
@@ -148,29 +148,23 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask, *,
-               heads_major: bool = False) -> jax.Array:
-        """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query heads.
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask, **cache) -> jax.Array:
+        """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query
+        heads, then the output projection.
 
         Args:
           q: ``[batch, T, heads, head_dim]``.
-          k, v: ``[batch, S, kv_heads, head_dim]``, or ``[batch, kv_heads, S, head_dim]`` with
-            ``heads_major`` (the KV cache layout; same result, no transpose of k/v needed).
-          attn_mask: ``[batch, T, S]`` bool, True where query t may attend to slot s, or an
+          k, v: ``[batch, S, kv_heads, head_dim]``, or a whole KV cache with ``layer=`` (see
+            ``attention.attention``).
+          attn_mask: ``[batch, T, S]`` bool, True where query t may attend to key s, or an
             ``attention.AttentionMask`` (the same relation from O(T + S) integers). A query
             row with no True entry gets garbage output, never NaN.
-          heads_major: layout of ``k``/``v`` (keyword only).
+          **cache: ``layer``, ``rows``, ``kv_bound``, ``block_k`` of ``attention.attention``.
 
         Returns:
-          ``[batch, T, embed]`` in ``q.dtype`` (after the output projection). Long inputs (``T``
-          and ``S`` over one tile, ``attention.use_blocked``) go through
-          ``attention.blocked_attention`` (no ``[B, H, T, S]`` scores); others through
-          ``attention.dense_attention``.
+          ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).
         """
-        t = q.shape[1]
-        s = k.shape[2] if heads_major else k.shape[1]
-        fn = blocked_attention if use_blocked(t, s) else dense_attention
-        out = fn(q, k, v, attn_mask, heads_major=heads_major)
+        out = attention(q, k, v, attn_mask, **cache)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(q.dtype))
 
 

@@ -1,4 +1,4 @@
-"""The cached rollout engine (``agent/engine.py``, ``slot_sampler.py``, ``model/slots.py``) against
+"""The cached rollout engine (``agent/engine.py``, ``slot_sampler.py``, the ``Decoder`` over a slot cache) against
 today's engine (``RolloutConfig.engine = "legacy"``): same turns on the toy world, greedy float32
 (full and k = 1, with slot refill, with the token budget); sampled trajectories independent of the
 slot layout; prefills hold only what the cache lacks; nothing compiles after the warm-up; the
@@ -21,7 +21,7 @@ from toy_agent import toy_model, toy_world  # noqa: E402
 
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, warm_sampler  # noqa: E402
-from mempo_jax.model.slots import blocked_attention  # noqa: E402
+from mempo_jax.model.attention import AttentionMask, blocked_attention  # noqa: E402
 from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
 
 COUNTER = CompileCounter()
@@ -202,7 +202,8 @@ def test_blocked_attention_equals_dense_softmax(seed, t, block):
     unread = -(-bound // block) * block  # blocks past the bound are never read: NaN there changes nothing
     k_junk, v_junk = k.copy(), v.copy()
     k_junk[:, :, unread:], v_junk[:, :, unread:] = np.nan, np.nan
-    ours = blocked_attention(q, k_junk, v_junk, q_pos.astype(np.int32), np.int32(bound), block)
+    ours = blocked_attention(q, k_junk[None], v_junk[None], AttentionMask.cached(q_pos), layer=0,
+                             kv_bound=np.int32(bound), block_k=block)
     np.testing.assert_allclose(np.asarray(ours), _dense_attention(q, k, v, q_pos), atol=2e-5, rtol=1e-5)
 
 

@@ -106,6 +106,8 @@ def test_skipped_tiles_and_fully_masked_rows_are_finite():
     out = np.asarray(blocked_attention(q, k, v, mask, block_q=4, block_k=4))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[:, 8:], _reference(q, k, v, mask)[:, 8:], **TOL)
+    # a fully masked row gets 0 (probabilities exactly 0 on masked keys)
+    np.testing.assert_array_equal(out[:, :8], 0)
     with pytest.raises(ValueError, match=r"must be \[batch, T, S\]"):
         blocked_attention(q, k, v, mask[:, :5])
 
@@ -120,7 +122,7 @@ def test_model_takes_the_blocked_path_for_long_rows_and_matches_dense():
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, 300)), jnp.int32)
     valid = jnp.asarray(np.arange(300)[None] < np.array([[300], [270]]))
-    from mempo_jax.model import layers
+    from mempo_jax.model import attention as layers
     orig = layers.use_blocked
     out = {}
     try:

@@ -155,18 +155,24 @@ def test_kv_cache_incremental_equals_full_forward(tiny):
     model = merge_model(graphdef, params)
     size = 16
     cache = init_cache(cfg, 2, size)
-    slots = jnp.arange(size)
-    # Prefill 8 tokens, then 4 single-token steps.
-    pre_mask = jnp.broadcast_to(slots[None, None, :] <= jnp.arange(8)[None, :, None], (2, 8, size))
+    # Prefill 8 tokens, then 4 single-token steps (row b is slot b; positions are cache positions).
     pos = jnp.broadcast_to(jnp.arange(12)[None], (2, 12)).astype(jnp.int32)
-    logits, cache = model(ids[:, :8], pos[:, :8], pre_mask, cache, 0)
+    logits, cache = model(ids[:, :8], pos[:, :8], cache=cache, block_k=4)
     np.testing.assert_allclose(np.asarray(logits), full[:, :8], atol=1e-5)
     for t in range(8, 12):
-        step_mask = jnp.broadcast_to(slots <= t, (2, 1, size))
-        logits, cache = model(ids[:, t:t + 1], pos[:, t:t + 1], step_mask, cache, t)
+        logits, cache = model(ids[:, t:t + 1], pos[:, t:t + 1], cache=cache, block_k=4)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, t], atol=1e-5)
     assert cache.k.shape == (cfg.num_layers, 2, cfg.num_kv_heads, size, cfg.head_dim)
-    assert np.all(np.asarray(cache.k)[:, :, :, 12:] == 0)  # unwritten slots untouched
+    assert np.all(np.asarray(cache.k)[:, :, :, 12:] == 0)  # unwritten positions untouched
+    # rows: slot 1 fed from a single row; an out-of-range row writes nothing
+    one = init_cache(cfg, 2, size)
+    logits, one = model(ids[:1, :8], pos[:1, :8], cache=one, rows=jnp.array([1]), block_k=4)
+    np.testing.assert_allclose(np.asarray(logits)[0], full[0, :8], atol=1e-5)
+    assert np.all(np.asarray(one.k)[:, 0] == 0) and np.any(np.asarray(one.k)[:, 1] != 0)
+    _, same = model(ids[:1, :8], pos[:1, :8], cache=one, rows=jnp.array([2]), block_k=4)
+    np.testing.assert_array_equal(np.asarray(same.k), np.asarray(one.k))
+    with pytest.raises(ValueError, match="attn_mask=None"):
+        model(ids[:, :8], pos[:, :8], jnp.ones((2, 8, size), bool), init_cache(cfg, 2, size))
 
 
 def test_sequence_logprobs_matches_manual_gather(tiny):
