@@ -294,7 +294,7 @@ class ExperimentConfig:
         columns, HotpotQA, 2WikiMultihopQA, MuSiQue (``mempo_jax.data.qa_questions``).
       eval_path: the held-out QA file (same formats); its questions are removed from the training
         ones (same question text). Empty: ``max(1, 20 %)`` of ``train_path`` is held out (seeded).
-      corpus_path: a Search-R1 / FlashRAG corpus JSONL (``{"id", "contents"}`` rows) searched with
+      corpus_path: a corpus file (``tools.corpus.CORPUS_LAYOUTS``: ``{"id", "contents"}`` rows and others) searched with
         a local BM25 index (``mempo_jax.run.backends.training_backend``).
       retriever_url: a running Search-R1-compatible ``/retrieve`` server instead (e.g.
         ``python -m mempo_jax.tools.retrieval_server``), reached with ``RemoteSearchBackend``'s

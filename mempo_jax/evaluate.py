@@ -25,7 +25,7 @@ per dataset and mode), ``DIR/predictions.jsonl`` (one line per question and mode
 Retrieval (docs/algorithm.md §7), per dataset:
 
 * ``--retriever_url URL``: a running Search-R1-compatible server (``RemoteSearchBackend``);
-* ``--corpus FILE``: a local BM25 index over a Search-R1 / FlashRAG corpus JSONL;
+* ``--corpus FILE``: a local BM25 index over a corpus (``tools.corpus.CORPUS_LAYOUTS``);
 * neither: a file that carries its own passages (HotpotQA / 2Wiki ``context``, MuSiQue
   ``paragraphs``) is searched over its pooled passages; a file without passages (Bamboogle,
   R1-Searcher and FlashRAG QA files) over the union of the passages pooled from the other
@@ -307,7 +307,8 @@ def _parse_args(argv):
                         "or as added tokens (ModelOptions.tags)")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="QA file (repeatable)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--corpus", help="Search-R1 corpus JSONL ({id, contents}) for a local BM25 index")
+    src.add_argument("--corpus", help="corpus for a local BM25 index: rows {id, contents} (Search-R1), {id, title, text}, "
+                     "or a HippoRAG JSON array of {title, text}")
     src.add_argument("--retriever_url", help="Search-R1-compatible server, e.g. http://127.0.0.1:8000")
     p.add_argument("--modes", default="1,full", help="context modes: k >= 1 (or k1, k2, …) and/or full (default 1,full)")
     p.add_argument("--limit", type=int, default=0, help="first N questions per dataset (0 = all)")

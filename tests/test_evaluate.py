@@ -177,12 +177,12 @@ def test_retriever_url_gives_the_local_corpus_results(run_dir, shared_data, tmp_
     import uvicorn
 
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus_jsonl
+    from mempo_jax.tools.corpus import load_corpus
     from mempo_jax.tools.retrieval_server import create_app
 
     monkeypatch.setattr(experiment, "make_sample_fn", lambda graphdef, cfg, fmt, **_: ScriptedPolicy(fmt.tokenizer))
     local = _scripted_eval(run_dir, shared_data, tmp_path / "local", ["--corpus", str(shared_data / CORPUS)])
-    app = create_app(BM25Index(load_corpus_jsonl(shared_data / CORPUS)))
+    app = create_app(BM25Index(load_corpus(shared_data / CORPUS)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -13,9 +13,12 @@ Formats (docs/algorithm.md §6–7; all read by ``load_dataset(path, format="aut
 * ``"2wikimultihopqa"`` — 2WikiMultihopQA (official layout, HotpotQA-like plus ``evidences``).
 * ``"musique"`` — MuSiQue (``paragraphs``, ``answer``, ``answer_aliases``).
 * CSV (``*.csv``, header row) — read as ``"qa"``: a ``question`` and an ``answer`` column, an
-  optional ``id`` column; an ``answer`` cell holding a JSON array (``["Paris", "paris, france"]``)
-  gives several aliases. A CSV without a ``question`` (or ``answer``) column is one error naming
-  the file and its columns.
+  optional ``id`` column, header names in any case (``Question,Answer``); an ``answer`` cell
+  holding a JSON array (``["Paris", "paris, france"]``) gives several aliases. A CSV without a
+  ``question`` (or ``answer``) column is one error naming the file and its columns.
+
+A file whose format cannot be detected is refused with the fields each format expects
+(``FORMAT_FIELDS``).
 
 Gold strings are whitespace-stripped and de-duplicated (order kept); rewards apply SQuAD
 normalisation later (docs/algorithm.md §3).
@@ -34,6 +37,16 @@ from mempo_jax.tools.corpus import hotpotqa_paragraphs
 from mempo_jax.tools.records import PathLike, csv_columns, field_error, first_record, iter_records
 
 FORMATS: tuple[str, ...] = ("flashrag", "qa", "hotpotqa", "2wikimultihopqa", "musique")
+# What each format's rows hold (for refusals); the keys are FORMATS plus the CSV layout.
+FORMAT_FIELDS: dict[str, str] = {
+    "flashrag": '{"id", "question", "golden_answers": [str]} (FlashRAG, Search-R1; or Search-R1\'s '
+                "reward_model.ground_truth.target)",
+    "qa": '{"question", "answer": str | [str]}, optional "id"',
+    "hotpotqa": '{"_id" or "id", "question", "answer", "context", "supporting_facts"}',
+    "2wikimultihopqa": 'the hotpotqa fields plus "evidences" or a "type"',
+    "musique": '{"id", "question", "answer", "answer_aliases", "paragraphs"}',
+    "csv": "a header row with question and answer columns (any case), optional id",
+}
 _TWOWIKI_TYPES = {"compositional", "inference", "bridge_comparison"}
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -140,10 +153,15 @@ def _qa(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExamp
     return QAExample(_id(row, path, where, ("id", "idx", "_id")), _question(row, path, where), golds, source)
 
 
+def expected_formats() -> str:
+    """``"flashrag: {...}; qa: {...}; ..."``: every format and the fields it expects (refusals)."""
+    return "; ".join(f"{name}: {fields}" for name, fields in FORMAT_FIELDS.items())
+
+
 def _csv_qa(row: dict[str, Any], path: PathLike, where: str, source: str) -> QAExample:
-    """A CSV row (every value a string): an ``answer`` cell that is a JSON array is a list of
-    aliases; an empty ``id`` cell counts as absent."""
-    row = dict(row)
+    """A CSV row (every value a string): column names are matched in any case (``Question``); an
+    ``answer`` cell that is a JSON array is a list of aliases; an empty ``id`` cell counts as absent."""
+    row = {str(k).lower(): v for k, v in row.items()}
     answer = row.get("answer")
     if isinstance(answer, str) and answer.strip().startswith("["):
         try:
@@ -262,27 +280,35 @@ def default_source(path: PathLike) -> str:
 def detect_format(path: PathLike) -> str:
     """Sniff the format of a file from its first row (``sniff_format``).
 
-    A ``*.csv`` file is ``"qa"`` when its header has ``question`` and ``answer`` columns.
+    A ``*.csv`` file is ``"qa"`` when its header has ``question`` and ``answer`` columns (any case).
 
     Raises:
-      ValueError: an empty file, a first row that fits no format (naming file and line), or a
-        CSV without a ``question`` / ``answer`` column (naming the file and its columns).
+      ValueError: an empty file, a first row that fits no format (naming file and line, and the
+        fields each format expects), a CSV without a ``question`` / ``answer`` column (naming the
+        file and its columns) or with two columns of one name in different cases.
     """
     if _is_csv(path):
         columns = csv_columns(path)
         if not columns:
-            raise ValueError(f"{path}: empty file, cannot detect the QA format")
+            raise ValueError(f"{path}: empty file, cannot detect the QA format; expected {FORMAT_FIELDS['csv']}")
+        lower = [c.lower() for c in columns]
+        for name in set(lower):
+            if lower.count(name) > 1:
+                raise ValueError(f"{path}:1: columns {[c for c in columns if c.lower() == name]} differ only in case")
         for need in ("question", "answer"):
-            if need not in columns:
-                raise ValueError(f"{path}: a QA CSV needs a {need!r} column; the header has {columns}")
+            if need not in lower:
+                raise ValueError(f"{path}: a QA CSV needs a {need!r} column (any case); the header has {columns}; "
+                                 f"expected {FORMAT_FIELDS['csv']}")
         return "qa"
     first = first_record(path)
     if first is None:
-        raise ValueError(f"{path}: empty file, cannot detect the QA format")
+        raise ValueError(f"{path}: empty file, cannot detect the QA format; expected rows of one of: "
+                         f"{expected_formats()}")
     where, row = first
     fmt = sniff_format(row)
     if fmt is None:
-        raise ValueError(f"{path}:{where}: cannot detect the QA format from fields {sorted(row)} (one of {FORMATS})")
+        raise ValueError(f"{path}:{where}: cannot detect the QA format from fields {sorted(row)}; expected rows "
+                         f"of one of: {expected_formats()}")
     return fmt
 
 

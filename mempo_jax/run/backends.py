@@ -7,7 +7,7 @@ Shared by the evaluation command (``plan_corpora``: one backend per ``--dataset`
 * a running Search-R1-compatible server (``connect_retriever`` → ``RemoteSearchBackend``, with its
   timeouts and retries), checked once at start-up: a server that does not answer is one error
   naming the URL;
-* a Search-R1 / FlashRAG corpus JSONL (``load_corpus_jsonl``) → a local ``BM25Index``;
+* a corpus file (``load_corpus``: Search-R1 / FlashRAG, Wikipedia passages, HippoRAG) → a local ``BM25Index``;
 * the context paragraphs of HotpotQA / 2WikiMultihopQA (``context``) and MuSiQue (``paragraphs``)
   files, pooled (``pooled_passages``) and deduplicated across files (``merge_passages``).
 """
@@ -111,7 +111,7 @@ def plan_corpora(specs: Sequence, corpus: Optional[str], retriever_url: Optional
       FileNotFoundError: a missing ``--corpus`` file.
     """
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus_jsonl
+    from mempo_jax.tools.corpus import load_corpus
 
     if retriever_url:
         backend = connect_retriever(retriever_url)
@@ -119,7 +119,7 @@ def plan_corpora(specs: Sequence, corpus: Optional[str], retriever_url: Optional
     if corpus:
         if not pathlib.Path(corpus).is_file():
             raise FileNotFoundError(f"--corpus: no such file: {corpus}")
-        index = BM25Index(load_corpus_jsonl(corpus))
+        index = BM25Index(load_corpus(corpus))
         return {s.name: index for s in specs}, {s.name: f"corpus {corpus} ({len(index)} passages)" for s in specs}
     pools = {s.name: pooled_passages(s.path) for s in specs}
     own = {n: p for n, p in pools.items() if p}
@@ -171,7 +171,7 @@ def training_backend(qa_paths: Sequence[str | os.PathLike], corpus_path: str = "
       FileNotFoundError: a missing corpus file.
     """
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus_jsonl
+    from mempo_jax.tools.corpus import load_corpus
 
     if corpus_path and retriever_url:
         raise ValueError(f"{prefix}.corpus_path and {prefix}.retriever_url are exclusive; set one")
@@ -187,7 +187,7 @@ def training_backend(qa_paths: Sequence[str | os.PathLike], corpus_path: str = "
     if corpus_path:
         if not pathlib.Path(corpus_path).is_file():
             raise FileNotFoundError(f"{prefix}.corpus_path: no such file: {corpus_path}")
-        docs = load_corpus_jsonl(corpus_path)
+        docs = load_corpus(corpus_path)
         extra = merge_passages(list(pools.values()), id_prefix="ctx", skip=docs)
         clash = {d.id for d in docs} & {d.id for d in extra}
         if clash:

@@ -17,7 +17,7 @@ from typing import Sequence
 import bm25s
 import numpy as np
 
-from mempo_jax.tools.corpus import Document, Hit, PathLike, load_corpus_jsonl, write_corpus_jsonl
+from mempo_jax.tools.corpus import Document, Hit, PathLike, load_corpus, write_corpus_jsonl
 
 _DOCS_FILE = "docs.jsonl"
 _META_FILE = "mempo_bm25.json"
@@ -157,7 +157,7 @@ class BM25Index:
             raise ValueError(f"{meta_path}: invalid JSON ({exc.msg})") from None
         if meta.get("format") != _FORMAT_VERSION:
             raise ValueError(f"{meta_path}: field 'format': expected {_FORMAT_VERSION}, got {meta.get('format')!r}")
-        docs = load_corpus_jsonl(directory / _DOCS_FILE)
+        docs = load_corpus(directory / _DOCS_FILE)
         if len(docs) != meta.get("num_docs"):
             raise ValueError(f"{meta_path}: field 'num_docs': {meta.get('num_docs')!r} but {len(docs)} documents")
         retriever = bm25s.BM25.load(str(directory), load_corpus=False, allow_pickle=False, show_progress=False)

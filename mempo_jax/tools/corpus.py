@@ -1,7 +1,8 @@
 """Retrieval corpus: documents, search hits, corpus JSONL I/O and corpus pooling from QA files.
 
 docs/algorithm.md §7: corpus JSONL rows are ``{"id": str, "contents": "\\"Title\\"\\npassage"}`` — the
-DPR wiki-2018 passage style that FlashRAG and Search-R1 corpora use.
+DPR wiki-2018 passage style that FlashRAG and Search-R1 corpora use; ``load_corpus`` also reads
+``{"id", "title", "text"}`` rows and a HippoRAG corpus (a JSON array of ``{"title", "text"}``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import pathlib
 from typing import Any, Iterable
 
-from mempo_jax.tools.records import PathLike, field_error, iter_jsonl, iter_records
+from mempo_jax.tools.records import PathLike, field_error, iter_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,46 +79,72 @@ class Hit:
     score: float
 
 
-def load_corpus_jsonl(path: PathLike) -> list[Document]:
-    """Read a Search-R1/FlashRAG corpus JSONL (rows ``{"id", "contents"}``, docs/algorithm.md §7).
+CORPUS_LAYOUTS = ('{"id", "contents": "\\"Title\\"\\npassage"} (Search-R1, FlashRAG), '
+                  '{"id", "title", "text"} (Wikipedia passages, e.g. DPR) or {"title", "text"} without ids '
+                  '(a HippoRAG corpus; ids are the 0-based row numbers), as JSONL, a JSON array or parquet')
 
-    Integer ids are accepted and converted to strings. Blank lines are skipped.
+
+def _row_document(row: dict[str, Any], path: PathLike, where: str, index: int) -> Document:
+    """One corpus row as a ``Document`` (layouts: ``CORPUS_LAYOUTS``); ``index`` (0-based) is the id
+    of a ``{"title", "text"}`` row without one."""
+    key = "id" if "id" in row else "_id" if "_id" in row else None
+    if "contents" in row:
+        if key is None:
+            raise field_error(path, where, "id", 'missing (a {"id", "contents"} row needs its id)')
+        if not isinstance(row["contents"], str):
+            raise field_error(path, where, "contents", f"must be a string, got {type(row['contents']).__name__}")
+    elif "text" in row:
+        for field in ("title", "text"):
+            if not isinstance(row.get(field, ""), str):
+                raise field_error(path, where, field, f"must be a string, got {type(row[field]).__name__}")
+    else:
+        raise ValueError(f"{path}:{where}: field 'contents' or 'text': missing (the row has {sorted(row)}); "
+                         f"a corpus row is {CORPUS_LAYOUTS}")
+    doc_id = row[key] if key is not None else index
+    if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)
+    if not isinstance(doc_id, str) or not doc_id:
+        raise field_error(path, where, key or "id", f"must be a non-empty string or int, got {doc_id!r}")
+    if "contents" in row:
+        return Document.from_contents(doc_id, row["contents"])
+    return Document(doc_id, " ".join(row.get("title", "").split()), row["text"])
+
+
+def load_corpus(path: PathLike) -> list[Document]:
+    """Read a retrieval corpus (docs/algorithm.md §7) in any of ``CORPUS_LAYOUTS``.
+
+    Rows are read by ``records.iter_records`` (JSONL, a JSON array or parquet). A row with
+    ``contents`` is split into title and text (``Document.from_contents``); a row with ``text``
+    keeps its ``title`` (whitespace collapsed to one line; ``""`` when absent). The id is ``id``
+    (or ``_id``, BEIR); integer ids become strings; a ``{"title", "text"}`` row without one gets
+    its 0-based row number. Blank JSONL lines are skipped.
 
     Returns:
       the documents in file order.
 
     Raises:
-      ValueError: ``"{path}:{line}: field 'id'|'contents': ..."`` for a missing/mistyped field or a
-        duplicate id; invalid JSON or bytes that are not UTF-8 name the file and line; a file
-        without rows (0 bytes, or blank lines only) names the file.
+      ValueError: ``"{path}:{line}: field '...': ..."`` for a missing/mistyped field (a row with
+        neither ``contents`` nor ``text`` lists the layouts) or a duplicate id; invalid JSON or
+        bytes that are not UTF-8 name the file and line; a file without rows names the file and
+        the layouts.
     """
     docs: list[Document] = []
-    seen: dict[str, int] = {}
-    for lineno, row in iter_jsonl(path):
-        if "id" not in row:
-            raise field_error(path, lineno, "id", "missing")
-        doc_id = row["id"]
-        if isinstance(doc_id, int) and not isinstance(doc_id, bool):
-            doc_id = str(doc_id)
-        if not isinstance(doc_id, str) or not doc_id:
-            raise field_error(path, lineno, "id", f"must be a non-empty string, got {row['id']!r}")
-        if doc_id in seen:
-            raise field_error(path, lineno, "id", f"duplicate id {doc_id!r} (first on line {seen[doc_id]})")
-        if "contents" not in row:
-            raise field_error(path, lineno, "contents", "missing")
-        if not isinstance(row["contents"], str):
-            raise field_error(path, lineno, "contents", f"must be a string, got {type(row['contents']).__name__}")
-        seen[doc_id] = lineno
-        docs.append(Document.from_contents(doc_id, row["contents"]))
+    seen: dict[str, str] = {}
+    for index, (where, row) in enumerate(iter_records(path)):
+        doc = _row_document(row, path, where, index)
+        if doc.id in seen:
+            raise field_error(path, where, "id", f"duplicate id {doc.id!r} (first at {seen[doc.id]})")
+        seen[doc.id] = where
+        docs.append(doc)
     if not docs:
-        raise ValueError(f"{path}: empty corpus (no rows)")
+        raise ValueError(f"{path}: empty corpus (no rows); a corpus row is {CORPUS_LAYOUTS}")
     return docs
 
 
 def write_corpus_jsonl(docs: Iterable[Document], path: PathLike) -> None:
     """Write documents as corpus JSONL rows ``{"id", "contents"}`` (UTF-8, one row a line).
 
-    Parent folders are created. ``load_corpus_jsonl(path)`` returns the same documents.
+    Parent folders are created. ``load_corpus(path)`` returns the same documents.
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ import fastapi
 import pydantic
 
 from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.corpus import load_corpus_jsonl
+from mempo_jax.tools.corpus import load_corpus
 
 DEFAULT_MAX_QUERIES = 4096  # queries per /retrieve request
 DEFAULT_MAX_RESULTS = 16384  # queries × min(topk, num_docs) per request (~16 MB of 1 KB passages)
@@ -185,7 +185,7 @@ def build_index(corpus: str | None, index_dir: str | None) -> BM25Index:
         return BM25Index.load(index_dir)
     if not corpus:
         raise ValueError("--corpus is required unless --index names a saved index")
-    index = BM25Index(load_corpus_jsonl(corpus))
+    index = BM25Index(load_corpus(corpus))
     if index_dir:
         index.save(index_dir)
     return index
@@ -194,7 +194,8 @@ def build_index(corpus: str | None, index_dir: str | None) -> BM25Index:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (see module doc). Returns the process exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", help="corpus JSONL with rows {id, contents}")
+    parser.add_argument("--corpus", help="corpus: rows {id, contents} (Search-R1), {id, title, text}, or a HippoRAG "
+                        "JSON array of {title, text} (JSONL, JSON array or parquet)")
     parser.add_argument("--index", help="folder of a saved BM25 index (built and saved if absent)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8000)

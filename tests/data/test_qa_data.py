@@ -12,7 +12,7 @@ from mempo_jax.config import ExperimentConfig
 from mempo_jax.data.qa_formats import detect_format, load_dataset
 from mempo_jax.data.qa_questions import load_qa_questions, split_questions
 from mempo_jax.run.backends import merge_passages, training_backend
-from mempo_jax.tools.corpus import Document, load_corpus_jsonl, pool_hotpotqa_contexts, write_corpus_jsonl
+from mempo_jax.tools.corpus import Document, load_corpus, pool_hotpotqa_contexts, write_corpus_jsonl
 
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
 MUSIQUE = "musique/musique_dev_10_with_paragraphs.hoprag.jsonl"
@@ -38,7 +38,7 @@ def test_csv_qa_file(tmp_path):
 
 
 @pytest.mark.parametrize("header, message", [
-    ("query,answer", "a QA CSV needs a 'question' column; the header has ['query', 'answer']"),
+    ("query,answer", "a QA CSV needs a 'question' column (any case); the header has ['query', 'answer']"),
     ("question,gold", "a QA CSV needs a 'answer' column"),
 ])
 def test_csv_without_question_or_answer_column_is_one_error(tmp_path, header, message):
@@ -104,7 +104,7 @@ def test_pooled_contexts_are_the_legacy_hotpotqa_corpus(shared_data):
 
 
 def test_corpus_keeps_its_ids_and_pool_contexts_appends(shared_data, tmp_path):
-    corpus = load_corpus_jsonl(shared_data / CORPUS)
+    corpus = load_corpus(shared_data / CORPUS)
     backend, docs, note = training_backend([shared_data / HOTPOT], shared_data / CORPUS)
     assert docs == corpus and note == f"corpus {shared_data / CORPUS} (1000 passages)"
     # pool_contexts: the HotpotQA paragraphs follow as ctx0, ctx1, …; one already in the corpus is not repeated

@@ -10,7 +10,7 @@ import pytest
 from mempo_jax.data.multi_objective import compose, compose_question
 from mempo_jax.data.qa_formats import QAExample, detect_format, load_dataset, map_dataset
 from mempo_jax.tools.bm25 import BM25Index
-from mempo_jax.tools.corpus import Document, load_corpus_jsonl, pool_hotpotqa_contexts, pool_musique_paragraphs
+from mempo_jax.tools.corpus import Document, load_corpus, pool_hotpotqa_contexts, pool_musique_paragraphs
 
 HOTPOT = "hotpotqa/hotpotqa_dev_distractor_300.rpt.jsonl"
 MUSIQUE = "musique/musique_dev_10_with_paragraphs.hoprag.jsonl"
@@ -62,7 +62,7 @@ def test_shared_values(shared_data):
 
 
 def test_flashrag_corpus_sample(shared_data):
-    docs = load_corpus_jsonl(shared_data / "flashrag/corpus_sample.flashrag.jsonl")
+    docs = load_corpus(shared_data / "flashrag/corpus_sample.flashrag.jsonl")
     assert len(docs) == 1000 and docs[0].id == "0" and docs[-1].id == "999"
     assert docs[0].title == "Evan Morris" and docs[0].text.startswith("Evan Morris Evan L. Morris (January 26, 1977")
 

@@ -46,7 +46,7 @@ from mempo_jax.model.forward import create_model, split_model  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
-from mempo_jax.tools.corpus import load_corpus_jsonl  # noqa: E402
+from mempo_jax.tools.corpus import load_corpus  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
 from conftest import SPM_CACHE, free_port, retrieval_server  # noqa: E402  (the session's tokenizer cache, loopback server)
 from test_hf_train import _bpe  # noqa: E402  (the Qwen2.5-layout byte-level BPE of a test checkpoint)
@@ -85,7 +85,7 @@ def scripted_checkpoint(data, tmp_path_factory):
     """A Qwen2 HF folder (``save_hf_checkpoint`` + ``tokenizer.json``) whose greedy turn is
     ``<mem> a</mem><think> b</think><search> c</search>``; returns ``(folder, chain ids, c)``."""
     folder = tmp_path_factory.mktemp("qwen_qa")
-    docs = load_corpus_jsonl(data / CORPUS)
+    docs = load_corpus(data / CORPUS)
     questions = load_qa_questions(data / NQ) + load_qa_questions(data / BAMBOOGLE)[:4]
     _bpe(folder, _tokenizer_texts(docs[:300], questions))
     tok = HFTokenizer(folder).with_protocol_tags(VOCAB + SPARE)  # the ids load_checkpoint_policy assigns
@@ -182,7 +182,7 @@ def test_checkpoint_run_searches_the_retriever(checkpoint_run, scripted_checkpoi
     i.e. what BM25 over the same corpus returns (cut to max_observation_tokens = 16 ids)."""
     folder, chain, query = scripted_checkpoint
     tok = HFTokenizer(checkpoint_run / "hf_tokenizer")
-    expected = format_hits(BM25Index(load_corpus_jsonl(data / CORPUS)).search([query.strip()], 1)[0])
+    expected = format_hits(BM25Index(load_corpus(data / CORPUS)).search([query.strip()], 1)[0])
     want = tok.decode(tok.encode("<information>") + tok.encode(expected)[:16] + tok.encode("</information>"))
     records = [json.loads(line) for line in (checkpoint_run / "rollouts.jsonl").read_text().splitlines()]
     turns = [t for r in records for t in r["turns"]]

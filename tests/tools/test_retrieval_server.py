@@ -120,7 +120,7 @@ def test_main_reports_bad_corpus(tmp_path, capsys):
     bad = tmp_path / "c.jsonl"
     bad.write_text('{"id": "1", "contents": "x"}\n{"id": "2"}\n')
     assert main(["--corpus", str(bad), "--port", str(free_port())]) == 2
-    assert f"{bad}:2: field 'contents': missing" in capsys.readouterr().err
+    assert f"{bad}:2: field 'contents' or 'text': missing" in capsys.readouterr().err
 
 
 # -- the client against the real server --------------------------------------------------------------

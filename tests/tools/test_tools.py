@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools.bm25 import BM25Index, top_k
-from mempo_jax.tools.corpus import Document, Hit, load_corpus_jsonl, write_corpus_jsonl
+from mempo_jax.tools.corpus import Document, Hit, load_corpus, write_corpus_jsonl
 from mempo_jax.tools.search import ToolEnvironment, ToolError, ToolResult, format_hits
 
 DOCS = [
@@ -48,14 +48,14 @@ def test_corpus_jsonl_round_trip(tmp_path):
     write_corpus_jsonl(DOCS, path)
     first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
     assert first == {"id": "0", "contents": '"Eiffel Tower"\n' + DOCS[0].text}
-    assert load_corpus_jsonl(path) == DOCS
+    assert load_corpus(path) == DOCS
 
 
 @pytest.mark.parametrize(
     "rows, needle",
     [
         (['{"id": "1", "contents": "\\"A\\"\\nx"}', '{"contents": "\\"B\\"\\ny"}'], ":2: field 'id': missing"),
-        (['{"id": "1"}'], ":1: field 'contents': missing"),
+        (['{"id": "1"}'], ":1: field 'contents' or 'text': missing (the row has ['id']); a corpus row is {\"id\", \"contents\""),
         (['{"id": "1", "contents": 5}'], ":1: field 'contents': must be a string"),
         (['{"id": [1], "contents": "x"}'], ":1: field 'id'"),
         (['{"id": "1", "contents": "x"}', "", '{"id": "1", "contents": "y"}'], ":3: field 'id': duplicate"),
@@ -66,14 +66,14 @@ def test_corpus_errors_name_file_line_field(tmp_path, rows, needle):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
     with pytest.raises(ValueError) as err:
-        load_corpus_jsonl(path)
+        load_corpus(path)
     assert str(err.value).startswith(str(path)) and needle in str(err.value), str(err.value)
 
 
 def test_integer_ids_become_strings(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"id": 3, "contents": "\\"T\\"\\nx"}\n', encoding="utf-8")
-    assert load_corpus_jsonl(path) == [Document("3", "T", "x")]
+    assert load_corpus(path) == [Document("3", "T", "x")]
 
 
 # -- BM25 -----------------------------------------------------------------------------------
