@@ -18,7 +18,7 @@ flags below); ``--dtype bfloat16`` halves its memory.
 
 For every dataset and context mode the policy answers each question once (``evaluate_policy``)
 and the command writes ``DIR/eval.json`` (``{dataset: {mode: {em, f1, tt, pt, turns,
-format_fail, tool_calls, n}}}``), ``DIR/eval.md`` (a markdown table), ``DIR/eval.png`` (F1 and TT
+format_fail, tool_calls, n}}}``), ``DIR/eval.md`` (a markdown table), ``DIR/eval.png`` (EM, F1, format-fail rate and TT
 per dataset and mode), ``DIR/predictions.jsonl`` (one line per question and mode) and
 ``DIR/eval_meta.json`` (run folder, step, corpus of each dataset, rollout options).
 
@@ -245,8 +245,24 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+CHART_PANELS = (("em", "EM", "%.2f"), ("f1", "F1", "%.2f"), ("format_fail", "format-fail rate", "%.2f"),
+                ("tt", "TT (tokens / question)", "%.0f"))  # (result key, panel title, bar label format)
+
+
 def write_chart(results: dict, path: str | os.PathLike, title: str = "") -> None:
-    """PNG with two grouped bar charts: F1 and TT (tokens per question) per dataset, one bar per mode.
+    """Write ``chart_figure(results)`` as a PNG at ``path``, with ``title`` above the panels."""
+    fig, axes = chart_figure(results)
+    save_figure(fig, axes.flat[0], path, title)
+
+
+def chart_figure(results: dict):
+    """``(figure, axes [2, 2])``: four grouped bar charts, EM, F1, format-fail rate and TT (tokens
+    per question), per dataset, one bar per context mode; every bar carries its value as text, so a
+    chart whose scores are all 0 still reads "0.00" on each bar (a missing mode reads "n/a"). The
+    three rates share the fixed axis [0, 1].
+
+    Args:
+      results: ``{dataset: {mode: {"em", "f1", "format_fail", "tt", …}}}`` (``eval.json``'s ``results``).
 
     Uses the matplotlib Agg backend (no display needed).
     """
@@ -260,17 +276,22 @@ def write_chart(results: dict, path: str | os.PathLike, title: str = "") -> None
     modes = list(dict.fromkeys(m for r in results.values() for m in r))
     x = np.arange(len(names))
     width = 0.8 / max(len(modes), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 2.2 * len(names) + 3), 3.6))
-    for ax, key, label in ((axes[0], "f1", "F1"), (axes[1], "tt", "TT (tokens / question)")):
+    fig, axes = plt.subplots(2, 2, figsize=(max(7.0, 2.0 * len(names) * max(len(modes), 1) / 2 + 4), 6.4))
+    for ax, (key, label, fmt) in zip(axes.flat, CHART_PANELS):
         for j, mode in enumerate(modes):
-            vals = [results[n].get(mode, {}).get(key, np.nan) for n in names]
-            bars = ax.bar(x + (j - (len(modes) - 1) / 2) * width, vals, width, label=mode)
-            ax.bar_label(bars, fmt="%.2f" if key == "f1" else "%.0f", fontsize=7)
+            vals = np.asarray([results[n].get(mode, {}).get(key, np.nan) for n in names], np.float64)
+            bars = ax.bar(x + (j - (len(modes) - 1) / 2) * width, np.nan_to_num(vals), width, label=mode)
+            ax.bar_label(bars, labels=["n/a" if np.isnan(v) else fmt % v for v in vals], fontsize=7, padding=1)
         ax.set_xticks(x, names)
-        ax.set_ylabel(label)
-        ax.set_title(label)
-    axes[0].set_ylim(0, 1.05)
-    save_figure(fig, axes[0], path, title)
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        if key != "tt":
+            ax.set_ylim(0, 1.12)
+        else:
+            ax.set_ylim(0, max(1.0, float(np.nanmax([r.get(m, {}).get("tt", 0.0) for r in results.values()
+                                                      for m in modes] or [0.0]))) * 1.15)
+    return fig, axes
 
 
 def save_figure(fig, legend_axes, path: str | os.PathLike, title: str = "") -> None:

@@ -160,6 +160,21 @@ def _summary_writer():
     return SummaryWriter
 
 
+def tensorboard_tag(stage: str, key: str) -> str:
+    """The TensorBoard tag of metric ``key`` of a ``metrics.jsonl`` record of ``stage``, with one
+    stage prefix: RL keys as they are (verl's ``actor/…``, ``critic/…``, ``mem/…``); other stages
+    prefix the stage, dropping the key's own first part when the stage starts with it:
+    ``("sft", "sft/loss") → "sft/loss"``, ``("eval_rl_k1", "eval/bridge/em") → "eval_rl_k1/bridge/em"``,
+    ``("eval_rl_k1", "em") → "eval_rl_k1/em"``. The records themselves keep their keys, so an
+    older run folder's ``metrics.jsonl`` is mirrored with the same tags on resume."""
+    if stage == "rl":
+        return key
+    head, _, rest = key.partition("/")
+    if rest and stage.split("_")[0] == head:
+        key = rest
+    return f"{stage}/{key}"
+
+
 class MetricsWriter:
     """Appends one JSON line per step to ``metrics.jsonl`` (an ``AppendLog``: flushed and
     fsynced, so a kill never loses a written line, and recreated if deleted during the run) and
@@ -200,7 +215,7 @@ class MetricsWriter:
         if self._tb is not None:
             for k, v in clean.items():
                 if v is not None:
-                    self._tb.add_scalar(f"{stage}/{k}" if stage != "rl" else k, v, step)
+                    self._tb.add_scalar(tensorboard_tag(stage, k), v, step)
 
     def close(self) -> None:
         """Flush and close both sinks."""
