@@ -31,7 +31,7 @@ Retrieval (docs/algorithm.md §7), per dataset:
   R1-Searcher and FlashRAG QA files) over the union of the passages pooled from the other
   ``--dataset`` files; with none, the command stops and asks for ``--corpus``.
 
-``--checkpoint`` takes a step (with ``--run_dir``) or, as issue #5 writes it, a run folder
+``--checkpoint`` takes a step (with ``--run_dir``) or a run folder
 (``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP``). A run folder trained from
 a Hugging Face checkpoint holds ``hf_tokenizer/`` instead of ``tokenizer.model``; both load. Bad
 input (missing run folder, checkpoint or HF folder files, ``--dataset`` without ``=``, a missing, empty,

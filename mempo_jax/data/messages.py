@@ -1,4 +1,4 @@
-"""SFT trajectory files: chat ``messages`` rows ↔ ``Trajectory`` records (docs/algorithm.md §5, issue 11).
+"""SFT trajectory files: chat ``messages`` rows ↔ ``Trajectory`` records (docs/algorithm.md §5).
 
 A file is JSONL, a JSON array or parquet (``tools.records.iter_records``; parquet needs
 ``pyarrow``), one conversation per row in the layout of public agent-SFT sets::

@@ -55,7 +55,7 @@ class ScriptedAgentConfig:
         answer turn recalls every fact its searches returned (``scripted_conversation(recall=True)``):
         lazy memories in the history, the right answer at the end, so the full-history view learns
         to answer from the history whatever its memories kept, and only the k-step (memory) view
-        pays for lazy memory (issue 14 item 1: laziness the memory reward can see, ``P(Z | mem)``
+        pays for lazy memory (laziness the memory reward can see, ``P(Z | mem)``
         below ``P(Z | full)``, and RL can undo).
     """
 

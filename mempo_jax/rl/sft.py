@@ -177,7 +177,7 @@ def with_copy_warmup(batches: Iterator[dict], token_ids: Sequence[int], warmup_s
     copy rows first, then the agent rows train on top of it. On the embedded world (0.71 M
     parameters, learning rate 1e-3) copy-only batches take the copy loss from 6.0 nats (chance
     over the 420 names) to ~1.0 within 600 steps (0.3 after 900), where copy rows mixed 1:1
-    with agent rows at 3e-3 stayed at 5.2–5.8 after 1,000 steps (issue 14 item 1).
+    with agent rows at 3e-3 stayed at 5.2–5.8 after 1,000 steps.
 
     Args:
       batches: the run's batch iterator (``iterate_sft_batches``), drawn from after the warm-up.

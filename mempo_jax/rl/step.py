@@ -69,7 +69,7 @@ class RLConfig:
         recompute, no ``logprob_diff`` metrics).
       memory_reward_on: which trajectories' ``<mem>`` turns get a memory reward: ``"all"``
         (default, docs/algorithm.md §3) or ``"correct"`` (only those whose outcome reward is > 0, so
-        A_M only ranks the memories of answers that were right; issue 14's first lever). The
+        A_M only ranks the memories of answers that were right). The
         other turns are left out as malformed ones are (no R_M / A_M, outside the group's R_M
         statistics, not scored).
       memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, docs/algorithm.md §4) or

@@ -295,7 +295,7 @@ def neutralize_tags(text: str) -> str:
     Raises:
       TypeError: ``text`` is not a str.
 
-    Source: issue 12 item 8 (tool text must never produce protocol tag ids); the entity is the
+    Requirement: tool text must never produce protocol tag ids; the entity is the
     HTML/XML escape of ``<``.
     """
     if not isinstance(text, str):

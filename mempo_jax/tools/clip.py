@@ -1,7 +1,7 @@
 """Character budget of a tool observation, applied before it is tokenised.
 
 A tool result is cut to ``RolloutConfig.max_observation_tokens`` ids after encoding. Encoding a
-50 MB passage whole to keep its first 64 ids costs seconds per turn (issue 12 item 7), so the
+50 MB passage whole to keep its first 64 ids costs seconds per turn, so the
 text is first cut to ``OBS_CHARS_PER_TOKEN`` characters per kept token. That budget is generous:
 a SentencePiece piece of the from-scratch tokenizer is at most 16 characters
 (``max_sentencepiece_length``; byte-fallback pieces are one byte), so the first ``n`` ids of

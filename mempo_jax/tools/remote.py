@@ -5,7 +5,7 @@ documents are ``{"id", "contents"}`` rows (split into title and text by
 ``Document.from_contents``). ``GET {url}/access?id=…`` reads one document (this project's
 server; 404 = unknown id).
 
-A rollout must survive any server (issue 12 items 6–7), so every failure of a call — server
+A rollout must survive any server, so every failure of a call — server
 down, timeout, HTTP 4xx/5xx, a reply over the byte cap, a gzip bomb or a bad gzip body, an
 unsupported ``Content-Encoding``, JSON nested too deeply, a number too large for a float, any
 shape or type other than the documented one — ends as ``ToolError`` (never another exception),

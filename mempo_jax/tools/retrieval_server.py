@@ -10,7 +10,7 @@ docs/algorithm.md §7 (Search-R1 ``search_r1/search/retrieval_server.py`` contra
       → {"document": {"id", "contents"}}; 404 {"detail": …} for an unknown id
     GET  /health → {"status": "ok", "num_docs": int}
 
-Per-request caps (issue 12 item 9; ``create_app`` arguments, ``--max_queries`` etc.): a body over
+Per-request caps (``create_app`` arguments, ``--max_queries`` etc.): a body over
 ``max_body_bytes`` is answered 413 before it is parsed (declared ``Content-Length`` or counted
 while a chunked body arrives); more than ``max_queries`` queries, or ``queries × min(topk,
 num_docs)`` over ``max_results``, is answered 422. Each answer is ``{"detail": …}`` naming the

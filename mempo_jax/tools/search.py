@@ -6,7 +6,7 @@ error observation and the episode goes on. The environment wraps every observati
 here in ``<information>…</information>``. Tool failures never raise into the rollout: a backend
 raising ``ToolError`` becomes an observation with ``ok=False``. Every piece of text that comes
 from the tool or the corpus (titles, passages, ids, echoed arguments) goes through
-``neutralize_tags``, so it can never be encoded as a protocol tag id (issue 12 item 8).
+``neutralize_tags``, so it can never be encoded as a protocol tag id.
 """
 
 from __future__ import annotations
