@@ -523,8 +523,9 @@ def run(args) -> dict:
       ValueError / FileNotFoundError: bad input (one-line message); checked before the model loads.
     """
     inputs = _check_inputs(args)
-    overrides = {k: getattr(args, k) for k in ("max_turns", "max_new_tokens", "max_context_tokens",
-                                               "max_observation_tokens") if getattr(args, k) is not None}
+    flags = vars(args)
+    overrides = {k: flags[k] for k in ("max_turns", "max_new_tokens", "max_context_tokens",
+                                       "max_observation_tokens") if flags[k] is not None}
     backends, corpus_notes = plan_corpora(inputs.specs, args.corpus, args.retriever_url)
 
     from mempo_jax.core.batching import bucket_length

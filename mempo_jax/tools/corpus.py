@@ -33,9 +33,9 @@ class Document:
     text: str
 
     def __post_init__(self) -> None:
-        for field in ("id", "title", "text"):
-            if not isinstance(getattr(self, field), str):
-                raise ValueError(f"Document.{field} must be str, got {type(getattr(self, field)).__name__}")
+        for field, value in (("id", self.id), ("title", self.title), ("text", self.text)):
+            if not isinstance(value, str):
+                raise ValueError(f"Document.{field} must be str, got {type(value).__name__}")
         if not self.id:
             raise ValueError("Document.id must be non-empty")
         if "\n" in self.title:
