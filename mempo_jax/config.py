@@ -14,6 +14,7 @@ Every runnable recipe is a ``configs/*.gin`` file that binds fields of these dat
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -421,6 +422,14 @@ def _add_gin_search_dirs(gin_files: Sequence[str]) -> None:
             _gin_search_dirs.add(folder)
 
 
+class _DropGinPathProbes(logging.Filter):
+    """Drops gin's ``Path not found: F`` log line: gin's package-resource reader logs it for every
+    search folder an ``include`` is not in before the folder that holds it (``recipes.search_dirs``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found:")
+
+
 def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> ExperimentConfig:
     """Parse gin files and bindings into a validated ``ExperimentConfig``.
 
@@ -444,6 +453,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
             raise ValueError(f"config error: cannot parse --gin_param {param!r}: "
                              f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}{hint}")
     _check_moved(gin_files, gin_params)
+    probes = _DropGinPathProbes()
+    logging.getLogger().addFilter(probes)
     try:
         gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
         with gin.config_scope(None):
@@ -466,6 +477,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
             raise ValueError(f"config error: {missing}") from None
         msg = _one_line_gin_error(e, gin_params)
         raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}") from None
+    finally:
+        logging.getLogger().removeFilter(probes)
     _check_types(cfg, "ExperimentConfig")
     return cfg
 

@@ -89,3 +89,15 @@ def test_a_recipe_prompt_file_is_found_from_another_directory(tmp_path, monkeypa
     assert text == system_prompt(("search",), str(recipes.RECIPES_DIR / "prompts" / "mempo_search_short.txt"))
     with pytest.raises(FileNotFoundError, match="system prompt file not found: nope.txt"):
         system_prompt(("search",), "nope.txt")
+
+
+def test_include_lookup_logs_nothing(tmp_path, monkeypatch, caplog):
+    """gin's package-resource reader logs "Path not found: F" for each folder an include is not in;
+    a recipe that loads prints no such line."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    load_config(["smollm2_hotpotqa"])
+    assert not [r for r in caplog.records if str(r.msg).startswith("Path not found")]
+    assert not logging.getLogger().filters  # the filter is removed after the parse
