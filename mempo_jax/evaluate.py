@@ -49,6 +49,7 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence
 
+from mempo_jax.cli import command_name
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.run.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
 
@@ -315,7 +316,7 @@ def _write_text_atomic(path: pathlib.Path, text: str) -> None:
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m mempo_jax.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.evaluate"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
     p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP; "
                    "RUN_DIR/sft_checkpoint[/STEP] evaluates the SFT policy")

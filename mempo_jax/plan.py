@@ -37,6 +37,8 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
+from mempo_jax.cli import command_name
+
 GIB = 2**30
 # Calibration of the activation estimate (bytes per attention-score element; float32 logits
 # copies per phase), set so that XLA's own temp allocation for each phase's program, compiled on
@@ -343,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI: print the plan; exit 0 when it fits, 1 when it does not, 2 on a config error."""
     from mempo_jax.recipes import gin_file_help
 
-    p = argparse.ArgumentParser(prog="python -m mempo_jax.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.plan"), description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], help=gin_file_help(None))
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")

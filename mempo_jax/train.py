@@ -55,13 +55,14 @@ import contextlib
 import sys
 import jax
 
+from mempo_jax.cli import command_name
 from mempo_jax.config import DEFAULT_GIN, RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
 from mempo_jax.recipes import gin_file_help
 
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m mempo_jax.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.train"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", required=True, help="output folder (metrics, summary, checkpoints)")
     p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. RLConfig.steps=10")

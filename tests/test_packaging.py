@@ -101,3 +101,12 @@ def test_include_lookup_logs_nothing(tmp_path, monkeypatch, caplog):
     load_config(["smollm2_hotpotqa"])
     assert not [r for r in caplog.records if str(r.msg).startswith("Path not found")]
     assert not logging.getLogger().filters  # the filter is removed after the parse
+
+
+def test_usage_names_the_command_as_run(monkeypatch):
+    from mempo_jax.cli import command_name
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/mempo-train", "--help"])
+    assert command_name("mempo_jax.train") == "mempo-train"
+    monkeypatch.setattr("sys.argv", ["/repo/mempo_jax/train.py", "--help"])
+    assert command_name("mempo_jax.train") == "python -m mempo_jax.train"

@@ -21,11 +21,13 @@ import sys
 
 import numpy as np
 
+from mempo_jax.cli import command_name
+
 
 def _parse_args(argv):
     from mempo_jax.recipes import gin_file_help
 
-    p = argparse.ArgumentParser(prog="python -m mempo_jax.data.write_sft_messages",
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.data.write_sft_messages"),
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output file (.jsonl, or .parquet)")
     p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())

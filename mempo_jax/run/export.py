@@ -27,6 +27,8 @@ from typing import Optional
 
 import jax
 
+from mempo_jax.cli import command_name
+
 EXPORT_DIR = "hf_export"
 # config.json keys of the source checkpoint that the ModelConfig does not hold (token ids, context).
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
@@ -78,7 +80,7 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m mempo_jax.run.export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.export"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", required=True, help="run folder of python -m mempo_jax.train (from an HF checkpoint)")
     p.add_argument("--checkpoint", type=int, default=None, help="RL checkpoint step (default: the newest)")
     p.add_argument("--out", required=True, help="output folder (created; an existing one is replaced)")
