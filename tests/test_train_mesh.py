@@ -9,7 +9,8 @@
 
 The (2,2,2) run covers both the sharded single-program path (policy, reference, optimizer state,
 KV cache, scoring and update batches placed by the mesh rules) and the multi-process one
-(per-process questions and SFT rows, lockstep device programs, writes by process 0 only), in one
+(per-process questions and SFT rows, rollout with the cached engine on each process's own 4
+devices, lockstep global programs for scoring and the update, writes by process 0 only), in one
 compile. Cheaper XLA CPU passes halve the compile time; both runs use them.
 """
 
@@ -29,8 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import small_env, train_command  # noqa: E402
 
 from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE, free_port, one_device_flags  # noqa: E402  (the session's caches)
-PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2",
-          'RolloutConfig.engine="legacy"')  # the cached engine runs in one process
+PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=1", "EvalConfig.num_questions=2")
 TIMEOUT_S = 420
 # Absolute slack for values near zero (``actor/ppo_kl`` is ~1e-8 here and differs by rounding).
 ABS_TOL = 1e-6

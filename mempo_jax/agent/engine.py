@@ -132,15 +132,20 @@ def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill],
 
 
 def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
-                   progress: Optional[Callable[[int, int], None]] = None) -> list:
+                   progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
     """``rollout.rollout`` on the cached engine: same arguments, with the ``SlotSampler`` in place
     of ``sample_fn``; the trajectories are finished in place and returned.
 
     Args:
-      sampler: the policy's ``SlotSampler`` (``Sampler.slots()``).
-      params, trajs, fmt, tool_env, cfg, key: as ``rollout.rollout`` (``cfg.engine`` is not read).
+      sampler: the policy's ``SlotSampler``; every program runs on its (host-local) mesh.
+      params: the policy parameters, placed by ``sampler.place`` first (a no-op when they are already
+        on the sampler's mesh; with params on a mesh spanning processes, a collective).
+      trajs, fmt, tool_env, cfg, key: as ``rollout.rollout`` (``cfg.engine`` is not read).
       progress: optional callback ``(turn, generating slots)`` once per cycle.
+      traj_offset: global index of ``trajs[0]`` (this process's first trajectory): trajectory i
+        draws its keys as trajectory ``traj_offset + i``.
     """
+    params = sampler.place(params)
 
     slots = num_slots(cfg, len(trajs))
     size = sampler.cache_size(cfg.max_context_tokens)
@@ -174,7 +179,7 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
                 if donor is not None:  # the shared prompt is (or will be, after phase 1) in slot donor
                     keep = min(len(tr.prompt_ids), len(ctx) - 1)
                     followers[s] = donor
-                prefills.append(_Prefill(s, i, len(tr.turns), ctx[keep:], keep))
+                prefills.append(_Prefill(s, traj_offset + i, len(tr.turns), ctx[keep:], keep))
                 context[s], cached[s] = ctx, list(ctx)
                 generating.add(s)
         if not generating:
@@ -227,6 +232,7 @@ def _prefill_phases(sampler: SlotSampler, params, state, prefills: list, followe
 def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: jax.Array) -> int:
     """Compile every program a ``rollout_cached`` of ``num_trajectories`` can run (each prefill
     shape of ``extend_shapes`` and the decode chunk) on dummy tokens; returns the number of shapes."""
+    params = sampler.place(params)
     slots = num_slots(cfg, num_trajectories)
     size = sampler.cache_size(cfg.max_context_tokens)
     greedy = cfg.temperature == 0.0

@@ -59,7 +59,7 @@ class RolloutConfig:
     top_p: float = 1.0
     context_steps: int | str = 1
     min_rows_bucket: int = 64
-    engine: str = "legacy"
+    engine: str = "cached"
     num_slots: int = 0
     decode_chunk: int = 16
     prefill_chunk: int = 32
@@ -98,6 +98,7 @@ def rollout(
     cfg: RolloutConfig,
     key: jax.Array,
     progress: Optional[Callable[[int, int], None]] = None,
+    traj_offset: int = 0,
 ) -> list[Trajectory]:
     """Run fresh trajectories (prompt only) to the end of their episodes, in place.
 
@@ -112,6 +113,8 @@ def rollout(
       cfg: rollout options.
       key: PRNG key; turn t uses ``fold_in(key, t)``.
       progress: optional callback ``(turn, active_rows)``.
+      traj_offset: global index of ``trajs[0]`` (a process's first trajectory): the cached engine
+        draws trajectory i's keys as trajectory ``traj_offset + i``.
 
     Returns:
       The same trajectories, finished.
@@ -122,7 +125,7 @@ def rollout(
     if cfg.engine == "cached":
         from mempo_jax.agent.engine import rollout_cached
 
-        return rollout_cached(_slot_sampler(sample_fn), params, trajs, fmt, tool_env, cfg, key, progress)
+        return rollout_cached(_slot_sampler(sample_fn), params, trajs, fmt, tool_env, cfg, key, progress, traj_offset)
     for t in range(cfg.max_turns):
         active = [tr for tr in trajs if not tr.done]
         if not active:
@@ -158,6 +161,15 @@ def rollout(
     return close_episodes(trajs)
 
 
+def place_params(sample_fn, params):
+    """The policy's parameters on the rollout's (host-local) mesh: ``SlotSampler.place`` of
+    ``sample_fn``'s sampler (a collective when ``params`` span processes: every process calls it at
+    the same point, once per step); ``params`` themselves for a ``sample_fn`` without a sampler."""
+    if getattr(sample_fn, "sampler", None) is None:
+        return params
+    return _slot_sampler(sample_fn).place(params)
+
+
 def _slot_sampler(sample_fn):
     """The ``SlotSampler`` behind ``sample_fn.sampler`` (the cached engine's device programs)."""
     sampler = getattr(sample_fn, "sampler", None)
@@ -188,8 +200,7 @@ def warm_sampler(sample_fn: SampleFn, params, pad_id: int, cfg: RolloutConfig, n
     """Run ``sample_fn`` once at every shape of ``sampler_shapes`` (dummy one-token prompts), so
     that a later ``rollout`` compiles nothing.
 
-    One process only: a lockstep (multi-process) ``sample_fn`` gathers rows across processes,
-    and its shapes are not these.
+    Every program runs on the sampler's (host-local) mesh; with several processes each warms its own.
 
     With ``cfg.engine == "cached"`` it compiles the cached engine's programs instead
     (``engine.warm_engine``).
@@ -244,6 +255,6 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 __all__ = [
     "ALL_TAG_PIECES", "AgentFormat", "FULL", "MIN_PROMPT_BUCKET", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
-    "encode_observation", "make_turn", "new_trajectories", "rollout", "rollout_metrics", "sampler_shapes",
+    "encode_observation", "make_turn", "new_trajectories", "place_params", "rollout", "rollout_metrics", "sampler_shapes",
     "warm_sampler",
 ]

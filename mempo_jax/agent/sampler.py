@@ -25,6 +25,7 @@ from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import abstract_model, positions_from_mask, split_model
 from mempo_jax.model.placement import cache_shardings
+from mempo_jax.core.rollout_mesh import weight_sync
 from mempo_jax.core.sharding import DEFAULT_RULES, logical_to_sharding, mesh_or_local, param_shardings, replicated
 
 
@@ -169,7 +170,7 @@ class Sampler:
         generate = self.program(b, p, cfg)
         rows = logical_to_sharding(("batch", None), self.mesh, self.rules, (b, p))
         rep = replicated(self.mesh)
-        params = jax.device_put(params, self.param_shardings)
+        params = weight_sync(params, self.param_shardings)
         ids, mask = jax.device_put((_as(prompt_ids, np.int32), _as(prompt_mask, np.bool_)), rows)
         key, temp, top_p = jax.device_put((key, np.float32(temperature), np.float32(cfg.top_p)), rep)
         extra = () if self._tables is None else (self._tables,)

@@ -39,7 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
-from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
+from mempo_jax.core.rollout_mesh import weight_sync
+from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local, param_shardings
+from mempo_jax.model.forward import abstract_model, split_model
 from mempo_jax.agent.decoding import is_stop as _is_stop, pick as _pick
 
 DEFAULT_BLOCK = 256  # key-block length of the decode / prefill attention (tokens)
@@ -85,6 +87,26 @@ class SlotState(NamedTuple):
     traj: jax.Array
 
 
+class SampleOutput(NamedTuple):
+    """What ``SlotSampler.generate`` returns (numpy arrays).
+
+    Attributes:
+      tokens: ``[B, N]`` int32 sampled ids, ``pad_id`` after a row stopped.
+      logprobs: ``[B, N]`` float32, ``log softmax(logits / temperature)`` of each sampled id
+        (temperature 1 when greedy); 0 on padding.
+      mask: ``[B, N]`` bool, True on generated tokens including the stop token.
+      lengths: ``[B]`` int32 generated tokens per row (``mask.sum(-1)``).
+      stopped: ``[B]`` bool, True when the row emitted a stop id or completed a stop string,
+        False when it ran out of budget.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    stopped: np.ndarray
+
+
 def _row_keys(key, turn, step, traj):
     """``[S]`` keys ``fold_in(fold_in(fold_in(key, turn), step), traj)``."""
     def one(u, j, i):
@@ -103,9 +125,10 @@ class SlotSampler:
       pad_id: written after a turn's end.
       stop_automaton: optional ``StopAutomaton`` (``Sampler``'s), over ``model_cfg.vocab_size`` ids.
       block: key-block length of the attention (tokens).
-      mesh, rules: device mesh and logical-axis rules: the cache is put on
-        ``placement.cache_shardings`` (slots over the batch rule); ``None``: the one-device mesh
-        (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
+      mesh, rules: device mesh and logical-axis rules (one process's devices: the rollout mesh,
+        ``core.rollout_mesh``): the cache is put on ``placement.cache_shardings`` (slots over the
+        batch rule), the parameters on ``param_shardings`` (``place``); ``None``: the one-device
+        mesh (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
     with equal (graphdef, model_cfg, stops, pad, automaton shape, block, state placement).
@@ -126,6 +149,13 @@ class SlotSampler:
             self._tables = (jnp.asarray(np.asarray(stop_automaton.next_state, np.int32)),
                             jnp.asarray(np.asarray(stop_automaton.completes, bool)))
         self._placements = {}  # (slots, size) -> state_shardings
+        self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], self.mesh, self.rules)
+
+    def place(self, params):
+        """The policy's parameters on this sampler's mesh (``rollout_mesh.weight_sync``: one
+        all-gather over the training mesh when it spans processes, else a ``device_put`` that
+        copies nothing already in place). A collective on several processes: call it on each."""
+        return weight_sync(params, self.param_shardings)
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
@@ -199,6 +229,49 @@ class SlotSampler:
           src, dst: ``[R]`` int32 slot indices.
         """
         return self._program("copy", state)(state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+
+    def generate(self, params, prompt_ids, prompt_mask, key, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0) -> SampleOutput:
+        """One turn of every row: each prompt prefilled into its own slot, then decoded to its stop
+        or ``max_new_tokens`` (a one-shot batched generate; the rollout runs ``extend`` / ``decode``
+        itself).
+
+        Args:
+          params: parameters on this sampler's mesh (``place``).
+          prompt_ids: ``[B, P]`` int32; the real tokens of row b are those where ``prompt_mask``
+            is True (left, right or inner padding), at positions ``0 … n_b - 1``.
+          prompt_mask: ``[B, P]`` bool, at least one True per row.
+          key: PRNG key; step j of row b draws with the key of trajectory b, turn 0, step j
+            (``_row_keys``).
+          max_new_tokens: budget N (>= 1); temperature (0: greedy), top_p: as ``extend``.
+
+        Returns:
+          ``SampleOutput`` of ``[B, N]`` / ``[B]`` numpy arrays.
+
+        Raises:
+          ValueError: for a row without a real token or shapes that differ.
+        """
+        ids, mask = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, bool)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must be equal [B, P]")
+        counts = mask.sum(axis=1).astype(np.int32)
+        if (counts < 1).any():
+            raise ValueError("every prompt row needs at least one real token")
+        b, n = ids.shape[0], int(max_new_tokens)
+        width = 1 << max(int(counts.max()) - 1, 0).bit_length()  # a power of two: few compiled shapes
+        rows = np.full((b, width), self.pad_id, np.int32)
+        for r in range(b):
+            rows[r, : counts[r]] = ids[r][mask[r]]
+        greedy = temperature == 0.0
+        state = self.init_state(b, self.cache_size(int(counts.max()) + n), n)
+        zeros, index = np.zeros((b,), np.int32), np.arange(b, dtype=np.int32)
+        state = self.extend(params, state, index, rows, counts, zeros, np.ones((b,), bool), zeros, index, key,
+                            temperature, top_p, greedy)
+        state = self.decode(params, state, n, key, temperature, top_p, greedy)
+        tokens, logps, gen, stopped = jax.device_get((state.tokens, state.logps, state.gen, state.stopped))
+        gen = np.asarray(gen, np.int32)
+        return SampleOutput(np.asarray(tokens), np.asarray(logps), np.arange(n)[None] < gen[:, None], gen,
+                            np.asarray(stopped))
 
     def decode(self, params, state: SlotState, steps: int, key, temperature: float, top_p: float,
                greedy: bool, rows=None) -> SlotState:
@@ -337,4 +410,4 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
     return SlotState(cache=cache, **{f: getattr(state, f).at[dst].set(sub[f], mode="drop") for f in fields})
 
 
-__all__ = ["DEFAULT_BLOCK", "SlotSampler", "SlotState", "slot_cache_size"]
+__all__ = ["DEFAULT_BLOCK", "SampleOutput", "SlotSampler", "SlotState", "slot_cache_size"]

@@ -35,6 +35,8 @@ class MeshConfig:
       rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs
         (default ``mempo_jax.core.sharding.DEFAULT_RULES``: batch → data × fsdp, embed → fsdp,
         heads / kv_heads / mlp / vocab → tensor).
+      rollout_tensor: devices per model copy on each host's rollout mesh
+        (``mempo_jax.core.rollout_mesh``); 0: all of the host's devices where the heads divide.
 
     Raises:
       ValueError: for a size that is 0 or below -1, more than one -1, or a rule naming an
@@ -45,12 +47,15 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     rules: tuple = DEFAULT_RULES
+    rollout_tensor: int = 0
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
         if any(not isinstance(s, int) or s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
             raise ValueError(f"MeshConfig sizes must be >= 1 with at most one -1, got data={self.data} "
                              f"fsdp={self.fsdp} tensor={self.tensor}")
+        if not isinstance(self.rollout_tensor, int) or self.rollout_tensor < 0:
+            raise ValueError(f"MeshConfig.rollout_tensor must be an int >= 0, got {self.rollout_tensor!r}")
         rules = tuple((str(name), _axes(target)) for name, target in self.rules)
         for name, target in rules:
             for axis in () if target is None else ((target,) if isinstance(target, str) else target):

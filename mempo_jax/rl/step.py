@@ -25,7 +25,7 @@ import numpy as np
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.text.protocol import ANSWER, MEM
-from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, rollout_metrics
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, place_params, rollout, rollout_metrics
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
@@ -191,7 +191,7 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     """Build every program an RL step of ``cfg`` can run, so that steps compile nothing.
 
     The shapes are functions of the config only: sampling ``rollout.sampler_shapes`` (run once
-    with dummy prompts, one process only), scoring ``[scorer.rows_per_call, L]`` for ``L`` in
+    with dummy prompts, on each process's rollout mesh), scoring ``[scorer.rows_per_call, L]`` for ``L`` in
     ``scorer.length_buckets(scoring_length_bound(cfg))``, and the reference log-probs and the PPO
     update at every ``training_length_buckets(cfg)`` with the ``ppo_plan`` of
     ``training_row_bound(cfg)`` rows (compiled ahead of time, nothing runs).
@@ -209,10 +209,12 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     from mempo_jax.rl.learner import ppo_plan
 
     t0 = time.perf_counter()
+    from mempo_jax.core.distributed import process_slice
+
     n_traj = cfg.questions_per_step * cfg.group_size
-    out = {"sampler": 0}
-    if jax.process_count() == 1:
-        out["sampler"] = warm_sampler(sample_fn, learner.params, tokenizer.pad_id, cfg.rollout, n_traj, key)
+    mine = process_slice(cfg.questions_per_step)  # this process's questions (its rollout's slots)
+    out = {"sampler": warm_sampler(sample_fn, learner.params, tokenizer.pad_id, cfg.rollout,
+                                   (mine.stop - mine.start) * cfg.group_size, key)}
     scorer = getattr(scorer, "scorer", scorer)  # a lockstep DistributedScorer wraps the scorer
     out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
@@ -343,12 +345,11 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
 
 def _packed_logprobs(learner):
     """The learner's ``PackedLogprobs`` (built once, kept on the learner), or ``None`` where the
-    packed pass does not apply: a learner that does not pack (``Learner.packs_update``), or several
-    processes (their rows are scored in the lockstep global batch, ``learner.logprobs``)."""
+    packed pass does not apply: a learner that does not pack (``Learner.packs_update``)."""
     from mempo_jax.core.logprobs import PackedLogprobs
     from mempo_jax.core.sharding import batch_shards
 
-    if not learner.packs_update or jax.process_count() > 1:
+    if not learner.packs_update:
         return None
     calc = getattr(learner, "_packed_logprobs_calc", None)
     if calc is None:
@@ -366,7 +367,10 @@ def detached_logprobs(learner, params, rows: TrainingRows) -> np.ndarray:
     calc = _packed_logprobs(learner)
     if calc is None:
         return learner.logprobs(params, rows.input_ids, rows.valid)
-    return calc(params, rows.input_ids, rows.valid)
+    on_global_rows = getattr(learner, "on_global_rows", None)  # several processes: the global batch
+    if on_global_rows is None:
+        return calc(params, rows.input_ids, rows.valid)
+    return on_global_rows(calc, params, rows.input_ids, rows.valid)
 
 
 def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[str, float]]:
@@ -482,7 +486,7 @@ def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_
 
 
 def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cfg: RLConfig,
-            key: jax.Array, rng: np.random.Generator) -> tuple[dict[str, float], list[Trajectory]]:
+            key: jax.Array, rng: np.random.Generator, traj_offset: int = 0) -> tuple[dict[str, float], list[Trajectory]]:
     """Run one MemPO step on ``questions`` and update ``learner`` in place.
 
     Args:
@@ -496,19 +500,26 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
       cfg: RL options.
       key: PRNG key of this step.
       rng: numpy generator (mini-batch shuffles).
+      traj_offset: global index of this process's first trajectory (``rollout.rollout``).
 
     Returns:
-      ``(metrics, trajectories)``; metric names follow verl where one exists.
+      ``(metrics, trajectories)``; metric names follow verl where one exists
+      (``timing/weight_sync_s``: the policy's parameters placed on the rollout mesh,
+      ``rollout_mesh.weight_sync``).
     """
     timings = {}
     if cfg.precompile and getattr(learner, "_rl_precompiled", None) != cfg:
         timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, sample_fn, scorer, fmt.tokenizer, cfg,
                                                             key)["seconds"]
         learner._rl_precompiled = cfg
+    t_sync = time.perf_counter()
+    params = jax.block_until_ready(place_params(sample_fn, learner.params))
+    timings["timing/weight_sync_s"] = time.perf_counter() - t_sync
     t0 = time.perf_counter()
     tokenizer = fmt.tokenizer
     trajs = new_trajectories(fmt, questions, cfg.group_size)
-    rollout(sample_fn, learner.params, trajs, fmt, tool_env, cfg.rollout, key, getattr(sample_fn, "progress", None))
+    rollout(sample_fn, params, trajs, fmt, tool_env, cfg.rollout, key, getattr(sample_fn, "progress", None),
+            traj_offset)
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

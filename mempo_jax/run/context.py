@@ -8,8 +8,9 @@ artefacts written, logs cut back to the point). The stages (``mempo_jax.run.stag
 write through the ``RunContext``.
 
 One device path: the run always has a mesh (``(1, 1, 1)`` unless the config binds
-``MeshConfig`` or several processes run) and always uses the ``lockstep`` wrappers, which are
-pass-throughs on one process.
+``MeshConfig`` or several processes run), rolls out on this process's devices of it
+(``core.rollout_mesh``) and always uses the ``lockstep`` wrappers for the global programs, which
+are pass-throughs on one process.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class RunContext:
     Attributes:
       run_dir, cfg, run_cfg: the run folder, the ``ExperimentConfig`` and the whole ``RunConfig``.
       mesh, rules: the device mesh (always one) and its logical-axis rules.
-      exp: the ``Experiment``; ``sync``, ``sample_fn``, ``scorer``: its lockstep wrappers.
+      exp: the ``Experiment``; ``sample_fn``: its rollout sampler (host-local); ``sync``, ``scorer``:
+        the lockstep header exchange and scorer.
       logs: ``RunLogs`` (process 0) or ``NoLogs``.
       sft_ckpt, rl_ckpt: the two ``Checkpointer``s.
       pre: the ``Preemption`` handler; ``interruptible``: its region (a no-op with several processes).
@@ -302,9 +304,6 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     mesh_cfg = run_cfg.mesh if run_cfg.sharded or jax.process_count() > 1 else MeshConfig(1, 1, 1)
     mesh, rules = make_run_mesh(mesh_cfg), mesh_cfg.rules
     check_mesh_sizes(cfg, mesh, rules)
-    if jax.process_count() > 1 and cfg.rl.rollout.engine != "legacy":
-        raise ValueError(f"RolloutConfig.engine = {cfg.rl.rollout.engine!r} runs in one process; with "
-                         f"{jax.process_count()} processes bind RolloutConfig.engine = \"legacy\"")
     check_run_folder(run_dir)  # writable; a fresh one is created only once every check has passed
     pre = stack.enter_context(Preemption(ck.grace_s))  # exits last: after the saves are complete
     # Several processes: a SIGTERM never abandons work half-way on one process only (the others
@@ -322,8 +321,9 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     with interruptible():
         exp = build_experiment(cfg, cache, mesh=mesh, rules=rules,
                                scoring_chunk_rows=cfg.execution.scoring_chunk_rows or None)
-    # Host-side work runs per process on its share; device programs on the global batch.
-    sync, sample_fn, scorer = lockstep.distribute(exp.sample_fn, exp.scorer, exp.tokenizer.pad_id)
+    # Rollout runs per process on its share (host-local mesh); scoring and the update on the global batch.
+    sync, scorer = lockstep.distribute(exp.scorer)
+    sample_fn = exp.sample_fn
     key = jax.random.PRNGKey(cfg.seed)
     ctx = RunContext(run_dir, cfg, run_cfg, mesh, rules, exp, sync, sample_fn, scorer, sft_ckpt, rl_ckpt, pre,
                      interruptible, hooks, t_start, jax.random.fold_in(key, RL_STREAM),

@@ -102,7 +102,7 @@ def is_kind_metric(name: str) -> bool:
 
 def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
                     context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
-                    progress: Optional[Callable[[int], None]] = None) -> EvalResult:
+                    progress: Optional[Callable[[int], None]] = None, first: int = 0) -> EvalResult:
     """Run the policy once on each question in one context mode.
 
     Args:
@@ -114,6 +114,9 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
       key: PRNG key.
       chunk: questions per rollout batch.
       progress: called with the number of questions finished so far.
+      first: global index of ``questions[0]`` (a process's share of the held-out set): question i
+        is rolled out as trajectory ``first + i`` under ``key``, so its sampled tokens do not
+        depend on the chunks or on how many processes share the questions.
 
     Returns:
       ``EvalResult`` with means (``summarize``, plus ``kind_metrics`` of the questions) and
@@ -123,7 +126,7 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
     trajs: list[Trajectory] = []
     for s in range(0, len(questions), chunk):
         batch = new_trajectories(fmt, questions[s : s + chunk], 1, group_offset=s)
-        rollout(sample_fn, params, batch, fmt, tool_env, cfg, jax.random.fold_in(key, s))
+        rollout(sample_fn, params, batch, fmt, tool_env, cfg, key, traj_offset=first + s)
         trajs += batch
         if progress is not None:
             progress(len(trajs))

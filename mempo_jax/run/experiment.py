@@ -367,21 +367,26 @@ class Policy:
     rules: Any
 
 
-def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None) -> Policy:
+def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None,
+                rollout_tensor: int = 0) -> Policy:
     """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
-    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_sample_fn`` and
-    ``make_logits_fn`` of the model.
+    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_sample_fn`` of the
+    model on this process's rollout mesh (``rollout_mesh.rollout_mesh`` of ``mesh``) and
+    ``make_logits_fn``.
 
     Args:
       model_cfg, graphdef, params: the model (params in any placement).
       tokenizer, fmt: its tokenizer and ``AgentFormat`` (``policy_format``).
       mesh, rules: default ``sharding.local_mesh()`` and ``DEFAULT_RULES``.
+      rollout_tensor: ``MeshConfig.rollout_tensor`` (0: the rollout mesh's default).
     """
     from mempo_jax.core import sharding
+    from mempo_jax.core.rollout_mesh import rollout_mesh
 
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     params = sharding.shard_params(params, mesh, rules)
-    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_sample_fn(graphdef, model_cfg, fmt, mesh=mesh,
+    local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
+    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_sample_fn(graphdef, model_cfg, fmt, mesh=local,
                                                                               rules=rules),
                   make_logits_fn(graphdef), mesh, rules)
 
@@ -432,7 +437,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
         model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
-                         rules=rules)
+                         rules=rules, rollout_tensor=cfg.mesh.rollout_tensor)
     full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
     scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=cfg.rl.rollout.temperature or 1.0, chunk_rows=scoring_chunk_rows,

@@ -44,15 +44,19 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
     """The policy of ``learner`` on the held-out questions in every ``EvalConfig.context_modes`` mode.
 
     Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode)``."""
+    from mempo_jax.agent.rollout import place_params
     from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics
 
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
+    first = distributed.process_slice(len(held)).start if ctx.multi else 0
+    params = place_params(ctx.sample_fn, learner.params)  # onto the rollout mesh, once (a collective)
     out, per_q, per_f1 = {}, {}, {}
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
-        res = evaluate_policy(ctx.sample_fn, learner.params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
-                              mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n))
+        res = evaluate_policy(ctx.sample_fn, params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
+                              mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
+                              first=first)
         bar.close()
         metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
         metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
@@ -343,7 +347,8 @@ class _RLRun:
                     qs, first = qs[mine], mine.start
                 m, trajs = rl_step(self.learner, ref_params, self.sample_fn, ctx.scorer, qs, ctx.exp.fmt,
                                    ctx.exp.tool_env, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
-                                   np.random.default_rng([cfg.seed, RL_STREAM, step]))
+                                   np.random.default_rng([cfg.seed, RL_STREAM, step]),
+                                   traj_offset=first * cfg.rl.group_size)
         except Preempted:
             if ctx.rl_saved != step:
                 self.save(before)

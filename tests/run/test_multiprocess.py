@@ -1,7 +1,8 @@
 """Two CPU processes joined by ``jax.distributed.initialize`` on 127.0.0.1 run one full MemPO RL step
-(rollout with host tools, memory-reward scoring, reference log-probs, PPO update) on a mesh that
-spans both, each rolling out its half of the questions, and end with the parameters (and the
-sampled tokens) of the same step run by one process.
+(memory-reward scoring, reference log-probs and PPO update on a mesh that spans both; rollout with
+host tools on each process's own devices, each rolling out its half of the questions with the
+cached engine) and end with the parameters (and the sampled tokens) of the same step run by one
+process.
 
 The policy is the toy agent model after a short SFT on scripted two-turn episodes
 (``<mem>`` + ``<search>``, then ``<mem>`` + ``<answer>``), so sampled turns call the search tool
@@ -54,32 +55,36 @@ def run_rl_step(params, mesh, seed: int = 0):
     from mempo_jax.rl.step import rl_step
     from mempo_jax.agent.sampler import Sampler, SamplerConfig
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
+    from mempo_jax.core.rollout_mesh import rollout_mesh
     from mempo_jax.core.sharding import logical_to_sharding, param_shardings
     from toy_agent import toy_model, toy_world
 
     tok, env, questions = toy_world()
     cfg, graphdef, _ = toy_model(tok.vocab_size)
     stop_ids = [tok.eos_id] + [tok.piece_id(t) for t in STOP_TAGS]
-    sampler = Sampler(graphdef, cfg, stop_ids, tok.pad_id, mesh=mesh)
+    local = None if mesh is None else rollout_mesh(mesh, cfg.num_heads, cfg.num_kv_heads)
+    sampler = Sampler(graphdef, cfg, stop_ids, tok.pad_id, mesh=local)
 
     def sample_fn(p, ids, mask, key, n, temperature, top_p):
         return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
 
+    sample_fn.sampler = sampler
     logits_fn = make_logits_fn(graphdef)
     kw = {}
     if mesh is not None:
         kw = dict(batch_sharding=logical_to_sharding(("batch", None), mesh),
                   param_shardings=param_shardings(params, mesh))
     scorer = MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], temperature=1.0, **kw)
-    sync, sample_fn, scorer = lockstep.distribute(sample_fn, scorer, tok.pad_id)
+    sync, scorer = lockstep.distribute(scorer)
     learner = lockstep.DistributedLearner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3,
                                                                                         warmup_steps=1)),
                                           temperature=1.0, micro_batch_rows=8, mesh=mesh, sync=sync,
                                           pad_id=tok.pad_id)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
-    mine = questions[process_slice(len(questions))]
-    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, mine, AgentFormat.plain(tok), env, rl_config(),
-                             jax.random.PRNGKey(seed), np.random.default_rng(seed))
+    share = process_slice(len(questions))
+    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, questions[share], AgentFormat.plain(tok), env,
+                             rl_config(), jax.random.PRNGKey(seed), np.random.default_rng(seed),
+                             traj_offset=share.start * rl_config().group_size)
     turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
     if jax.process_count() > 1:
         metrics["_lockstep"] = _after_the_step(learner, sample_fn, sync, tok, env, questions)
@@ -87,18 +92,19 @@ def run_rl_step(params, mesh, seed: int = 0):
 
 
 def _after_the_step(learner, sample_fn, sync, tok, env, questions) -> dict:
-    """Process 1 alone rolls out one more question (an evaluation) with the updated policy while
-    process 0 goes straight to collectives: its barrier serves process 1's sampling calls."""
+    """Process 1 alone rolls out one more question (an evaluation) with the updated policy, synced
+    onto its rollout mesh by both, while process 0 goes straight to collectives and waits there."""
     import jax
 
-    from mempo_jax.agent.rollout import new_trajectories, rollout
+    from mempo_jax.agent.rollout import new_trajectories, place_params, rollout
     from mempo_jax.core.distributed import concat_processes, mean_metrics
 
     pid = jax.process_index()
     extra = []
+    params = place_params(sample_fn, learner.params)  # the weight sync: a collective
     if pid == 1:
         extra = new_trajectories(AgentFormat.plain(tok), questions[:1], 2)
-        rollout(sample_fn, learner.params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
+        rollout(sample_fn, params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
     mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
                         sync=sync)
     return {"mean": mean, "concat": concat_processes([pid] * (pid + 1), sync).tolist(),
@@ -225,7 +231,7 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     # Each process rolled out its half of the questions; together: exactly the single-process tokens.
     assert results[0]["turns"] + results[1]["turns"] == ref_turns
     assert len(results[0]["turns"]) == len(results[1]["turns"]) == 8
-    # After the step: process 0 served process 1's extra rollout, then both averaged and gathered.
+    # After the step: process 1's extra rollout ran alone, then both averaged and gathered.
     extra = sum(results[1]["metrics"]["_lockstep"]["extra_turns"])
     for r in results:
         lock = r["metrics"].pop("_lockstep")
@@ -293,10 +299,8 @@ def test_one_process_wrappers_pass_through():
     from mempo_jax.run import lockstep
     from mempo_jax.core.distributed import allgather, concat_processes, gather_lists, gather_rows, mean_metrics
 
-    sync = lockstep.HostSync()
-    seen = []
-    sample_fn = lockstep.LockstepSampleFn(lambda *a: seen.append(a) or "out", sync, pad_id=0)
-    assert not sync.multiprocess and sample_fn(1, 2, 3, 4, 5, 6, 7) == "out" and seen == [(1, 2, 3, 4, 5, 6, 7)]
+    sync, scorer = lockstep.distribute(lambda *a: "scored")
+    assert not sync.multiprocess and scorer(1, [2], [3], [4]) == "scored"
     sync.barrier()  # no-op
     assert allgather(np.arange(3)).tolist() == [[0, 1, 2]]
     assert gather_lists([[1, 2], [], [3]]) == [[1, 2], [], [3]]
@@ -304,16 +308,6 @@ def test_one_process_wrappers_pass_through():
     assert ids.tolist() == [[9, 9, 1, 1, 1]] * 2
     assert mean_metrics({"b": 2.0, "a": 1.0}, sync=sync) == {"a": 1.0, "b": 2.0}
     assert concat_processes([1, 0, 1], sync).tolist() == [1.0, 0.0, 1.0]
-
-
-def test_real_rows_drop_the_rollout_bucket_padding():
-    from mempo_jax.run.lockstep import real_rows
-
-    mask = np.zeros((6, 8), bool)
-    mask[:3, 2:] = True  # three real contexts
-    mask[3:, -1] = True  # the rollout's one-token padding rows
-    assert real_rows(mask) == 3
-    assert real_rows(mask[:3]) == 3 and real_rows(mask[3:]) == 0
 
 
 if __name__ == "__main__":
