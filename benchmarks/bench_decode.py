@@ -1,7 +1,7 @@
 """Sections 1-2: decode and prefill tokens/s, ours vs transformers on the same weights.
 
 Decode: greedy generation of ``--new`` tokens after a ``--prompt``-token prompt at each batch
-size, with a KV cache on both sides: ours is ``mempo_jax.agent.sampler.Sampler`` (one jitted prefill +
+size, with a KV cache on both sides: ours is ``mempo_jax.agent.engine.RolloutEngine`` (one jitted prefill +
 ``lax.while_loop`` decode), theirs is ``transformers`` ``generate(do_sample=False,
 use_cache=True, min_new_tokens=max_new_tokens)`` on CPU torch, on the weights exported by
 ``save_hf_checkpoint``. Tokens/s = batch × new tokens / wall time of the whole call (its prefill
@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
 
     small = args.small
     batches = [int(x) for x in (args.batches or ("1,4" if small else "1,16,64")).split(",")]
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     new = args.new or (8 if small else 128)
     prefills = [int(x) for x in (args.prefill or ("32" if small else "512,2048")).split(",")]
     cfg, graphdef, params = bench_model(small)
-    sampler = Sampler(graphdef, cfg, stop_ids=(), pad_id=0)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=(), pad_id=0)
     hf = None
     tmp = tempfile.TemporaryDirectory()
     if have_transformers():
@@ -61,11 +61,11 @@ def main(argv=None) -> dict:
         ids = rng.integers(1, cfg.vocab_size, (b, prompt)).astype(np.int32)
         mask = np.ones((b, prompt), bool)
         key = jax.random.PRNGKey(0)
-        sc = SamplerConfig(max_new_tokens=new, temperature=0.0)
+        sc = dict(max_new_tokens=new, temperature=0.0)
         ours_tokens = {}
 
         def ours():
-            out = sampler(params, ids, mask, key, sc)
+            out = sampler(params, ids, mask, key, **sc)
             ours_tokens["t"] = np.asarray(jax.block_until_ready(out.tokens))
 
         fns = {"ours": ours}
@@ -98,8 +98,8 @@ def main(argv=None) -> dict:
     for n in prefills:
         ids = rng.integers(1, cfg.vocab_size, (1, n)).astype(np.int32)
         mask = np.ones((1, n), bool)
-        sc = SamplerConfig(max_new_tokens=1, temperature=0.0)
-        fns = {"ours": lambda: jax.block_until_ready(sampler(params, ids, mask, jax.random.PRNGKey(0), sc).tokens)}
+        sc = dict(max_new_tokens=1, temperature=0.0)
+        fns = {"ours": lambda: jax.block_until_ready(sampler(params, ids, mask, jax.random.PRNGKey(0), **sc).tokens)}
         if hf is not None:
             t_ids = torch.tensor(ids, dtype=torch.long)
 

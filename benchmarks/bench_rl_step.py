@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     pre = None
     if not args.no_precompile:  # what RLConfig.precompile does inside the first rl_step, timed apart here
         mark = counter.count
-        pre = precompile_rl_step(learner, ref_params, exp.sample_fn, exp.scorer, exp.tokenizer, cfg.rl,
+        pre = precompile_rl_step(learner, ref_params, exp.engine, exp.scorer, exp.tokenizer, cfg.rl,
                                  jax.random.PRNGKey(1))
         pre["compilations"] = counter.count - mark
         print(f"[bench_rl_step] precompile: {pre}", flush=True)
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
         mark = counter.count
         qs = [exp.train_questions[int(i)] for i in order[step * q : (step + 1) * q]]
         t = time.perf_counter()
-        m, _ = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
+        m, _ = rl_step(learner, ref_params, exp.engine, exp.scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
                        jax.random.fold_in(rl_key, step), np.random.default_rng([cfg.seed, step]))
         wall = time.perf_counter() - t
         row = {"step": step, "wall_s": wall, "rollout_s": m["timing/rollout_s"], "scoring_s": m["timing/scoring_s"],

@@ -1,14 +1,13 @@
-"""Section 7: multi-turn rollout — the cached engine vs today's engine vs a transformers loop.
+"""Section 7: multi-turn rollout — the engine vs a transformers loop.
 
 The same episodes three ways, greedy, float32, the same host tools (BM25 over the pooled HotpotQA
 paragraphs): 64 trajectories (16 held-out HotpotQA dev questions x 4) of at most ``--turns`` turns
 on SmolLM2-135M-Instruct (text tags, its ChatML template and the short search prompt of
 ``configs/smollm2_hotpotqa.gin``), in ``full`` and k = 1 context mode:
 
-* (a) ``cached`` — ``RolloutConfig.engine = "cached"`` (``mempo_jax/agent/engine.py``): KV cache kept
-  across turns, stopped rows refilled, attention over live cache blocks;
-* (b) ``legacy`` — today's engine: every turn re-prefills every context (``Sampler`` per turn);
-* (c) ``transformers`` — ``generate(do_sample=False)`` once per turn on the whole left-padded
+* (a) ``cached`` — the rollout engine (``mempo_jax/agent/engine.py``): KV cache kept across turns,
+  stopped rows refilled, attention over live cache blocks;
+* (b) ``transformers`` — ``generate(do_sample=False)`` once per turn on the whole left-padded
   contexts with the closing action tags as ``stop_strings`` and the same ``apply_tools`` (the
   Search-R1-style agent loop), each row cut at its first stop as ours.
 
@@ -18,8 +17,8 @@ were useful (useful = every distinct token of the finished records — prompt, t
 1 when an engine computes a group's shared prompt once, as the cached engine does), and
 the share of trajectories identical to (b)'s. JAX compile seconds (backend compiles seen by the
 ``CompileCounter``) are reported and subtracted (``*_steady``); transformers compiles nothing.
-Then decode at batch 64 (prompt 128, 128 new tokens, no stops): the cached engine's slot decode,
-today's ``Sampler`` and ``generate``.
+Then decode at batch 64 (prompt 128, 128 new tokens, no stops): the engine's slot decode and
+``generate``.
 
 Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small]`` (``--small``: the toy world
 of ``tests/toy_agent.py`` and a 1-layer random model exported to transformers; seconds).
@@ -40,10 +39,10 @@ GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
 
 def setup_smollm2(checkpoint=None):
     """SmolLM2 on HotpotQA as ``configs/smollm2_hotpotqa.gin`` builds it: ``(fmt, tool_env,
-    held-out questions, model_cfg, graphdef, params, sample_fn, checkpoint folder)``."""
+    held-out questions, model_cfg, graphdef, params, engine, checkpoint folder)``."""
     from mempo_jax.config import load_config
     from mempo_jax.run.experiment import load_checkpoint_policy, load_questions, policy_format
-    from mempo_jax.run.experiment import make_sample_fn
+    from mempo_jax.run.experiment import make_engine
     from mempo_jax.model import smollm2
     from mempo_jax.tools.search import ToolEnvironment
 
@@ -59,7 +58,7 @@ def setup_smollm2(checkpoint=None):
     model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model)
     fmt = policy_format(cfg.model, tokenizer)
     return fmt, ToolEnvironment(backend, topk=cfg.topk), held, model_cfg, graphdef, params, \
-        make_sample_fn(graphdef, model_cfg, fmt), folder
+        make_engine(graphdef, model_cfg, fmt), folder
 
 
 def setup_small():
@@ -69,19 +68,12 @@ def setup_small():
     from toy_agent import toy_model, toy_world
 
     from mempo_jax.agent.format import AgentFormat
-    from mempo_jax.run.experiment import make_sampler
-    from mempo_jax.agent.sampler import SamplerConfig
+    from mempo_jax.run.experiment import make_engine
 
     tok, env, questions = toy_world()
     model_cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
     fmt = AgentFormat.plain(tok)
-    sampler = make_sampler(graphdef, model_cfg, fmt)
-
-    def sample_fn(p, ids, mask, key, n, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
-
-    sample_fn.sampler = sampler
-    return fmt, env, questions, model_cfg, graphdef, params, sample_fn, None
+    return fmt, env, questions, model_cfg, graphdef, params, make_engine(graphdef, model_cfg, fmt), None
 
 
 # ------------------------------------------------------------------------------- instrumentation
@@ -93,18 +85,6 @@ class Positions:
     def __init__(self):
         self.computed = 0
         self.device_s = {}  # seconds in each device program (blocked until ready), compiles included
-
-    def wrap_legacy(self, sample_fn):
-        def counted(p, ids, mask, key, n, temperature, top_p):
-            t0 = time.perf_counter()
-            out = sample_fn(p, ids, mask, key, n, temperature, top_p)
-            steps = int(max(1, int(jax_max(out.lengths))))
-            self.device_s["sample"] = self.device_s.get("sample", 0.0) + time.perf_counter() - t0
-            self.computed += ids.shape[0] * (ids.shape[1] + steps - 1)
-            return out
-
-        counted.sampler = sample_fn.sampler
-        return counted
 
     def patch_cached(self):
         """Count ``SlotSampler.extend`` (rows x length) and ``decode`` (steps run x slots)."""
@@ -136,12 +116,6 @@ class Positions:
 
         SlotSampler.extend, SlotSampler.decode = extend, decode
         return lambda: setattr(SlotSampler, "extend", ext) or setattr(SlotSampler, "decode", dec)
-
-
-def jax_max(x):
-    import numpy as np
-
-    return np.max(np.asarray(x))
 
 
 def useful_positions(trajs) -> int:
@@ -219,7 +193,7 @@ def main(argv=None) -> dict:
     p.add_argument("--questions", type=int, default=None, help="questions (default 16; x --group trajectories)")
     p.add_argument("--group", type=int, default=4, help="trajectories per question")
     p.add_argument("--modes", default="full,1", help="context modes")
-    p.add_argument("--engines", default="cached,legacy,transformers")
+    p.add_argument("--engines", default="cached,transformers")
     p.add_argument("--no_decode", action="store_true", help="skip the batch-64 decode table")
     p.add_argument("--decode_only", action="store_true", help="only the batch-64 decode table")
     p.add_argument("--decode_new", type=int, default=None, help="decode table: new tokens (default 128)")
@@ -238,7 +212,7 @@ def main(argv=None) -> dict:
 
     small = args.small
     counter = CompileCounter()
-    fmt, env, questions, model_cfg, graphdef, params, sample_fn, folder = setup_small() if small else setup_smollm2()
+    fmt, env, questions, model_cfg, graphdef, params, engine_obj, folder = setup_small() if small else setup_smollm2()
     n_q = args.questions or (4 if small else 16)
     questions = [questions[i % len(questions)] for i in range(n_q)]
     engines = args.engines.split(",")
@@ -275,14 +249,10 @@ def main(argv=None) -> dict:
             if engine == "transformers":
                 hf_rollout(hf, hf_tok, trajs, fmt, env, cfg, pos)
                 pos.device_s = {"generate": pos.generate_s}
-            elif engine == "legacy":
-                rollout(pos.wrap_legacy(sample_fn), params, trajs, fmt, env, dataclasses.replace(cfg, engine="legacy"),
-                        jax.random.PRNGKey(0))
             else:
                 restore = pos.patch_cached()
                 try:
-                    rollout(sample_fn, params, trajs, fmt, env, dataclasses.replace(cfg, engine="cached"),
-                            jax.random.PRNGKey(0))
+                    rollout(engine_obj, params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
                 finally:
                     restore()
             wall = time.perf_counter() - t0
@@ -301,18 +271,17 @@ def main(argv=None) -> dict:
             print(f"[bench_rollout] {mode} {engine}: {gen} tokens in {wall:.1f} s (compile {compile_s:.1f} s; {split}; "
                   f"host {row['host_s']:.1f} s) -> {row['tok_s_steady']:.1f} tok/s steady, useful "
                   f"{row['useful_fraction']:.2f}", flush=True)
-        ref = done.get("legacy")
+        ref = done.get("transformers")
         for row in rows:
             if row["mode"] == mode and ref is not None:
-                row["same_as_legacy"] = _same(done[row["engine"]], ref)
+                row["same_as_transformers"] = _same(done[row["engine"]], ref)
         by = {r["engine"]: r for r in rows if r["mode"] == mode}
-        for other in ("legacy", "transformers"):
-            if "cached" in by and other in by:
-                by["cached"][f"speedup_vs_{other}"] = by["cached"]["tok_s_steady"] / by[other]["tok_s_steady"]
+        if "cached" in by and "transformers" in by:
+            by["cached"]["speedup_vs_transformers"] = by["cached"]["tok_s_steady"] / by["transformers"]["tok_s_steady"]
     print(table("Multi-turn rollout, greedy (generated tokens/s with JAX compile time subtracted)",
-                ["mode", "engine", "tok/s", "traj/s", "useful", "same as legacy", "compile s", "turns"],
+                ["mode", "engine", "tok/s", "traj/s", "useful", "same as transformers", "compile s", "turns"],
                 [[r["mode"], r["engine"], r["tok_s_steady"], r["traj_s_steady"], r["useful_fraction"],
-                  r.get("same_as_legacy", "-"), r["compile_s"], r["turns_mean"]] for r in rows]))
+                  r.get("same_as_transformers", "-"), r["compile_s"], r["turns_mean"]] for r in rows]))
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
     results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode}
     tmp.cleanup()
@@ -322,31 +291,27 @@ def main(argv=None) -> dict:
 
 
 def rollout_summary(rows) -> dict:
-    """Target ratios per mode: cached / transformers (>= 3 in full mode) and cached / legacy (>= 2)."""
+    """Target ratio per mode: cached / transformers (>= 3 in full mode)."""
     out = {}
     for r in rows:
         if r["engine"] == "cached":
-            out[r["mode"]] = {k: r[k] for k in ("speedup_vs_legacy", "speedup_vs_transformers") if k in r}
-    full = out.get("full", {})
-    out["targets_full"] = {"vs_transformers_ge_3": full.get("speedup_vs_transformers", 0) >= 3,
-                           "vs_legacy_ge_2": full.get("speedup_vs_legacy", 0) >= 2}
+            out[r["mode"]] = {k: r[k] for k in ("speedup_vs_transformers",) if k in r}
+    out["targets_full"] = {"vs_transformers_ge_3": out.get("full", {}).get("speedup_vs_transformers", 0) >= 3}
     return out
 
 
 def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
     """Decode at batch 64: prompt 128 (small: 16), 128 new tokens (small: 8), no stops; tokens/s =
-    64 x new / wall of the whole call (prefill included): the cached engine's slot decode, today's
-    ``Sampler``, transformers ``generate``."""
+    64 x new / wall of the whole call (prefill included): the engine's slot decode, transformers
+    ``generate``."""
     import jax
     import numpy as np
 
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
     from mempo_jax.agent.slot_sampler import SlotSampler
 
     b, prompt, new = 64, args.decode_prompt or (16 if small else 128), args.decode_new or (8 if small else 128)
     ids = np.random.default_rng(0).integers(1, model_cfg.vocab_size, (b, prompt)).astype(np.int32)
     slots = SlotSampler(graphdef, model_cfg, (), 0)
-    legacy = Sampler(graphdef, model_cfg, (), 0)
     key = jax.random.PRNGKey(0)
     size = slots.cache_size(prompt + new)
     zeros = np.zeros((b,), np.int32)
@@ -359,11 +324,7 @@ def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
         st = slots.decode(params, st, new, key, 1.0, 1.0, True)
         got["cached"] = np.asarray(jax.block_until_ready(st.tokens))
 
-    def today():
-        out = legacy(params, ids, np.ones((b, prompt), bool), key, SamplerConfig(new, 0.0))
-        got["legacy"] = np.asarray(jax.block_until_ready(out.tokens))
-
-    fns = {"cached": cached, "legacy": today}
+    fns = {"cached": cached}
     if hf is not None:
         import torch
 
@@ -383,8 +344,6 @@ def decode_table(model_cfg, graphdef, params, hf, small, args) -> list:
     if hf is not None:
         row["cached_over_transformers"] = row["cached_tok_s"] / row["transformers_tok_s"]
         row["first_tokens_equal_transformers"] = float(np.mean(got["cached"][:, :8] == got["transformers"][:, :8]))
-    row["cached_over_legacy"] = row["cached_tok_s"] / row["legacy_tok_s"]
-    row["first_tokens_equal_legacy"] = float(np.mean(got["cached"][:, :8] == got["legacy"][:, :8]))
     print(table(f"Decode, batch {b}, prompt {prompt}, {new} new tokens (tokens/s = batch x new / wall)",
                 list(row), [list(row.values())]))
     return [row]

@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.rl.losses import LossConfig
     from mempo_jax.model.forward import make_logits_fn
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
 
     small = args.small
     n = args.dot or (256 if small else 2048)
@@ -84,13 +84,13 @@ def main(argv=None) -> dict:
     upd_s = median([timed(update) for _ in range(args.repeats)])
     upd_flops = xla_flops if xla_flops > 0 else analytic
 
-    sampler = Sampler(graphdef, cfg, stop_ids=(), pad_id=0)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=(), pad_id=0)
     b, prompt = (4, 16) if small else (16, 128)
     n1, n2 = (4, 12) if small else (16, 80)
     ids = rng.integers(1, cfg.vocab_size, (b, prompt)).astype(np.int32)
     mask = np.ones((b, prompt), bool)
     gen = {k: (lambda k=k: jax.block_until_ready(sampler(learner.params, ids, mask, jax.random.PRNGKey(0),
-                                                         SamplerConfig(k, 0.0)).tokens)) for k in (n1, n2)}
+                                                         k, 0.0).tokens)) for k in (n1, n2)}
     for f in gen.values():
         f()
     t1 = median([timed(gen[n1]) for _ in range(args.repeats)])

@@ -2,7 +2,7 @@
 
 The trained policy of ``--run_dir`` (default ``runs/tiny``, written by ``python -m mempo_jax.train
 --run_dir runs/tiny``) is loaded with ``checkpoint.load_policy`` and evaluated as the evaluate CLI
-does (``evaluate.make_sample_fn``, ``evaluation.evaluate_policy``, the run's own rollout options
+does (``evaluate.make_engine``, ``evaluation.evaluate_policy``, the run's own rollout options
 and top-k from its ``config.gin``) on the first ``--limit`` held-out questions of its world, greedy,
 in both context modes. TT = tokens processed per question (every turn's context + output,
 summed), PT = the largest single context + output (docs/algorithm.md §6). Target: k = 1 TT ≤ 35 % of
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.evaluate import run_rollout_options
-    from mempo_jax.run.experiment import make_sample_fn
+    from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     questions = world.heldout[:limit]
     env = ToolEnvironment(BM25Index(world.documents), topk=topk)
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir)
-    sample_fn = make_sample_fn(graphdef, model_cfg, AgentFormat.plain(tokenizer))
+    sample_fn = make_engine(graphdef, model_cfg, AgentFormat.plain(tokenizer))
     key = jax.random.PRNGKey(cfg.seed)
     results = {}
     for mode in (1, FULL):

@@ -281,7 +281,7 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.evaluate import run_model_options
-    from mempo_jax.run.experiment import make_sample_fn
+    from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.experiment import policy_format
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
@@ -295,5 +295,5 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
                                                          else "checkpoints")
     fmt = policy_format(run_model_options(run_dir), tokenizer)
     env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
-    return (cfg, world, make_sample_fn(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout,
+    return (cfg, world, make_engine(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout,
             f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")

@@ -397,6 +397,9 @@ MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows
                 "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
                 "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
                 "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows"}
+# Bindings of fields that were removed, with why (a recipe that binds one gets a one-line error saying so).
+REMOVED_FIELDS = {"RolloutConfig.engine": "the cached engine (KV cache kept across turns) is the only rollout engine, on "
+                                          "every mesh and process count"}
 _registered = False
 _gin_search_dirs: set[str] = set()  # folders already given to gin.add_config_file_search_path
 
@@ -510,15 +513,20 @@ def _missing_gin_file(gin_files: Sequence[str]) -> str:
 
 
 def _check_moved(gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
-    """Refuse a binding of a field in ``MOVED_FIELDS``.
+    """Refuse a binding of a field in ``MOVED_FIELDS`` or ``REMOVED_FIELDS``.
 
     Raises:
-      ValueError: ``config error: X moved to Y ... (FILE:LINE: binding)`` (or ``(--gin_param B)``).
+      ValueError: ``config error: X moved to Y ... (FILE:LINE: binding)`` (or ``(--gin_param B)``),
+        or ``config error: X was removed (why); delete the binding (…)``.
     """
     for old, new in MOVED_FIELDS.items():
         where = _binding_source(old, gin_files, gin_params)
         if where:
             raise ValueError(f"config error: {old} moved to {new}; bind {new} instead{where}")
+    for old, why in REMOVED_FIELDS.items():
+        where = _binding_source(old, gin_files, gin_params)
+        if where:
+            raise ValueError(f"config error: {old} was removed ({why}); delete the binding{where}")
 
 
 def _syntax_error(text: str) -> str:
@@ -620,15 +628,16 @@ def operative_config() -> str:
 
 def load_run_folder_config(path: str | pathlib.Path) -> ExperimentConfig:
     """``load_config`` of a run folder's ``config.gin`` (the operative config a run wrote), also of
-    one written before a field moved: bindings of ``MOVED_FIELDS`` (execution sizes, which do not
-    change what a policy is) are left out instead of refused.
+    one written before a field moved or was removed: bindings of ``MOVED_FIELDS`` (execution
+    sizes, which do not change what a policy is) and ``REMOVED_FIELDS`` are left out instead of
+    refused.
 
     Raises:
       ValueError: as ``load_config``.
     """
     import tempfile
 
-    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in MOVED_FIELDS)})\s*=")
+    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in (*MOVED_FIELDS, *REMOVED_FIELDS))})\s*=")
     text = pathlib.Path(path).read_text(encoding="utf-8")
     kept = "".join(line for line in text.splitlines(keepends=True) if not moved.match(line))
     with tempfile.TemporaryDirectory() as tmp:

@@ -466,7 +466,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
                 bar.update(done + n - bar.n)
 
             # the same key in every mode: at temperature 0 the modes differ only by their context
-            res = evaluate_policy(policy.sample_fn, policy.params, qs, policy.fmt, env, rollout, mode,
+            res = evaluate_policy(policy.engine, policy.params, qs, policy.fmt, env, rollout, mode,
                                   args.temperature, jax.random.fold_in(key, d), chunk=args.batch_size,
                                   progress=progress)
             m = dict(res.metrics)

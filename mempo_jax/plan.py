@@ -152,8 +152,8 @@ def step_shapes(cfg, plan_cfg) -> dict:
     """Row and length sizes of one step, as the rollout, ``build_training_rows`` and the scorer
     bucket them (powers of two), worst case over the step.
 
-    With ``RolloutConfig.engine = "cached"`` the sampling rows are the slots (``engine.num_slots``),
-    the cache ``slot_cache_size(max_context_tokens)`` long, and a prefill call at most one
+    The sampling rows are the slots (``engine.num_slots``), the cache
+    ``slot_cache_size(max_context_tokens)`` long, and a prefill call at most one
     ``prefill_chunk``-token row per slot (P = ``prefill_chunk``).
 
     Returns a dict with ``rollout_rows``, ``prompt_len`` (P), ``cache_len`` (S = P + N),
@@ -165,8 +165,6 @@ def step_shapes(cfg, plan_cfg) -> dict:
 
     ro = cfg.rl.rollout
     traj = cfg.rl.questions_per_step * cfg.rl.group_size
-    rows = bucket_length(traj, ro.min_rows_bucket)
-    prompt = bucket_length(max(ro.max_context_tokens - ro.max_new_tokens, 1), 128)
     turn = ro.max_new_tokens + ro.max_observation_tokens + 2  # output + <information> … </information>
     full_len = plan_cfg.max_prompt_tokens + ro.max_turns * turn
     train_len = bucket_length(full_len if ro.context_steps == FULL else ro.max_context_tokens)
@@ -175,13 +173,12 @@ def step_shapes(cfg, plan_cfg) -> dict:
     all_rows = bucket_length(2 * mem_turns, 8)
     ex = cfg.execution
     scoring_rows = min(all_rows, ex.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
-    cache_len = prompt + ro.max_new_tokens
-    if ro.engine == "cached":  # the slot cache: one slot per trajectory, prefill rows of prefill_chunk
-        from mempo_jax.agent.engine import num_slots
-        from mempo_jax.agent.slot_sampler import slot_cache_size
+    # the slot cache: one slot per trajectory, prefill rows of prefill_chunk
+    from mempo_jax.agent.engine import num_slots
+    from mempo_jax.agent.slot_sampler import slot_cache_size
 
-        rows, cache_len = num_slots(ro, traj), slot_cache_size(ro.max_context_tokens)
-        prompt = min(ro.prefill_chunk, cache_len)
+    rows, cache_len = num_slots(ro, traj), slot_cache_size(ro.max_context_tokens)
+    prompt = min(ro.prefill_chunk, cache_len)
     return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": cache_len,
             "train_len": train_len, "micro_batch_rows": ex.micro_batch_rows,
             "logprob_rows": ex.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
@@ -341,6 +338,61 @@ def plan_dict(plan: MemoryPlan) -> dict:
     return d
 
 
+# ---------------------------------------------------------------- rollout: per-host mesh and weight sync
+
+
+def chips_per_host(tpu) -> int:
+    """Chips (JAX devices) of one TPU VM host: a slice of at most 8 chips is one host (v5e / v6e),
+    larger slices and every v5p slice have 4 chips per host (Cloud TPU "System architecture")."""
+    n = tpu.num_devices
+    return n if n <= 8 and tpu.chip.name != "v5p" else min(4, n)
+
+
+def rollout_plan(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
+    """Each host's rollout (``core.rollout_mesh``): its mesh, slots, per-device bytes and weight sync.
+
+    Every host rolls out ``questions_per_step / hosts`` questions on a ``(data, 1, tensor)`` mesh of
+    its own chips (``MeshConfig.rollout_tensor``, 0: the most chips dividing the heads), holding
+    the whole model over ``tensor`` chips and its slots' KV cache over all of them; once per step
+    the weights are all-gathered from the training layout (every chip receives the whole model).
+
+    Returns:
+      ``{"hosts", "chips_per_host", "mesh": {data, fsdp, tensor}, "slots", "cache_len",
+      "params_bytes", "cache_bytes", "sync_bytes", "per_device_bytes", "fits"}`` (bytes per chip
+      except ``sync_bytes``, the parameter bytes each chip receives in the weight sync).
+    """
+    from mempo_jax.agent.engine import num_slots
+    from mempo_jax.agent.slot_sampler import slot_cache_size
+
+    model_cfg = model_config(cfg)
+    host = chips_per_host(tpu)
+    hosts = max(tpu.num_devices // host, 1)
+    heads, kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    tensor = mesh_cfg.rollout_tensor or max(t for t in range(1, host + 1) if host % t == 0 and heads % t == 0 and kv % t == 0)
+    questions = -(-cfg.rl.questions_per_step // hosts)
+    ro = cfg.rl.rollout
+    slots, size = num_slots(ro, questions * cfg.rl.group_size), slot_cache_size(ro.max_context_tokens)
+    p_bytes = model_cfg.num_params() * model_cfg.weight_dtype.itemsize
+    c_bytes = 2 * model_cfg.num_layers * slots * kv * size * model_cfg.head_dim * model_cfg.activation_dtype.itemsize
+    per_device = p_bytes // tensor + c_bytes // host
+    return {"hosts": hosts, "chips_per_host": host, "mesh": {"data": host // tensor, "fsdp": 1, "tensor": tensor},
+            "slots": slots, "cache_len": size, "params_bytes": p_bytes // tensor, "cache_bytes": c_bytes // host,
+            "sync_bytes": p_bytes, "per_device_bytes": per_device,
+            "fits": per_device <= tpu.hbm_bytes * plan_cfg.hbm_fraction}
+
+
+def format_rollout_plan(r: dict) -> str:
+    """``rollout_plan`` as the lines the command prints."""
+    m = r["mesh"]
+    return "\n".join([
+        f"  rollout  per host ({r['hosts']} hosts x {r['chips_per_host']} chips): mesh data={m['data']} fsdp=1 "
+        f"tensor={m['tensor']} (MeshConfig.rollout_tensor), {r['slots']} slots x {r['cache_len']} positions",
+        f"    parameters {_gib(r['params_bytes'])} + KV cache {_gib(r['cache_bytes'])} = {_gib(r['per_device_bytes'])} "
+        f"per chip: {'fits' if r['fits'] else 'DOES NOT FIT (bind a larger MeshConfig.rollout_tensor)'}",
+        f"    weight sync once per step: all-gather of {_gib(r['sync_bytes'])} into each chip",
+    ])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI: print the plan; exit 0 when it fits, 1 when it does not, 2 on a config error."""
     from mempo_jax.recipes import gin_file_help
@@ -358,11 +410,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = config_lib.load_config(args.gin_file, args.gin_param)
         pod = mesh_config.from_gin()
         plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+        rollout = rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     except (ValueError, TypeError, KeyError) as e:
         msg = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()
         print(f"error: {msg.splitlines()[0] if msg else repr(e)}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_dict(plan), indent=1) if args.json else format_plan(plan, ", ".join(args.gin_file)))
+    if args.json:
+        print(json.dumps({**plan_dict(plan), "rollout": rollout}, indent=1))
+    else:
+        print(format_plan(plan, ", ".join(args.gin_file)) + "\n" + format_rollout_plan(rollout))
     if not plan.fits:
         print(f"error: the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
               f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "

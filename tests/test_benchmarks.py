@@ -25,28 +25,31 @@ from mempo_jax.agent.format import AgentFormat
 COUNTER = CompileCounter()  # one listener per process (listeners cannot be removed)
 
 
-def _rl_setup(precompile=True):
+def _rl_setup(monkeypatch, precompile=True):
     from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.agent.rollout import RolloutConfig
     from mempo_jax.rl.step import RLConfig
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
     tok, env, questions = toy_world()
     cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
     stop = [tok.eos_id] + [tok.piece_id(t) for t in STOP_TAGS]
-    sampler = Sampler(graphdef, cfg, stop, tok.pad_id)
+    engine = RolloutEngine(graphdef, cfg, stop, tok.pad_id)
+    from mempo_jax.agent import engine as engine_module
 
     mem_open, mem_close = tok.piece_id("<mem>"), tok.piece_id("</mem>")
+    make_turn, rng = engine_module.make_turn, np.random.default_rng(0)
 
-    def sample_fn(p, ids, mask, key, n, temperature, top_p):
-        out = sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
+    def with_mem(fmt, ids, logps, stopped):
         # most turns open with a <mem> span (a random toy model rarely closes one), so the number of
         # memory turns M varies from step to step, as in training
-        tokens, lengths = np.array(out.tokens), np.array(out.lengths)
-        rows = np.asarray(jax.random.bernoulli(key, 0.8, (tokens.shape[0],)))
-        tokens[rows, :3] = [mem_open, 5, mem_close]
-        return out._replace(tokens=tokens, lengths=np.where(rows, np.maximum(lengths, 3), lengths))
+        ids, logps = np.array(ids), np.array(logps)
+        if rng.random() < 0.8:
+            ids, logps = np.concatenate([[mem_open, 5, mem_close], ids[3:]]).astype(ids.dtype), np.resize(logps, max(len(ids), 3))
+        return make_turn(fmt, ids, logps, stopped)
+
+    monkeypatch.setattr(engine_module, "make_turn", with_mem)
 
     rl = RLConfig(questions_per_step=2, group_size=2, num_mini_batches=2, precompile=precompile,
                   rollout=RolloutConfig(max_turns=2, max_new_tokens=10, max_context_tokens=128,
@@ -56,13 +59,13 @@ def _rl_setup(precompile=True):
     learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       temperature=1.0, micro_batch_rows=4)
     ref = jax.tree.map(lambda x: x.copy(), learner.params)
-    return tok, env, questions, rl, sample_fn, scorer, learner, ref
+    return tok, env, questions, rl, engine, scorer, learner, ref
 
 
-def test_rl_steps_compile_nothing_after_precompile():
+def test_rl_steps_compile_nothing_after_precompile(monkeypatch):
     from mempo_jax.rl.step import rl_step
 
-    tok, env, questions, rl, sample_fn, scorer, learner, ref = _rl_setup()
+    tok, env, questions, rl, sample_fn, scorer, learner, ref = _rl_setup(monkeypatch)
     per_step, mem_turns = [], []
     for step in range(4):
         mark = COUNTER.count

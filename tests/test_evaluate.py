@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from reference_rollout import ReferenceEngine
+
 from mempo_jax import evaluate as ev
 from mempo_jax.run import experiment
 from mempo_jax.run.checkpoint import Checkpointer, save_run_artifacts
@@ -131,7 +133,7 @@ class ScriptedPolicy:
         return self.turns[2 if "Madison president" in text else 1 if "Citibank founded" in text else 0]
 
     def __call__(self, params, ids, mask, key, max_new_tokens, temperature, top_p):
-        from mempo_jax.agent.sampler import SampleOutput
+        from mempo_jax.agent.slot_sampler import SampleOutput
 
         rows = [self._next(row) for row in np.asarray(ids).tolist()]
         n = max_new_tokens
@@ -153,7 +155,7 @@ def test_scripted_policy_scores_through_the_cli(run_dir, shared_data, tmp_path, 
     """Search, search, answer: Bamboogle idx 1's gold is "james madison", idx 2–4's are not, so
     EM = F1 = 1/4 in both modes, 3 turns and 2 tool calls per episode, no format failure. The
     answer turn's k = 1 context drops the first search and its result, so k1 has fewer tokens."""
-    monkeypatch.setattr(experiment, "make_sample_fn", lambda graphdef, cfg, fmt, **_: ScriptedPolicy(fmt.tokenizer))
+    monkeypatch.setattr(experiment, "make_engine", lambda graphdef, cfg, fmt, **_: ReferenceEngine(ScriptedPolicy(fmt.tokenizer)))
     out = tmp_path / "out"
     results = _scripted_eval(run_dir, shared_data, out, ["--corpus", str(shared_data / CORPUS)])["bamboogle"]
     for mode in ("k1", "full"):
@@ -180,7 +182,7 @@ def test_retriever_url_gives_the_local_corpus_results(run_dir, shared_data, tmp_
     from mempo_jax.tools.corpus import load_corpus
     from mempo_jax.tools.retrieval_server import create_app
 
-    monkeypatch.setattr(experiment, "make_sample_fn", lambda graphdef, cfg, fmt, **_: ScriptedPolicy(fmt.tokenizer))
+    monkeypatch.setattr(experiment, "make_engine", lambda graphdef, cfg, fmt, **_: ReferenceEngine(ScriptedPolicy(fmt.tokenizer)))
     local = _scripted_eval(run_dir, shared_data, tmp_path / "local", ["--corpus", str(shared_data / CORPUS)])
     app = create_app(BM25Index(load_corpus(shared_data / CORPUS)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -20,7 +20,7 @@ from mempo_jax.rl.losses import LossConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import make_logits_fn
-from mempo_jax.agent.sampler import _compiled_generate
+from mempo_jax.agent.slot_sampler import SlotSampler
 from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
 from mempo_jax.model.placement import cache_shardings, init_sharded_params
 from mempo_jax.core.sharding import logical_to_sharding, make_mesh
@@ -94,11 +94,13 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
                        ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
     xla = {"update": _temp(learner._ppo_step.lower(learner.params, learner.opt_state, b, 1, LossConfig()).compile()),
            "logprobs": _temp(learner._logprobs.lower(learner.params, b["input_ids"], b["valid"]).compile())}
-    rows, prompt, n = s["rollout_rows"], s["prompt_len"], s["cache_len"] - s["prompt_len"]
-    gen = _compiled_generate(graphdef, model_cfg, (2,), 0, mesh, tuple(pod.mesh.rules), (rows, prompt, n, False, False))
-    ids = jax.device_put(np.zeros((rows, prompt), np.int32), rows_sh((rows, prompt)))
-    xla["sampling"] = _temp(gen.lower(learner.params, ids, ids > 0, jax.random.PRNGKey(0), jnp.float32(1),
-                                      jnp.float32(1)).compile())
+    rows, prompt = s["rollout_rows"], s["prompt_len"]
+    slots = SlotSampler(graphdef, model_cfg, (2,), 0, mesh=mesh, rules=tuple(pod.mesh.rules))
+    state = slots.init_state(rows, s["cache_len"], 8)
+    r = np.arange(rows, dtype=np.int32)  # the prefill: one prefill_chunk-token row per slot
+    xla["sampling"] = _temp(slots._program("extend", state).lower(
+        learner.params, state, r, np.zeros((rows, prompt), np.int32), r * 0 + prompt, r * 0, r >= 0, r * 0, r,
+        jax.random.PRNGKey(0), jnp.float32(1), jnp.float32(1), greedy=False, use_top_p=False).compile())
     scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, [1], batch_sharding=rows_sh(None),
                                 param_shardings=learner.param_shardings)
     z = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"]), np.int32), rows_sh(None))
@@ -165,20 +167,17 @@ def test_slice_and_mesh_arithmetic():
         PlanConfig(hbm_fraction=1.5)
 
 
-def test_cached_engine_plans_the_slot_cache(small, real):
-    """``RolloutConfig.engine = "cached"``: the KV cache line is the SlotSampler's cache on the mesh
-    (one slot per trajectory, max_context_tokens long), prefill transients at ``prefill_chunk``."""
-    from mempo_jax.agent.slot_sampler import SlotSampler
-
-    cfg, pod, legacy = small
+def test_engine_plans_the_slot_cache(small, real):
+    """The KV cache line is the SlotSampler's cache on the mesh (one slot per trajectory,
+    max_context_tokens long), prefill transients at ``prefill_chunk``."""
+    cfg, pod, default = small
     mesh, model_cfg, graphdef, _ = real
-    cached_cfg = config_lib.load_config([], SMALL + ['RolloutConfig.engine = "cached"', "RolloutConfig.num_slots = 32",
-                                                     "RolloutConfig.prefill_chunk = 128"])
+    cached_cfg = config_lib.load_config([], SMALL + ["RolloutConfig.num_slots = 32", "RolloutConfig.prefill_chunk = 128"])
     p = plan.build_plan(cached_cfg, pod.mesh, pod.tpu, pod.plan)
     state = SlotSampler(graphdef, model_cfg, (), 0, mesh=mesh).init_state(32, 512, 64)
     assert p.kv_cache == _device_bytes(state.cache)
     assert (p.shapes["rollout_rows"], p.shapes["cache_len"], p.shapes["prompt_len"]) == (32, 512, 128)
-    assert p.kv_cache < legacy.kv_cache  # 32 slots x 512 against 64 rows x 576
+    assert p.kv_cache < default.kv_cache  # 32 slots x 512 against 64 x 512
 
 
 def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_dir, capsys):

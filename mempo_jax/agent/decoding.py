@@ -1,4 +1,4 @@
-"""Token-choice primitives shared by the samplers (``agent/sampler.py``, ``agent/slot_sampler.py``):
+"""Token-choice primitives of the sampler (``agent/slot_sampler.py``):
 the top-p nucleus filter and the stop-id test, both traced inside the jitted decode loops."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from mempo_jax.core.batching import bucket_length
-from mempo_jax.agent.slot_sampler import SlotSampler
+from mempo_jax.agent.slot_sampler import DEFAULT_BLOCK, SampleOutput, SlotSampler
 from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
 MIN_EXTEND_ROWS = 8  # smallest row bucket of a prefill call
@@ -254,4 +254,49 @@ def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: j
     return len(shapes) + len(copies) + len(decodes) + 1
 
 
-__all__ = ["decode_rows", "extend_shapes", "num_slots", "rollout_cached", "warm_engine"]
+class RolloutEngine:
+    """The policy's rollout engine: a ``SlotSampler`` (device half) driven by ``rollout_cached``
+    (host half). What ``rollout.rollout`` runs and what the trainer, the evaluation command and the
+    benchmarks build (``experiment.make_engine``).
+
+    Args:
+      graphdef, model_cfg: the policy model (``split_model``).
+      stop_ids: ids that end a turn (EOS, end-of-turn ids, single-token closing tags).
+      pad_id: written after a turn's end.
+      stop_automaton: optional ``StopAutomaton`` (closing tags written as several tokens).
+      mesh, rules: the rollout mesh (this process's devices, ``core.rollout_mesh``) and rules;
+        ``None``: one device, ``DEFAULT_RULES``.
+      block: key-block length of the cache attention (tokens).
+    """
+
+    def __init__(self, graphdef, model_cfg, stop_ids: Sequence[int], pad_id: int, *, stop_automaton=None,
+                 mesh=None, rules=None, block: int = DEFAULT_BLOCK):
+        self.sampler = SlotSampler(graphdef, model_cfg, stop_ids, pad_id, stop_automaton=stop_automaton, block=block,
+                                   mesh=mesh, rules=rules)
+
+    @property
+    def mesh(self):
+        """The rollout mesh."""
+        return self.sampler.mesh
+
+    def place(self, params):
+        """``SlotSampler.place``: the parameters on the rollout mesh (the weight sync)."""
+        return self.sampler.place(params)
+
+    def rollout(self, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
+                progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
+        """``rollout_cached`` on this engine's sampler."""
+        return rollout_cached(self.sampler, params, trajs, fmt, tool_env, cfg, key, progress, traj_offset)
+
+    def warm(self, params, cfg, num_trajectories: int, key: jax.Array) -> int:
+        """``warm_engine`` on this engine's sampler."""
+        return warm_engine(self.sampler, params, cfg, num_trajectories, key)
+
+    def __call__(self, params, prompt_ids, prompt_mask, key, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0) -> SampleOutput:
+        """One turn of every prompt row (``SlotSampler.generate`` with the parameters placed first)."""
+        return self.sampler.generate(self.place(params), prompt_ids, prompt_mask, key, max_new_tokens,
+                                     float(temperature), float(top_p))
+
+
+__all__ = ["RolloutEngine", "decode_rows", "extend_shapes", "num_slots", "rollout_cached", "warm_engine"]

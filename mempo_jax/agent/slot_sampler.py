@@ -18,11 +18,12 @@ cache is updated in place, never copied):
 
 The forward pass is the ``Decoder``'s own with a cache; its attention reads the live cache blocks
 only (``mempo_jax.model.attention.blocked_attention`` with ``kv_bound``).
-Sampling is ``mempo_jax.agent.sampler``'s: ``log softmax(logits / temperature)`` log-probs, top-p,
-argmax when greedy. The PRNG key of step j of turn u of trajectory i is
-``fold_in(fold_in(fold_in(key, u), j), i)`` — a pure function of (key, trajectory, turn, step),
-whatever slot or batch it runs in (``Sampler``'s per-row key with the row index replaced by the
-trajectory's, so turn 0 draws the same keys as ``Sampler`` on the rows in trajectory order).
+Sampling (``agent.decoding``): ``log softmax(logits / temperature)`` log-probs — what the trainer
+computes for the same ids at the same temperature (docs/algorithm.md) — top-p, argmax when greedy.
+The PRNG key of step j of turn u of trajectory i is ``fold_in(fold_in(fold_in(key, u), j), i)`` — a
+pure function of (key, trajectory, turn, step), whatever slot, batch, device or process it runs in
+(the rollout numbers a process's trajectories globally, ``rollout.rollout``'s ``traj_offset``).
+``generate`` is a one-shot turn of every prompt row (row b = trajectory b, turn 0).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class SlotSampler:
           first: ``[R]`` bool, True on a row's last chunk: its turn starts (token 0 sampled).
           turn, traj: ``[R]`` int32 turn and trajectory index (PRNG keys).
           key: PRNG key of the rollout.
-          temperature, top_p, greedy: as ``SamplerConfig`` (temperature is 1 when greedy).
+          temperature, top_p, greedy: sampling temperature (1 when greedy), nucleus mass, argmax.
 
         Returns:
           The new ``SlotState``.
@@ -249,8 +250,15 @@ class SlotSampler:
           ``SampleOutput`` of ``[B, N]`` / ``[B]`` numpy arrays.
 
         Raises:
-          ValueError: for a row without a real token or shapes that differ.
+          ValueError: for a row without a real token, shapes that differ, or an option out of range
+            (named).
         """
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         ids, mask = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, bool)
         if ids.ndim != 2 or ids.shape != mask.shape:
             raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must be equal [B, P]")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -187,17 +187,17 @@ def scoring_length_bound(cfg: RLConfig, allowance: int = 128) -> int:
     return max(ro.max_context_tokens, history + allowance)
 
 
-def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: RLConfig, key: jax.Array) -> dict:
+def precompile_rl_step(learner, ref_params, engine, scorer, tokenizer, cfg: RLConfig, key: jax.Array) -> dict:
     """Build every program an RL step of ``cfg`` can run, so that steps compile nothing.
 
-    The shapes are functions of the config only: sampling ``rollout.sampler_shapes`` (run once
-    with dummy prompts, on each process's rollout mesh), scoring ``[scorer.rows_per_call, L]`` for ``L`` in
+    The shapes are functions of the config only: the rollout engine's programs (``engine.warm``,
+    dummy tokens, on each process's rollout mesh), scoring ``[scorer.rows_per_call, L]`` for ``L`` in
     ``scorer.length_buckets(scoring_length_bound(cfg))``, and the reference log-probs and the PPO
     update at every ``training_length_buckets(cfg)`` with the ``ppo_plan`` of
     ``training_row_bound(cfg)`` rows (compiled ahead of time, nothing runs).
 
     Args:
-      learner, ref_params, sample_fn, scorer, tokenizer, cfg: as for ``rl_step``.
+      learner, ref_params, engine, scorer, tokenizer, cfg: as for ``rl_step``.
       key: PRNG key for the dummy sampling calls.
 
     Returns:
@@ -208,13 +208,12 @@ def precompile_rl_step(learner, ref_params, sample_fn, scorer, tokenizer, cfg: R
     from mempo_jax.agent.rollout import warm_sampler
     from mempo_jax.rl.learner import ppo_plan
 
-    t0 = time.perf_counter()
     from mempo_jax.core.distributed import process_slice
 
+    t0 = time.perf_counter()
     n_traj = cfg.questions_per_step * cfg.group_size
     mine = process_slice(cfg.questions_per_step)  # this process's questions (its rollout's slots)
-    out = {"sampler": warm_sampler(sample_fn, learner.params, tokenizer.pad_id, cfg.rollout,
-                                   (mine.stop - mine.start) * cfg.group_size, key)}
+    out = {"sampler": warm_sampler(engine, learner.params, cfg.rollout, (mine.stop - mine.start) * cfg.group_size, key)}
     scorer = getattr(scorer, "scorer", scorer)  # a lockstep DistributedScorer wraps the scorer
     out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
@@ -485,15 +484,15 @@ def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
 
-def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cfg: RLConfig,
-            key: jax.Array, rng: np.random.Generator, traj_offset: int = 0) -> tuple[dict[str, float], list[Trajectory]]:
+def rl_step(learner, ref_params, engine, scorer, questions, fmt, tool_env, cfg: RLConfig, key: jax.Array,
+            rng: np.random.Generator, traj_offset: int = 0,
+            progress: Optional[Callable[[int, int], None]] = None) -> tuple[dict[str, float], list[Trajectory]]:
     """Run one MemPO step on ``questions`` and update ``learner`` in place.
 
     Args:
       learner: a ``Learner`` (policy params + optimizer).
       ref_params: frozen reference-policy parameters.
-      sample_fn: the sampler adapter (see ``rollout.rollout``); its optional ``.progress``
-        attribute is the rollout's ``progress`` callback (the trainer's fault hooks).
+      engine: the rollout engine (``rollout.rollout``).
       scorer: a ``MemoryRewardScorer``.
       questions: items with ``id``, ``question``, ``golds``.
       fmt, tool_env: the agent format (``AgentFormat``: tokenizer, tags, prompt) and host tools.
@@ -501,6 +500,7 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
       key: PRNG key of this step.
       rng: numpy generator (mini-batch shuffles).
       traj_offset: global index of this process's first trajectory (``rollout.rollout``).
+      progress: the rollout's ``progress`` callback (the trainer's fault hooks).
 
     Returns:
       ``(metrics, trajectories)``; metric names follow verl where one exists
@@ -509,17 +509,16 @@ def rl_step(learner, ref_params, sample_fn, scorer, questions, fmt, tool_env, cf
     """
     timings = {}
     if cfg.precompile and getattr(learner, "_rl_precompiled", None) != cfg:
-        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, sample_fn, scorer, fmt.tokenizer, cfg,
+        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, engine, scorer, fmt.tokenizer, cfg,
                                                             key)["seconds"]
         learner._rl_precompiled = cfg
     t_sync = time.perf_counter()
-    params = jax.block_until_ready(place_params(sample_fn, learner.params))
+    params = jax.block_until_ready(place_params(engine, learner.params))
     timings["timing/weight_sync_s"] = time.perf_counter() - t_sync
     t0 = time.perf_counter()
     tokenizer = fmt.tokenizer
     trajs = new_trajectories(fmt, questions, cfg.group_size)
-    rollout(sample_fn, params, trajs, fmt, tool_env, cfg.rollout, key, getattr(sample_fn, "progress", None),
-            traj_offset)
+    rollout(engine, params, trajs, fmt, tool_env, cfg.rollout, key, progress, traj_offset)
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -159,7 +159,7 @@ class RunContext:
     Attributes:
       run_dir, cfg, run_cfg: the run folder, the ``ExperimentConfig`` and the whole ``RunConfig``.
       mesh, rules: the device mesh (always one) and its logical-axis rules.
-      exp: the ``Experiment``; ``sample_fn``: its rollout sampler (host-local); ``sync``, ``scorer``:
+      exp: the ``Experiment``; ``engine``: its rollout engine (host-local); ``sync``, ``scorer``:
         the lockstep header exchange and scorer.
       logs: ``RunLogs`` (process 0) or ``NoLogs``.
       sft_ckpt, rl_ckpt: the two ``Checkpointer``s.
@@ -177,7 +177,7 @@ class RunContext:
     rules: Any
     exp: Any
     sync: Any
-    sample_fn: Any
+    engine: Any
     scorer: Any
     sft_ckpt: Checkpointer
     rl_ckpt: Checkpointer
@@ -323,9 +323,8 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
                                scoring_chunk_rows=cfg.execution.scoring_chunk_rows or None)
     # Rollout runs per process on its share (host-local mesh); scoring and the update on the global batch.
     sync, scorer = lockstep.distribute(exp.scorer)
-    sample_fn = exp.sample_fn
     key = jax.random.PRNGKey(cfg.seed)
-    ctx = RunContext(run_dir, cfg, run_cfg, mesh, rules, exp, sync, sample_fn, scorer, sft_ckpt, rl_ckpt, pre,
+    ctx = RunContext(run_dir, cfg, run_cfg, mesh, rules, exp, sync, exp.engine, scorer, sft_ckpt, rl_ckpt, pre,
                      interruptible, hooks, t_start, jax.random.fold_in(key, RL_STREAM),
                      jax.random.fold_in(key, EVAL_STREAM), make_optimizer(cfg.sft.optim), make_optimizer(cfg.optim))
     ctx.point, (ctx.sft_state, ctx.rl_state) = restore_newest(

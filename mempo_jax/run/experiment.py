@@ -21,7 +21,7 @@ from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import make_logits_fn
-from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.rl.memory_reward import MemoryRewardScorer
 from mempo_jax.text.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
@@ -43,7 +43,7 @@ class Experiment:
     model_cfg: ModelConfig
     graphdef: Any
     params: Any
-    sample_fn: Any
+    engine: Any
     logits_fn: Any
     scorer: MemoryRewardScorer
     mesh: Any = None
@@ -298,38 +298,23 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
 
 
-def make_sampler(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
-    """The policy's ``Sampler``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids and, in
-    tokens mode, the closing action tags) and, in text mode, at the first closing action tag of
-    each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding rows).
+def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None) -> RolloutEngine:
+    """The policy's ``RolloutEngine``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids
+    and, in tokens mode, the closing action tags) and, in text mode, at the first closing action
+    tag of each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding
+    rows). The one engine of the package (the trainer, the evaluation command and the benchmarks
+    build it here).
 
     Args:
       graphdef, model_cfg: the policy model.
       fmt: its ``AgentFormat``.
-      mesh, rules: as ``Sampler`` (default: ``sharding.local_mesh()``, ``DEFAULT_RULES``).
+      mesh, rules: the rollout mesh (default ``sharding.local_mesh()``) and ``DEFAULT_RULES``.
     """
     from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 
-    return Sampler(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
-                   stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
-                   rules=rules or DEFAULT_RULES)
-
-
-def make_sample_fn(graphdef, model_cfg, fmt, *, mesh=None, rules=None):
-    """The rollout's ``sample_fn`` ``(params, ids [B, P] int32, mask [B, P] bool, key, max_new_tokens,
-    temperature, top_p) -> SampleOutput`` over ``make_sampler``'s jitted KV-cache sampler: the one
-    adapter of the package (the trainer, the evaluation command and the benchmarks use it).
-
-    Args:
-      graphdef, model_cfg, fmt, mesh, rules: as ``make_sampler``.
-    """
-    sampler = make_sampler(graphdef, model_cfg, fmt, mesh=mesh, rules=rules)
-
-    def sample_fn(p, ids, mask, key, max_new_tokens, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(max_new_tokens), float(temperature), float(top_p)))
-
-    sample_fn.sampler = sampler  # the cached rollout engine (RolloutConfig.engine = "cached") reads it
-    return sample_fn
+    return RolloutEngine(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
+                         stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
+                         rules=rules or DEFAULT_RULES)
 
 
 def _train_tokenizer(texts, cache_dir, vocab_size: int):
@@ -351,7 +336,7 @@ class Policy:
     Attributes:
       model_cfg, graphdef, params: the model (``params`` placed by ``sharding.param_shardings``).
       tokenizer, fmt: its tokenizer and ``AgentFormat``.
-      sample_fn: ``make_sample_fn`` of it (the rollout's sampler adapter).
+      engine: ``make_engine`` of it on this process's rollout mesh.
       logits_fn: ``(params, ids [B, L] int32, valid [B, L] bool) -> logits [B, L, V] float32``.
       mesh, rules: where it lives.
     """
@@ -361,7 +346,7 @@ class Policy:
     params: Any
     tokenizer: Any
     fmt: Any
-    sample_fn: Any
+    engine: Any
     logits_fn: Any
     mesh: Any
     rules: Any
@@ -370,7 +355,7 @@ class Policy:
 def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None,
                 rollout_tensor: int = 0) -> Policy:
     """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
-    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_sample_fn`` of the
+    command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_engine`` of the
     model on this process's rollout mesh (``rollout_mesh.rollout_mesh`` of ``mesh``) and
     ``make_logits_fn``.
 
@@ -386,8 +371,7 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     params = sharding.shard_params(params, mesh, rules)
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
-    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_sample_fn(graphdef, model_cfg, fmt, mesh=local,
-                                                                              rules=rules),
+    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules),
                   make_logits_fn(graphdef), mesh, rules)
 
 
@@ -402,6 +386,20 @@ def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
     return (model_cfg, *init_params(model_cfg, cfg.seed, mesh, rules))
 
 
+def _check_rollout_fits(cfg: ExperimentConfig, model_cfg, engine) -> None:
+    """``rollout_mesh.check_fits`` for this process's rollout: the whole model over the rollout
+    mesh's ``tensor`` devices and the KV cache of its share of a step's trajectories."""
+    from mempo_jax.agent.engine import num_slots
+    from mempo_jax.core.rollout_mesh import check_fits
+
+    ro = cfg.rl.rollout
+    slots = num_slots(ro, -(-cfg.rl.questions_per_step // jax.process_count()) * cfg.rl.group_size)
+    size = engine.sampler.cache_size(ro.max_context_tokens)
+    cache = 2 * model_cfg.num_layers * slots * model_cfg.num_kv_heads * size * model_cfg.head_dim
+    check_fits(model_cfg.num_params() * model_cfg.weight_dtype.itemsize, cache * model_cfg.activation_dtype.itemsize,
+               engine.mesh)
+
+
 def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, mesh=None, rules=None,
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
@@ -413,7 +411,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         instead (``load_checkpoint_policy``) and no SentencePiece model is trained.
       mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh):
         params are created in (or loaded into) the shardings of their logical-axis rules
-        (``model.placement.init_params``), the sampler (and its KV cache) and the memory-reward
+        (``model.placement.init_params``), the rollout engine (on this process's devices of it) and the memory-reward
         scorer declare shardings on it. It may span several processes (each builds the same
         questions, corpus and tools; process 0 trains the cached tokenizer first).
       rules: logical → mesh axis rules (default ``mempo_jax.core.sharding.DEFAULT_RULES``).
@@ -438,6 +436,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
                          rules=rules, rollout_tensor=cfg.mesh.rollout_tensor)
+    _check_rollout_fits(cfg, model_cfg, policy.engine)
     full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
     scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=cfg.rl.rollout.temperature or 1.0, chunk_rows=scoring_chunk_rows,
@@ -445,5 +444,5 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                                 batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
                                 param_shardings=sharding.param_shardings(policy.params, mesh, rules))
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, ToolEnvironment(backend, topk=cfg.topk),
-                      model_cfg, graphdef, policy.params, policy.sample_fn, policy.logits_fn, scorer, mesh, corpus,
+                      model_cfg, graphdef, policy.params, policy.engine, policy.logits_fn, scorer, mesh, corpus,
                       policy.fmt)

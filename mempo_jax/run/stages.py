@@ -50,11 +50,11 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
     first = distributed.process_slice(len(held)).start if ctx.multi else 0
-    params = place_params(ctx.sample_fn, learner.params)  # onto the rollout mesh, once (a collective)
+    params = place_params(ctx.engine, learner.params)  # onto the rollout mesh, once (a collective)
     out, per_q, per_f1 = {}, {}, {}
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
-        res = evaluate_policy(ctx.sample_fn, params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
+        res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
                               first=first)
         bar.close()
@@ -287,7 +287,7 @@ class _RLRun:
 
     The learner's ``before_update`` hook commits the step (a SIGTERM no longer abandons it) and
     applies the test fault hooks; ``FaultHooks.before_sample`` runs once per rollout cycle of either
-    engine (``sample_fn.progress``, the ``progress`` callback of ``rollout.rollout``).
+    engine (``_progress``, the ``progress`` callback of ``rollout.rollout``).
     """
 
     def __init__(self, ctx: RunContext, params):
@@ -303,15 +303,16 @@ class _RLRun:
                           .batch(cfg.rl.questions_per_step))
         self.faults = FaultCounter(cfg.checkpoint.max_consecutive_nonfinite, cfg.rl.num_mini_batches * cfg.rl.ppo_epochs)
         self.start = 0
-        self.sample_fn = lambda *args, **kwargs: ctx.sample_fn(*args, **kwargs)
-        self.sample_fn.sampler = getattr(ctx.sample_fn, "sampler", None)  # for RolloutConfig.engine = "cached"
-        self.sample_fn.progress = lambda turn, rows: ctx.hooks.before_sample(ctx.rl_step, ctx.pre)
         if ctx.rl_state is not None:
             self.learner.params, self.learner.opt_state, meta = ctx.rl_state
             record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.seed, ctx.point.source)
             self.learner.num_updates, self.start = record.updates, record.step
             self.order.set_state(record.data_iterator)
             self.faults.load(record.faults)
+
+    def _progress(self, turn: int, rows: int) -> None:
+        """The rollout's ``progress`` callback: the test fault hooks, once per rollout cycle."""
+        self.ctx.hooks.before_sample(self.ctx.rl_step, self.ctx.pre)
 
     def _before_update(self, rows):
         self.ctx.pre.commit()  # the step's state changes from here: finish it
@@ -345,10 +346,10 @@ class _RLRun:
                 if ctx.multi:  # this process's questions: its rollouts, tool calls and parsing
                     mine = distributed.process_slice(len(qs))
                     qs, first = qs[mine], mine.start
-                m, trajs = rl_step(self.learner, ref_params, self.sample_fn, ctx.scorer, qs, ctx.exp.fmt,
+                m, trajs = rl_step(self.learner, ref_params, ctx.engine, ctx.scorer, qs, ctx.exp.fmt,
                                    ctx.exp.tool_env, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
                                    np.random.default_rng([cfg.seed, RL_STREAM, step]),
-                                   traj_offset=first * cfg.rl.group_size)
+                                   traj_offset=first * cfg.rl.group_size, progress=self._progress)
         except Preempted:
             if ctx.rl_saved != step:
                 self.save(before)

@@ -1,5 +1,5 @@
-"""The cached rollout engine (``agent/engine.py``, ``slot_sampler.py``, the ``Decoder`` over a slot cache) against
-today's engine (``RolloutConfig.engine = "legacy"``): same turns on the toy world, greedy float32
+"""The rollout engine (``agent/engine.py``, ``slot_sampler.py``, the ``Decoder`` over a slot cache) against
+the re-prefill-every-turn reference (``tests/reference_rollout.py``): same turns on the toy world, greedy float32
 (full and k = 1, with slot refill, with the token budget); sampled trajectories independent of the
 slot layout; prefills hold only what the cache lacks; nothing compiles after the warm-up; the
 blocked attention equals dense softmax attention computed in numpy."""
@@ -21,8 +21,9 @@ from toy_agent import toy_model, toy_world  # noqa: E402
 
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, warm_sampler  # noqa: E402
+from reference_rollout import ReferenceEngine  # noqa: E402
 from mempo_jax.model.attention import AttentionMask, blocked_attention  # noqa: E402
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 
 COUNTER = CompileCounter()
 
@@ -32,23 +33,19 @@ def world():
     tok, env, questions = toy_world()
     cfg, graphdef, params = toy_model(tok.vocab_size, seed=3)
     fmt = AgentFormat.plain(tok)
-    sampler = Sampler(graphdef, cfg, fmt.codec.stop_ids, tok.pad_id)
-
-    def sample_fn(p, ids, mask, key, n, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
-
-    sample_fn.sampler = sampler
-    return fmt, env, questions, params, sample_fn
+    engine = RolloutEngine(graphdef, cfg, fmt.codec.stop_ids, tok.pad_id)
+    return fmt, env, questions, params, engine
 
 
 BASE = RolloutConfig(max_turns=4, max_new_tokens=10, max_context_tokens=128, max_observation_tokens=8,
                      temperature=0.0, min_rows_bucket=4, decode_chunk=4, prefill_chunk=32)
 
 
-def _run(world, cfg, key=0, group=2):
-    fmt, env, questions, params, sample_fn = world
+def _run(world, cfg, key=0, group=2, reference=False):
+    """``rollout`` on the world's engine (``reference``: the re-prefill loop over its one-shot generate)."""
+    fmt, env, questions, params, engine = world
     trajs = new_trajectories(fmt, questions, group)
-    rollout(sample_fn, params, trajs, fmt, env, cfg, jax.random.PRNGKey(key))
+    rollout(ReferenceEngine(engine) if reference else engine, params, trajs, fmt, env, cfg, jax.random.PRNGKey(key))
     return trajs
 
 
@@ -74,19 +71,19 @@ def test_cached_engine_gives_todays_turns(world, context_steps, slots, max_conte
     16 slots for 8 trajectories: decode runs on a row bucket of the generating slots (``decode_rows``)."""
     cfg = dataclasses.replace(BASE, context_steps=context_steps, num_slots=slots, max_context_tokens=max_context,
                               prefill_chunk=chunk)
-    legacy = _run(world, dataclasses.replace(cfg, engine="legacy"))
-    cached = _run(world, dataclasses.replace(cfg, engine="cached"))
-    _assert_same(legacy, cached)
-    reasons = {tr.end_reason for tr in legacy}
+    reference = _run(world, cfg, reference=True)
+    cached = _run(world, cfg)
+    _assert_same(reference, cached)
+    reasons = {tr.end_reason for tr in reference}
     assert reasons == ({"budget"} if max_context == 60 else {"max_turns"})  # the budget case has teeth
-    assert sum(len(t.output_ids) for tr in legacy for t in tr.turns) > 8 * 4 * 2
+    assert sum(len(t.output_ids) for tr in reference for t in tr.turns) > 8 * 4 * 2
 
 
 def test_one_slot_in_several_rows_of_a_call_equals_one_row(world):
     """``extend`` with a slot's prefill cut into three rows given out of order (chunk 3, 1, 2, and
     a padding row) leaves the state of the same prefill in one row: cache, length, first token."""
-    _, _, _, params, sample_fn = world
-    ss = sample_fn.sampler.slot_sampler()
+    _, _, _, params, engine = world
+    ss = engine.sampler
     ids = np.arange(3, 15, dtype=np.int32)  # 12 tokens: rows of 4
     key = jax.random.PRNGKey(0)
 
@@ -111,13 +108,10 @@ def test_one_slot_in_several_rows_of_a_call_equals_one_row(world):
 
 
 def test_sampled_trajectories_do_not_depend_on_the_slot_layout(world):
-    cfg = dataclasses.replace(BASE, temperature=1.0, engine="cached")
+    cfg = dataclasses.replace(BASE, temperature=1.0)
     one_slot_each = _run(world, cfg, key=5)
     refilled = _run(world, dataclasses.replace(cfg, num_slots=3), key=5)  # other slots, other batches
     _assert_same(one_slot_each, refilled)
-    legacy = _run(world, dataclasses.replace(cfg, engine="legacy"), key=5)
-    # turn 0 draws the legacy keys (row index = trajectory index while every trajectory runs)
-    assert [tr.turns[0].output_ids for tr in legacy] == [tr.turns[0].output_ids for tr in one_slot_each]
     other_key = _run(world, cfg, key=6)
     assert [tr.turns[0].output_ids for tr in other_key] != [tr.turns[0].output_ids for tr in one_slot_each]
 
@@ -135,7 +129,7 @@ def test_prefills_hold_only_what_the_cache_lacks(world, monkeypatch):
     monkeypatch.setattr(SlotSampler, "extend", counting)
     for steps in ("full", 1):
         written.clear()
-        trajs = _run(world, dataclasses.replace(BASE, context_steps=steps, engine="cached"))
+        trajs = _run(world, dataclasses.replace(BASE, context_steps=steps))
         expect = 0
         seen = set()
         for tr in trajs:  # turn 0: the prompt once per group (then its last id); turn t: what the context adds
@@ -153,7 +147,7 @@ def test_prefills_hold_only_what_the_cache_lacks(world, monkeypatch):
                     assert keep >= len(tr.prompt_ids)
                     expect += len(ctx) - keep
         assert sum(written) == expect
-        today = sum(t.context_len for tr in trajs for t in tr.turns)  # legacy prefills every whole context
+        today = sum(t.context_len for tr in trajs for t in tr.turns)  # the reference prefills every whole context
         assert sum(written) < (today / 2 if steps == "full" else today)
 
 
@@ -162,9 +156,9 @@ def test_no_compilation_after_warm_up(world, slots):
     """16 slots for 8 trajectories: prefill calls of 8 and 16 rows, decode row buckets; the first
     call of a rollout starts from ``init_state`` (it compiled anew when that state's placement
     differed from the programs' outputs)."""
-    fmt, env, questions, params, sample_fn = world
-    cfg = dataclasses.replace(BASE, engine="cached", temperature=1.0, num_slots=slots, prefill_chunk=4)
-    warm_sampler(sample_fn, params, fmt.tokenizer.pad_id, cfg, 8, jax.random.PRNGKey(0))
+    fmt, env, questions, params, engine = world
+    cfg = dataclasses.replace(BASE, temperature=1.0, num_slots=slots, prefill_chunk=4)
+    warm_sampler(engine, params, cfg, 8, jax.random.PRNGKey(0))
     mark = COUNTER.count
     for key in (1, 2):
         _run(world, cfg, key=key)
@@ -214,13 +208,13 @@ def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, conte
     the whole model)."""
     from bench_rollout import setup_smollm2
 
-    fmt, env, held, _, _, params, sample_fn, _ = setup_smollm2(smollm2_first_layers)
+    fmt, env, held, _, _, params, engine, _ = setup_smollm2(smollm2_first_layers)
     cfg = RolloutConfig(max_turns=2, max_new_tokens=24, max_context_tokens=512, max_observation_tokens=24,
                         temperature=0.0, min_rows_bucket=4, context_steps=context_steps, prefill_chunk=256)
     out = []
-    for engine in ("legacy", "cached"):
+    for e in (ReferenceEngine(engine), engine):
         trajs = new_trajectories(fmt, held[:2], 2)
-        rollout(sample_fn, params, trajs, fmt, env, dataclasses.replace(cfg, engine=engine), jax.random.PRNGKey(0))
+        rollout(e, params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
         out.append(trajs)
     _assert_same(*out, logprob_atol=1e-4)
     assert all(len(tr.turns) == 2 for tr in out[0])
@@ -236,33 +230,29 @@ def test_bench_rollout_small_writes_its_figures(tmp_path):
                         str(tmp_path / "r.json")])
     doc = json.loads((tmp_path / "r.json").read_text())
     rows = {r["engine"]: r for r in doc["results"]["rows"]}
-    assert set(rows) >= {"cached", "legacy"}
+    assert "cached" in rows
     for r in rows.values():
         assert r["generated_tokens"] > 0 and r["tok_s_steady"] > 0 and 0 < r["useful_fraction"] <= 1
-        assert r["same_as_legacy"] == 1.0  # greedy float32: the same episodes
-    assert rows["cached"]["useful_fraction"] > rows["legacy"]["useful_fraction"]
+    if "transformers" in rows:
+        assert all(r["same_as_transformers"] == 1.0 for r in rows.values())  # greedy float32: the same episodes
+        assert rows["cached"]["useful_fraction"] > rows["transformers"]["useful_fraction"]
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2)])
 def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
-    """The mesh ``Sampler``'s slot programs: cache slots over data x fsdp, kv heads over tensor."""
+    """The mesh engine's slot programs: cache slots over data x fsdp, kv heads over tensor."""
     from mempo_jax.core.sharding import make_mesh, shard_params
 
-    fmt, env, questions, params, sample_fn = world
+    fmt, env, questions, params, engine = world
     mesh = make_mesh(*shape)
-    sampler = sample_fn.sampler
-    mesh_sampler = Sampler(sampler.graphdef, sampler.model_cfg, sampler.stop_ids, sampler.pad_id, mesh=mesh)
-
-    def mesh_fn(*a):
-        raise AssertionError("the cached engine calls the slot programs only")
-
-    mesh_fn.sampler = mesh_sampler
-    cfg = dataclasses.replace(BASE, engine="cached", min_rows_bucket=8)
+    ss = engine.sampler
+    mesh_engine = RolloutEngine(ss.graphdef, ss.model_cfg, ss.stop_ids, ss.pad_id, mesh=mesh)
+    cfg = dataclasses.replace(BASE, min_rows_bucket=8)
     ref = _run(world, cfg)
     trajs = new_trajectories(fmt, questions, 2)
-    rollout(mesh_fn, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+    rollout(mesh_engine, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
     _assert_same(ref, trajs)
-    slots = mesh_sampler.slot_sampler()
+    slots = mesh_engine.sampler
     state = slots.init_state(8, 128, 10)
     placed = state.cache.k.sharding
     assert placed.shard_shape(state.cache.k.shape)[1] == 8 // (shape[0] * shape[1])

@@ -135,22 +135,18 @@ def test_sampled_rollout_bookkeeping(setup):
     """A real rollout with a tiny random model: ids, log-probs and spans line up per turn."""
     from mempo_jax.model.config import ModelConfig
     from mempo_jax.model.forward import create_model, split_model
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
 
     world, tok, env, _ = setup
     cfg = ModelConfig.tiny(tok.vocab_size, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16,
                            mlp_dim=64)
     graphdef, params = split_model(create_model(cfg, 0))
     stop = [tok.eos_id, tok.piece_id("</search>"), tok.piece_id("</access>"), tok.piece_id("</answer>")]
-    sampler = Sampler(graphdef, cfg, stop, tok.pad_id)
-
-    def sample_fn(p, ids, mask, key, n, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
-
+    engine = RolloutEngine(graphdef, cfg, stop, tok.pad_id)
     trajs = new_trajectories(AgentFormat.plain(tok), world.train[:4], 3)
     assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=12, context_steps=1)
-    rollout(sample_fn, params, trajs, AgentFormat.plain(tok), env, rcfg, jax.random.PRNGKey(0))
+    rollout(engine, params, trajs, AgentFormat.plain(tok), env, rcfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.done and 1 <= len(tr.turns) <= 3
         for t, turn in enumerate(tr.turns):

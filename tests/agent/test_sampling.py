@@ -1,4 +1,4 @@
-"""Sampler tests on a tiny random model: greedy parity with uncached decoding, per-row stops,
+"""One-shot generation (``RolloutEngine.__call__``: the slot sampler's prefill + decode) on a tiny random model: greedy parity with uncached decoding, per-row stops,
 log-prob parity with sequence_logprobs, padding invariance, top-p, determinism, compile cache."""
 
 import jax
@@ -12,7 +12,7 @@ from mempo_jax.core.batching import pad_sequences
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, sequence_logprobs, split_model
 from mempo_jax.agent.decoding import top_p_filter
-from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.agent.engine import RolloutEngine
 
 VOCAB = 96
 PAD = 0
@@ -33,8 +33,8 @@ def setup():
 @pytest.fixture(scope="module")
 def greedy_out(setup):
     cfg, graphdef, params, ids, mask = setup
-    sampler = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
-    return sampler(params, ids, mask, jax.random.key(0), SamplerConfig(max_new_tokens=N, temperature=0.0))
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    return sampler(params, ids, mask, jax.random.key(0), max_new_tokens=N, temperature=0.0)
 
 
 def test_greedy_with_cache_equals_uncached_argmax(setup, greedy_out):
@@ -68,8 +68,8 @@ def test_rows_stop_at_their_own_stop_token_and_are_padded(setup, greedy_out):
             break
     assert best is not None, "no stop id separates the rows; change the seed"
     stop_ids = [best, VOCAB + 5]  # an unused id in the set is harmless
-    out = Sampler(graphdef, cfg, stop_ids=stop_ids, pad_id=PAD)(
-        params, ids, mask, jax.random.key(0), SamplerConfig(max_new_tokens=N, temperature=0.0))
+    out = RolloutEngine(graphdef, cfg, stop_ids=stop_ids, pad_id=PAD)(
+        params, ids, mask, jax.random.key(0), max_new_tokens=N, temperature=0.0)
     tokens, m = np.asarray(out.tokens), np.asarray(out.mask)
     for b, row in enumerate(free):
         s = _first_stop(list(row), set(stop_ids))
@@ -84,8 +84,8 @@ def test_rows_stop_at_their_own_stop_token_and_are_padded(setup, greedy_out):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_sequence_logprobs(setup, temperature):
     cfg, graphdef, params, ids, mask = setup
-    out = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)(
-        params, ids, mask, jax.random.key(1), SamplerConfig(max_new_tokens=N, temperature=temperature))
+    out = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)(
+        params, ids, mask, jax.random.key(1), max_new_tokens=N, temperature=temperature)
     full_ids = jnp.concatenate([ids, out.tokens], axis=1)
     full_mask = jnp.concatenate([mask, out.mask], axis=1)
     logp, _ = sequence_logprobs(graphdef, params, full_ids, full_mask, temperature=temperature)
@@ -105,28 +105,29 @@ def test_greedy_logprobs_use_temperature_one(setup, greedy_out):
 def test_left_padding_invariance(setup, greedy_out):
     cfg, graphdef, params, _, _ = setup
     ids, mask = pad_sequences(PROMPTS, PAD, length=16, side="left")
-    sampler = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)
     out = sampler(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
-                  SamplerConfig(max_new_tokens=N, temperature=0.0))
+                  max_new_tokens=N, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy_out.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(greedy_out.logprobs), atol=1e-5)
 
 
 def test_same_key_same_samples_and_no_recompile_per_temperature(setup):
     cfg, graphdef, params, ids, mask = setup
-    sampler = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
-    c = SamplerConfig(max_new_tokens=N, temperature=1.0)
-    a = sampler(params, ids, mask, jax.random.key(7), c)
-    b = sampler(params, ids, mask, jax.random.key(7), c)
-    d = sampler(params, ids, mask, jax.random.key(8), c)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    a = sampler(params, ids, mask, jax.random.key(7), N, 1.0)
+    b = sampler(params, ids, mask, jax.random.key(7), N, 1.0)
+    d = sampler(params, ids, mask, jax.random.key(8), N, 1.0)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert np.any(np.asarray(a.tokens) != np.asarray(d.tokens))
-    program = sampler.program(*ids.shape, c)
-    assert program._cache_size() == 1
-    again = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)  # a new instance shares the program
-    c9 = SamplerConfig(max_new_tokens=N, temperature=0.9)
-    again(params, ids, mask, jax.random.key(7), c9)
-    assert again.program(*ids.shape, c9) is program and program._cache_size() == 1
+    slots = sampler.sampler
+    state = slots.init_state(len(PROMPTS), slots.cache_size(7 + N), N)
+    programs = [slots._program(which, state) for which in ("extend", "decode")]
+    sizes = [p._cache_size() for p in programs]  # (greedy and top-p variants of other tests included)
+    again = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)  # a new instance shares the programs
+    again(params, ids, mask, jax.random.key(7), N, 0.9)  # another temperature: a traced value
+    assert [again.sampler._program(w, state) for w in ("extend", "decode")] == programs
+    assert [p._cache_size() for p in programs] == sizes
 
 
 FIXED_PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02])
@@ -150,20 +151,22 @@ def test_top_p_filter_keeps_exactly_the_nucleus(top_p, perm_seed):
 
 def test_top_p_sampler_draws_only_from_the_nucleus(setup):
     cfg, graphdef, params, ids, mask = setup
-    sampler = Sampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)
     logits = make_logits_fn(graphdef)(params, ids, mask)[:, -1]
     nucleus = np.isfinite(np.asarray(top_p_filter(logits, 0.3)))
     assert np.all(nucleus.sum(-1) < VOCAB // 2)
     for seed in range(4):
-        out = sampler(params, ids, mask, jax.random.key(seed), SamplerConfig(max_new_tokens=N, top_p=0.3))
+        out = sampler(params, ids, mask, jax.random.key(seed), max_new_tokens=N, top_p=0.3)
         first = np.asarray(out.tokens[:, 0])
         assert np.all(nucleus[np.arange(len(first)), first])
 
 
-def test_sampler_config_validation():
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplerConfig(max_new_tokens=0)
-    with pytest.raises(ValueError, match="top_p"):
-        SamplerConfig(max_new_tokens=4, top_p=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplerConfig(max_new_tokens=4, temperature=-1.0)
+def test_generate_refuses_bad_options(setup):
+    cfg, graphdef, params, ids, mask = setup
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    for kw, name in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=4, top_p=0.0), "top_p"),
+                     (dict(max_new_tokens=4, temperature=-1.0), "temperature")):
+        with pytest.raises(ValueError, match=name):
+            sampler(params, ids, mask, jax.random.key(0), **kw)
+    with pytest.raises(ValueError, match="at least one real token"):
+        sampler(params, ids, np.zeros_like(mask), jax.random.key(0), 4)

@@ -20,7 +20,7 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import Trajectory
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, split_model
-from mempo_jax.agent.sampler import Sampler, SamplerConfig, _compiled_generate
+from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.text.stop_strings import token_bytes
 
 
@@ -245,10 +245,10 @@ def test_sampler_lengths_equal_first_stop(tok, codec):
     assert all(len(tok.encode(f)) == 1 for f in SAMPLED)
     cfg, graphdef, params = _forced_model(tok.vocab_size, favoured, [1.0] * len(SAMPLED) + [-2.0])
     auto = codec.stop_automaton(cfg.vocab_size)
-    sampler = Sampler(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=auto)
+    sampler = RolloutEngine(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=auto)
     rows, n = 64, 20
     prompt = jnp.full((rows, 4), tok.encode("</")[0], jnp.int32)  # the prompt never counts
-    out = sampler(params, prompt, jnp.ones((rows, 4), bool), jax.random.key(3), SamplerConfig(n, 1.0))
+    out = sampler(params, prompt, jnp.ones((rows, 4), bool), jax.random.key(3), n, 1.0)
     tokens, lengths, stopped, mask = map(np.asarray, (out.tokens, out.lengths, out.stopped, out.mask))
     ends = {"tag": 0, "stop id": 0, "budget": 0, "first token": 0}
     for b in range(rows):
@@ -263,12 +263,14 @@ def test_sampler_lengths_equal_first_stop(tok, codec):
             ends["budget"] += 1
         assert mask[b].sum() == lengths[b] and all(t == tok.pad_id for t in row[lengths[b]:])
     assert min(ends[k] for k in ("tag", "stop id", "budget")) > 0, ends
-    # an equal automaton built again shares the compiled program (one per shape, not per sampler)
-    before = _compiled_generate.cache_info().currsize
-    again = Sampler(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=TagCodec(tok, "text").stop_automaton(
+    # an equal automaton built again shares the compiled programs (one per shape, not per sampler)
+    from mempo_jax.agent.slot_sampler import _compiled
+
+    before = _compiled.cache_info().currsize
+    again = RolloutEngine(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=TagCodec(tok, "text").stop_automaton(
         cfg.vocab_size))
-    c = SamplerConfig(n, 1.0)
-    assert again.program(rows, 4, c) is sampler.program(rows, 4, c) and _compiled_generate.cache_info().currsize == before
+    again(params, prompt, jnp.ones((rows, 4), bool), jax.random.key(3), n, 1.0)
+    assert _compiled.cache_info().currsize == before
 
 
 def _bigram_model(vocab, chain):
@@ -294,11 +296,11 @@ def _bigram_model(vocab, chain):
 def test_prefill_token_advances_the_automaton_and_the_prompt_never_counts(tok, codec):
     x, close, search, gt = tok.encode(" x")[0], *tok.encode("</search>")
     cfg, graphdef, params = _bigram_model(tok.vocab_size, [x, close, search, gt])
-    sampler = Sampler(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=codec.stop_automaton(cfg.vocab_size))
+    sampler = RolloutEngine(graphdef, cfg, codec.stop_ids, tok.pad_id, stop_automaton=codec.stop_automaton(cfg.vocab_size))
     # row 0 ends its prompt on " x": the prefill samples "</", then "search", ">" → stop after 3;
     # row 1 ends its prompt on "</": its output "search", ">", " x", "</", "search", ">" stops after 6.
     prompt = jnp.asarray([[x, x, x], [x, x, close]], jnp.int32)
-    out = sampler(params, prompt, jnp.ones((2, 3), bool), jax.random.key(0), SamplerConfig(10, 0.0))
+    out = sampler(params, prompt, jnp.ones((2, 3), bool), jax.random.key(0), 10, 0.0)
     assert np.asarray(out.lengths).tolist() == [3, 6] and np.asarray(out.stopped).all()
     assert np.asarray(out.tokens)[0, :3].tolist() == [close, search, gt]
     assert np.asarray(out.tokens)[1, :6].tolist() == [search, gt, x, close, search, gt]
@@ -318,11 +320,11 @@ def test_token_bytes_are_what_decode_gives(tok):
 def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir, tmp_path):
     """``build_experiment`` on a checkpoint (here: the forced model exported with SmolLM2's
     tokenizer) keeps the tokenizer as it is, and its rollout stops every turn where the codec says;
-    ``evaluate.make_sample_fn`` builds the same sampler."""
+    ``experiment.make_engine`` builds the same engine."""
     from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
     from mempo_jax.config import ExperimentConfig, ModelOptions
     from mempo_jax.data.world import WorldConfig
-    from mempo_jax.run.experiment import make_sample_fn
+    from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.experiment import build_experiment
     from mempo_jax.model.hf_io import save_hf_checkpoint
 
@@ -337,7 +339,7 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=512, max_observation_tokens=8,
                          temperature=1.0, context_steps=1, min_rows_bucket=8)
     trajs = new_trajectories(exp.fmt, exp.train_questions[:8], group_size=1)
-    rollout(exp.sample_fn, exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
+    rollout(exp.engine, exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
     turns = [t for tr in trajs for t in tr.turns]
     stopped = 0
     for t in turns:
@@ -349,7 +351,7 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     # the evaluation command's sampler is the same program with the same stops
     ids = jnp.asarray([trajs[0].prompt_ids[-6:]] * 8, jnp.int32)
     mask = jnp.ones(ids.shape, bool)
-    a = exp.sample_fn(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
-    b = make_sample_fn(exp.graphdef, exp.model_cfg, exp.fmt)(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    a = exp.engine(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    b = make_engine(exp.graphdef, exp.model_cfg, exp.fmt)(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

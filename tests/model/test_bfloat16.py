@@ -105,12 +105,12 @@ def test_bf16_packed_scoring_and_ppo_step(models):
 def test_bf16_sampler_vs_trainer_gap_is_what_the_metric_reports(models):
     from mempo_jax.agent.trajectory import TrainingRows
     from mempo_jax.rl.step import policy_old_logprobs
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
 
     _, g16, params = models
-    sampler = Sampler(g16, CFG.replace(dtype="bfloat16"), stop_ids=(), pad_id=0)
+    sampler = RolloutEngine(g16, CFG.replace(dtype="bfloat16"), stop_ids=(), pad_id=0)
     prompt = np.random.default_rng(4).integers(3, 64, (4, 16)).astype(np.int32)
-    out = sampler(params, prompt, np.ones((4, 16), bool), jax.random.PRNGKey(1), SamplerConfig(12, 1.0))
+    out = sampler(params, prompt, np.ones((4, 16), bool), jax.random.PRNGKey(1), 12, 1.0)
     ids = np.concatenate([prompt, np.asarray(out.tokens)], axis=1)
     loss = np.concatenate([np.zeros((4, 16)), np.ones((4, 12))], axis=1).astype(np.float32)
     old = np.concatenate([np.zeros((4, 16)), np.asarray(out.logprobs)], axis=1).astype(np.float32)

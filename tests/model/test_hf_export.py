@@ -28,7 +28,7 @@ from conftest import SMOLLM2_LAYERS  # noqa: E402
 from mempo_jax.run.export import export_policy  # noqa: E402
 from mempo_jax.text.hf_tokenizer import HFTokenizer  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint  # noqa: E402
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
@@ -76,9 +76,9 @@ def test_smollm2_export_decodes_greedily_as_transformers(smollm2_first_layers, t
     assert cfg2 == cfg
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    ours = Sampler(graphdef2, cfg2, stop_ids=[], pad_id=tok.pad_id)(
+    ours = RolloutEngine(graphdef2, cfg2, stop_ids=[], pad_id=tok.pad_id)(
         params2, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), jax.random.key(0),
-        SamplerConfig(max_new_tokens=n, temperature=0.0))
+        max_new_tokens=n, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours.tokens), ref)
     assert len(np.unique(ref)) > 4, [hf_tok.decode(r) for r in ref]  # not one token repeated
 

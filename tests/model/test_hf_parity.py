@@ -21,7 +21,7 @@ from mempo_jax.model.hf_io import (  # noqa: E402
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 from mempo_jax.core.sharding import make_mesh  # noqa: E402
 
 VOCAB = 320
@@ -121,9 +121,9 @@ def test_greedy_generation_matches_transformers(checkpoint):
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                              max_new_tokens=32, min_new_tokens=32).numpy()[:, 16:]
-    out = Sampler(graphdef, cfg, stop_ids=[], pad_id=0)(
+    out = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=0)(
         params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), jax.random.key(0),
-        SamplerConfig(max_new_tokens=32, temperature=0.0))
+        max_new_tokens=32, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     assert len(np.unique(ref)) > 8  # not a degenerate repetition
 

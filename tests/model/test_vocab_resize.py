@@ -18,7 +18,7 @@ from mempo_jax.run.experiment import load_checkpoint_policy  # noqa: E402
 from mempo_jax.model.forward import make_logits_fn  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from mempo_jax.model.resize import mean_resized_rows, padded_rows, resize_vocab, vocab_row_multiple  # noqa: E402
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 from mempo_jax.core.sharding import make_mesh  # noqa: E402
 
 
@@ -137,8 +137,8 @@ def test_export_loads_and_generates_in_transformers(tagged_smollm2, tmp_path):
     n = 8
     with torch.no_grad():
         hf_ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
-    sampler = Sampler(graphdef, cfg, [tok.eos_id], tok.pad_id)
+    sampler = RolloutEngine(graphdef, cfg, [tok.eos_id], tok.pad_id)
     out = sampler(params, jnp.asarray([prompt], jnp.int32), jnp.ones((1, len(prompt)), bool), jax.random.key(0),
-                  SamplerConfig(n, 0.0))
+                  n, 0.0)
     ours = np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist()
     assert ours == hf_ids, (tok.decode(ours), hf_tok.decode(hf_ids))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_rollout import ReferenceEngine
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig, make_turn
@@ -133,7 +134,8 @@ class _Recording:
 
 
 def _scripted_sample_fn(plan):
-    """A sampler that writes ``plan[turn][row]`` (texts) for each row of each call, in order."""
+    """An engine (the re-prefill reference over a scripted sampler) that writes ``plan[turn][row]``
+    (texts) for each row of each call, in order."""
     calls = {"n": 0}
 
     def sample_fn(params, ids, mask, key, max_new_tokens, temperature, top_p):
@@ -154,7 +156,7 @@ def _scripted_sample_fn(plan):
         out.tokens, out.logprobs, out.lengths, out.stopped = tokens, logprobs, lengths, np.ones((rows,), bool)
         return out
 
-    return sample_fn
+    return ReferenceEngine(sample_fn)
 
 
 def _toy_learner_and_scorer():

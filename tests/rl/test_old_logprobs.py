@@ -17,7 +17,7 @@ from mempo_jax.core.logprobs import PackedLogprobs
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
 from mempo_jax.rl.step import policy_old_logprobs
-from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.agent.engine import RolloutEngine
 
 
 def _model(seed=7, vocab=48):
@@ -48,10 +48,10 @@ def test_packed_logprobs_equal_the_padded_learner_pass():
 
 def test_policy_old_logprobs_match_the_sampler_in_float32():
     cfg, graphdef, params = _model(seed=8)
-    sampler = Sampler(graphdef, cfg, stop_ids=(), pad_id=0)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids=(), pad_id=0)
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 48, (3, 12)).astype(np.int32)
-    out = sampler(params, prompt, np.ones((3, 12), bool), jax.random.PRNGKey(0), SamplerConfig(10, 1.0))
+    out = sampler(params, prompt, np.ones((3, 12), bool), jax.random.PRNGKey(0), 10, 1.0)
     toks, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
     ids = np.concatenate([prompt, toks], axis=1)
     valid = np.ones(ids.shape, bool)

@@ -369,13 +369,14 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     """Random sampled ids (tags often), random stop flags and log-probs, random tool results and
     failures, through rollout → parsing → tools → training rows → reward → memory contexts →
     advantages: no exception; masks, spans and views agree."""
+    from reference_rollout import ReferenceEngine
     from toy_agent import WordTokenizer
 
     from mempo_jax.text.protocol import MEM
     from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
     from mempo_jax.agent.trajectory import FULL, build_training_rows
     from mempo_jax.rl.step import compute_advantages, memory_contexts, score_trajectories
-    from mempo_jax.agent.sampler import SampleOutput
+    from mempo_jax.agent.slot_sampler import SampleOutput
     from mempo_jax.tools.search import ToolEnvironment
 
     tok = WordTokenizer()
@@ -428,7 +429,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
 
     env = ToolEnvironment(_random_backend(data), topk=2)
     trajs = new_trajectories(AgentFormat.plain(tok), questions, group)
-    rollout(sample_fn, None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
+    rollout(ReferenceEngine(sample_fn), None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
 
     for tr in trajs:
         assert tr.done and tr.end_reason in ("answer", "max_turns", "budget") and len(tr.turns) <= cfg.max_turns

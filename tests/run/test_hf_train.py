@@ -192,7 +192,7 @@ def test_greedy_rollout_stops_at_tag_ids_and_finds_mem_spans(experiment, checkpo
     cfg = RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=16,
                         temperature=0.0, context_steps=1, min_rows_bucket=4)
     trajs = new_trajectories(experiment.fmt, experiment.train_questions[:2], group_size=1)
-    rollout(experiment.sample_fn, experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
+    rollout(experiment.engine, experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.end_reason == "max_turns" and len(tr.turns) == 2
         for turn in tr.turns:
@@ -210,7 +210,7 @@ def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
     ref_params = jax.tree.map(lambda x: x.copy(), exp.params)
     learner = Learner(exp.logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       temperature=1.0, micro_batch_rows=8)
-    metrics, trajs = rl_step(learner, ref_params, exp.sample_fn, exp.scorer, exp.train_questions[:2],
+    metrics, trajs = rl_step(learner, ref_params, exp.engine, exp.scorer, exp.train_questions[:2],
                              exp.fmt, exp.tool_env, exp.cfg.rl, jax.random.PRNGKey(1),
                              np.random.default_rng(1))
     assert len(trajs) == 4 and all(np.isfinite(v) for v in metrics.values()), metrics

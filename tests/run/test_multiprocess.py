@@ -53,7 +53,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     from mempo_jax.rl.learner import OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.step import rl_step
-    from mempo_jax.agent.sampler import Sampler, SamplerConfig
+    from mempo_jax.agent.engine import RolloutEngine
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
     from mempo_jax.core.rollout_mesh import rollout_mesh
     from mempo_jax.core.sharding import logical_to_sharding, param_shardings
@@ -63,12 +63,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     cfg, graphdef, _ = toy_model(tok.vocab_size)
     stop_ids = [tok.eos_id] + [tok.piece_id(t) for t in STOP_TAGS]
     local = None if mesh is None else rollout_mesh(mesh, cfg.num_heads, cfg.num_kv_heads)
-    sampler = Sampler(graphdef, cfg, stop_ids, tok.pad_id, mesh=local)
-
-    def sample_fn(p, ids, mask, key, n, temperature, top_p):
-        return sampler(p, ids, mask, key, SamplerConfig(int(n), float(temperature), float(top_p)))
-
-    sample_fn.sampler = sampler
+    engine = RolloutEngine(graphdef, cfg, stop_ids, tok.pad_id, mesh=local)
     logits_fn = make_logits_fn(graphdef)
     kw = {}
     if mesh is not None:
@@ -82,16 +77,16 @@ def run_rl_step(params, mesh, seed: int = 0):
                                           pad_id=tok.pad_id)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
     share = process_slice(len(questions))
-    metrics, trajs = rl_step(learner, ref_params, sample_fn, scorer, questions[share], AgentFormat.plain(tok), env,
+    metrics, trajs = rl_step(learner, ref_params, engine, scorer, questions[share], AgentFormat.plain(tok), env,
                              rl_config(), jax.random.PRNGKey(seed), np.random.default_rng(seed),
                              traj_offset=share.start * rl_config().group_size)
     turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
     if jax.process_count() > 1:
-        metrics["_lockstep"] = _after_the_step(learner, sample_fn, sync, tok, env, questions)
+        metrics["_lockstep"] = _after_the_step(learner, engine, sync, tok, env, questions)
     return learner.params, metrics, turns
 
 
-def _after_the_step(learner, sample_fn, sync, tok, env, questions) -> dict:
+def _after_the_step(learner, engine, sync, tok, env, questions) -> dict:
     """Process 1 alone rolls out one more question (an evaluation) with the updated policy, synced
     onto its rollout mesh by both, while process 0 goes straight to collectives and waits there."""
     import jax
@@ -101,10 +96,10 @@ def _after_the_step(learner, sample_fn, sync, tok, env, questions) -> dict:
 
     pid = jax.process_index()
     extra = []
-    params = place_params(sample_fn, learner.params)  # the weight sync: a collective
+    params = place_params(engine, learner.params)  # the weight sync: a collective
     if pid == 1:
         extra = new_trajectories(AgentFormat.plain(tok), questions[:1], 2)
-        rollout(sample_fn, params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
+        rollout(engine, params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
     mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
                         sync=sync)
     return {"mean": mean, "concat": concat_processes([pid] * (pid + 1), sync).tolist(),

@@ -44,7 +44,7 @@ from mempo_jax.text.hf_tokenizer import HFTokenizer  # noqa: E402
 from mempo_jax.model.config import ModelConfig  # noqa: E402
 from mempo_jax.model.forward import create_model, split_model  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 from mempo_jax.tools.bm25 import BM25Index  # noqa: E402
 from mempo_jax.tools.corpus import load_corpus  # noqa: E402
 from mempo_jax.tools.search import format_hits  # noqa: E402
@@ -237,9 +237,9 @@ def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_ru
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                              max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_id)
-    ours = Sampler(graphdef, cfg, stop_ids=[], pad_id=tok.pad_id)(
+    ours = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=tok.pad_id)(
         params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), jax.random.key(0),
-        SamplerConfig(max_new_tokens=n, temperature=0.0))
+        max_new_tokens=n, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours.tokens), ref.numpy()[:, width:])
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mempo_jax.text.protocol import STOP_TAGS
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, split_model
-from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.text.stop_strings import StopAutomaton, byte_automaton, find_text_span
 
 
@@ -98,14 +98,13 @@ def test_single_token_tags_by_automaton_equal_stop_ids(tiny, use_mesh, temperatu
     auto = StopAutomaton.build(STOP_TAGS, vocab)
     mesh = make_mesh(2, 2, 2) if use_mesh else None
     kw = {} if mesh is None else {"mesh": mesh}
-    by_ids = Sampler(graphdef, cfg, [3, *tags], 0, **kw)
-    by_text = Sampler(graphdef, cfg, [3], 0, stop_automaton=auto, **kw)
+    by_ids = RolloutEngine(graphdef, cfg, [3, *tags], 0, **kw)
+    by_text = RolloutEngine(graphdef, cfg, [3], 0, stop_automaton=auto, **kw)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(1, VOCAB, (8, 6)), jnp.int32)
     mask = jnp.ones((8, 6), bool)
-    scfg = SamplerConfig(16, temperature)
-    a = by_ids(params, ids, mask, jax.random.key(0), scfg)
-    b = by_text(params, ids, mask, jax.random.key(0), scfg)
+    a = by_ids(params, ids, mask, jax.random.key(0), 16, temperature)
+    b = by_text(params, ids, mask, jax.random.key(0), 16, temperature)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert np.asarray(a.stopped).any()
@@ -144,7 +143,7 @@ def forced():
     vocab_bytes = [b""] + [SEQ_FRAGMENTS[f] for _ in range(L) for f in range(F)]
     auto = StopAutomaton.build(STOP_TAGS, vocab_bytes)
     stop_ids = [_tok_id(k, EOS_F) for k in range(L)]
-    sampler = Sampler(graphdef, cfg, stop_ids, 0, stop_automaton=auto)
+    sampler = RolloutEngine(graphdef, cfg, stop_ids, 0, stop_automaton=auto)
     return cfg, params, sampler, auto, stop_ids
 
 
@@ -162,11 +161,13 @@ def test_device_stop_equals_host_first_stop_on_any_sequence(forced, frags):
         head[k, _tok_id(k + 1, frags[k + 1])] = scale
     params["lm_head"].set_value(jnp.asarray(head))
     out = sampler(params, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool), jax.random.key(0),
-                  SamplerConfig(L, 0.0))
+                  L, 0.0)
     ids = [_tok_id(k, f) for k, f in enumerate(frags)]
     got = np.asarray(out.tokens[0]).tolist()
     n = auto.first_stop(ids, stop_ids)
     assert n == _brute_first([SEQ_FRAGMENTS[f] for f in frags], [t.encode() for t in STOP_TAGS], stop_ids, ids)
     assert int(out.lengths[0]) == (n or L) and bool(out.stopped[0]) == (n is not None)
     assert got[: n or L] == ids[: n or L] and all(t == 0 for t in got[n or L:])
-    assert sampler.program(1, 2, SamplerConfig(L, 0.0))._cache_size() == 1  # one compiled program for every sequence
+    slots = sampler.sampler
+    for which in ("extend", "decode"):  # one compiled program each for every sequence
+        assert slots._program(which, slots.init_state(1, slots.cache_size(2 + L), L))._cache_size() == 1
