@@ -21,8 +21,8 @@ fixed number of cache slots from its first turn to its end. A cycle:
 
 A row that stops therefore never waits for the longest row of its turn, and no context is
 prefilled twice. The recorded turns (ids, log-probs, ``<mem>`` spans, tool results, context
-lengths, end reasons) are those of ``rollout.rollout`` on the same policy: greedy float32 gives the
-same tokens (``tests/agent/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
+lengths, end reasons) are those of re-prefilling every context every turn on the same policy:
+greedy float32 gives the same tokens (``tests/agent/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
 trajectory index, turn, step) (``slot_sampler`` module docstring).
 """
 
@@ -133,14 +133,13 @@ def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill],
 
 def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
                    progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
-    """``rollout.rollout`` on the cached engine: same arguments, with the ``SlotSampler`` in place
-    of ``sample_fn``; the trajectories are finished in place and returned.
+    """``rollout.rollout`` on ``sampler``'s programs: the trajectories are finished in place and returned.
 
     Args:
       sampler: the policy's ``SlotSampler``; every program runs on its (host-local) mesh.
       params: the policy parameters, placed by ``sampler.place`` first (a no-op when they are already
         on the sampler's mesh; with params on a mesh spanning processes, a collective).
-      trajs, fmt, tool_env, cfg, key: as ``rollout.rollout`` (``cfg.engine`` is not read).
+      trajs, fmt, tool_env, cfg, key: as ``rollout.rollout``.
       progress: optional callback ``(turn, generating slots)`` once per cycle.
       traj_offset: global index of ``trajs[0]`` (this process's first trajectory): trajectory i
         draws its keys as trajectory ``traj_offset + i``.

@@ -1,5 +1,4 @@
-"""The host side of one turn, shared by both rollout engines (``rollout.rollout`` and
-``engine.rollout_cached``): record a sampled turn (parse it, find its ``<mem>`` span) and answer it
+"""The host side of one turn (``engine.rollout_cached``; the tests' reference loop too): record a sampled turn (parse it, find its ``<mem>`` span) and answer it
 (an answer ends the episode; searches and accesses go to the tools in one batched call; a malformed
 turn gets an error observation, docs/algorithm.md §1)."""
 

@@ -157,7 +157,7 @@ def concat_processes(values, sync=None) -> np.ndarray:
     """Every process's 1-D ``values`` (e.g. per-question EM), concatenated in process order.
 
     A collective. After a rollout outside the lockstep wrappers (evaluation), pass the run's
-    ``HostSync`` as ``sync``: it first waits for every process (serving pending sampling calls).
+    ``HostSync`` as ``sync``: it first waits for every process.
     """
     values = np.asarray(values, np.float32).ravel()
     if jax.process_count() == 1:
