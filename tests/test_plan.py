@@ -74,7 +74,7 @@ def test_resident_bytes_equal_real_shards_on_the_mesh(small, real):
     assert p.kv_cache == _device_bytes(cache)
     # rows over data x fsdp = 4, kv heads over tensor = 2: an eighth of the cache per device
     assert p.kv_cache == 2 * 4 * model_cfg.num_layers * rows * size * model_cfg.num_kv_heads * model_cfg.head_dim // 8
-    assert p.shapes == dict(p.shapes, rollout_rows=64, prompt_len=512, cache_len=576, train_len=512,
+    assert p.shapes == dict(p.shapes, rollout_rows=64, prompt_len=32, cache_len=512, train_len=512,
                             scoring_rows=16, scoring_len=1024)
 
 
