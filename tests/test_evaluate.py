@@ -4,7 +4,6 @@ Bamboogle and HotpotQA files in both context modes; output files; corpus plannin
 from __future__ import annotations
 
 import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,13 +50,9 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(run_dir, tmp_path_factory):
-    from conftest import shared_data_dir  # the module-scoped twin of the ``shared_data`` fixture
+    from conftest import require_shared_data  # the module-scoped twin of the ``shared_data`` fixture
 
-    data = shared_data_dir()
-    if not data.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"shared data folder missing under CI: {data}")
-        pytest.skip(f"shared data folder absent: {data}")
+    data = require_shared_data()
     out = tmp_path_factory.mktemp("eval")
     rc = ev.main(["--run_dir", str(run_dir), "--dataset", f"bamboogle={data / BAMBOOGLE}",
                   "--dataset", f"hotpotqa={data / HOTPOT}", "--limit", "4", "--max_turns", "3",

@@ -202,7 +202,7 @@ def test_blocked_attention_equals_dense_softmax(seed, t, block):
 
 
 @pytest.mark.slow  # a real checkpoint through both engines
-def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, context_steps="full"):
+def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, shared_data, context_steps="full"):
     """The real checkpoint (text tags: the stop automaton, its chat template, BM25 over HotpotQA),
     cut to its first layers (conftest's ``smollm2_first_layers``; ``MEMPO_SMOLLM2_LAYERS=30`` runs
     the whole model)."""
@@ -221,7 +221,7 @@ def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, conte
     assert any(t.observation_ids for tr in out[0] for t in tr.turns)
 
 
-def test_bench_rollout_small_writes_its_figures(tmp_path):
+def test_bench_rollout_small_writes_its_figures(tmp_path, shared_data):  # the recipe reads HotpotQA
     import json
 
     import bench_rollout

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 
 import jax
@@ -67,13 +66,9 @@ SMALL_RUN = ["RLConfig.steps=1", "RLConfig.questions_per_step=2", "RLConfig.grou
 
 @pytest.fixture(scope="module")
 def data():
-    from conftest import shared_data_dir  # the module-scoped twin of the ``shared_data`` fixture
+    from conftest import require_shared_data  # the module-scoped twin of the ``shared_data`` fixture
 
-    path = shared_data_dir()
-    if not path.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"shared data folder missing under CI: {path}")
-        pytest.skip(f"shared data folder absent: {path}")
+    path = require_shared_data()
     return path
 
 
