@@ -241,13 +241,13 @@ def shared_data_dir() -> pathlib.Path:
 
 
 def require_shared_data() -> pathlib.Path:
-    """``shared_data_dir()`` when it is a folder. Without it the test skips (README's test command on
-    a machine without the public QA files), or fails when ``MEMPO_REQUIRE_SHARED_DATA=1`` (``.ci/run``
-    sets it: CI must run these tests)."""
+    """``shared_data_dir()`` when it is a folder. Without it the test skips, saying why, or fails
+    under ``CI=true`` or ``MEMPO_REQUIRE_SHARED_DATA=1`` (``.ci/run`` sets both: CI must run these
+    tests)."""
     path = shared_data_dir()
     if not path.is_dir():
-        if os.environ.get("MEMPO_REQUIRE_SHARED_DATA") == "1":
-            pytest.fail(f"shared data folder missing and MEMPO_REQUIRE_SHARED_DATA=1: {path}")
+        if os.environ.get("CI") == "true" or os.environ.get("MEMPO_REQUIRE_SHARED_DATA") == "1":
+            pytest.fail(f"shared data folder missing under CI=true: {path} (set MEMPO_SHARED_DATA)")
         pytest.skip(f"shared data folder absent: {path} (set MEMPO_SHARED_DATA)")
     return path
 
