@@ -100,13 +100,13 @@ def is_kind_metric(name: str) -> bool:
     return name.startswith(KIND_PREFIX)
 
 
-def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
+def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
                     context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
                     progress: Optional[Callable[[int], None]] = None, first: int = 0) -> EvalResult:
     """Run the policy once on each question in one context mode.
 
     Args:
-      sample_fn, params, fmt, tool_env: as for ``rollout.rollout`` (``fmt``: an ``AgentFormat``).
+      engine, params, fmt, tool_env: as for ``rollout.rollout`` (``fmt``: an ``AgentFormat``).
       questions: items with ``id``, ``question``, ``golds``.
       base: rollout options; ``context_steps`` and ``temperature`` are replaced.
       context_steps: ``FULL`` or k.
@@ -126,7 +126,7 @@ def evaluate_policy(sample_fn, params, questions: Sequence, fmt, tool_env, base:
     trajs: list[Trajectory] = []
     for s in range(0, len(questions), chunk):
         batch = new_trajectories(fmt, questions[s : s + chunk], 1, group_offset=s)
-        rollout(sample_fn, params, batch, fmt, tool_env, cfg, key, traj_offset=first + s)
+        rollout(engine, params, batch, fmt, tool_env, cfg, key, traj_offset=first + s)
         trajs += batch
         if progress is not None:
             progress(len(trajs))
