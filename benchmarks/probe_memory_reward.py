@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
 
     cfg, world, sample_fn, params, fmt, env, rollout, policy = tiny_world_policy(args.run_dir, args.stage)
     tok = fmt.tokenizer
-    full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_prefix)
+    full_prefix, answer_prefix = answer_prefix_ids(tok, cfg.rl.memory_reward.prefix)
     temperature = cfg.rl.rollout.temperature or 1.0
     scorer = MemoryRewardScorer(make_logits_fn(sample_fn.sampler.graphdef), tok.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=temperature)

@@ -30,6 +30,7 @@ from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
+from mempo_jax.rl.memory_reward import MemoryRewardConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.rl.step import RLConfig
 from mempo_jax.core.validation import check, require
@@ -390,13 +391,20 @@ class ExperimentConfig:
 # MeshConfig / TPUConfig / PlanConfig (mempo_jax.core.mesh_config) sit beside ExperimentConfig in a pod
 # recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
-                  RLConfig, RolloutConfig, LossConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
+                  RLConfig, RolloutConfig, LossConfig, MemoryRewardConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
                   TPUConfig, PlanConfig)
 # Bindings of fields that moved (a recipe that still binds one gets a one-line error naming the new field).
 MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows",
                 "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
                 "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
                 "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows"}
+# RLConfig's memory-reward fields, now MemoryRewardConfig's (same values): a run folder's config.gin
+# that binds one is read with the new name (``load_run_folder_config``); a recipe gets the MOVED_FIELDS error.
+RENAMED_FIELDS = {f"RLConfig.{old}": f"MemoryRewardConfig.{new}" for old, new in (
+    ("memory_answer", "answer"), ("memory_prefix", "prefix"), ("memory_reward_malformed", "include_malformed"),
+    ("memory_reward_on", "trajectories"), ("memory_reward_scale", "scale"), ("memory_baseline", "baseline"),
+    ("memory_hindsight", "hindsight"), ("memory_norm", "norm"), ("memory_group", "group"))}
+MOVED_FIELDS.update(RENAMED_FIELDS)
 # Bindings of fields that were removed, with why (a recipe that binds one gets a one-line error saying so).
 REMOVED_FIELDS = {"RolloutConfig.engine": "the cached engine (KV cache kept across turns) is the only rollout engine, on "
                                           "every mesh and process count"}
@@ -463,12 +471,15 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         with gin.config_scope(None):
             cfg = gin.get_configurable(ExperimentConfig)()
             # CheckpointConfig.* / MeshConfig.* / ExecutionConfig.* bindings apply without an
-            # ExperimentConfig.<field> = @...() line (unbound ones stay out of the operative config).
+            # ExperimentConfig.<field> = @...() line, MemoryRewardConfig.* ones without RLConfig.memory_reward (unbound ones stay out of the operative config).
             nested = {"checkpoint": CheckpointConfig}
             nested.update({name: kind for name, kind in (("mesh", MeshConfig), ("execution", ExecutionConfig))
                            if binds_any(kind)})
             cfg = dataclasses.replace(cfg, **{name: gin.get_configurable(kind)() for name, kind in nested.items()
                                               if not _is_bound(f"ExperimentConfig.{name}")})
+            if binds_any(MemoryRewardConfig) and not _is_bound("RLConfig.memory_reward"):  # likewise
+                cfg = dataclasses.replace(cfg, rl=dataclasses.replace(
+                    cfg.rl, memory_reward=gin.get_configurable(MemoryRewardConfig)()))
     except (ValueError, TypeError, KeyError, OSError, SyntaxError, tokenize.TokenError) as e:
         if isinstance(e, tokenize.TokenError):  # gin's message names no file: find the one that does not parse
             for path in gin_files:
@@ -628,18 +639,21 @@ def operative_config() -> str:
 
 def load_run_folder_config(path: str | pathlib.Path) -> ExperimentConfig:
     """``load_config`` of a run folder's ``config.gin`` (the operative config a run wrote), also of
-    one written before a field moved or was removed: bindings of ``MOVED_FIELDS`` (execution
-    sizes, which do not change what a policy is) and ``REMOVED_FIELDS`` are left out instead of
-    refused.
+    one written before a field moved or was removed: bindings of ``RENAMED_FIELDS`` are read
+    under their new names, the other ``MOVED_FIELDS`` (execution sizes, which do not change what a
+    policy is) and ``REMOVED_FIELDS`` are left out instead of refused.
 
     Raises:
       ValueError: as ``load_config``.
     """
     import tempfile
 
-    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in (*MOVED_FIELDS, *REMOVED_FIELDS))})\s*=")
+    dropped = [k for k in (*MOVED_FIELDS, *REMOVED_FIELDS) if k not in RENAMED_FIELDS]
+    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in dropped)})\s*=")
+    renamed = re.compile(rf"^(\s*)({'|'.join(re.escape(k) for k in RENAMED_FIELDS)})(\s*=)")
     text = pathlib.Path(path).read_text(encoding="utf-8")
-    kept = "".join(line for line in text.splitlines(keepends=True) if not moved.match(line))
+    kept = "".join(renamed.sub(lambda m: m.group(1) + RENAMED_FIELDS[m.group(2)] + m.group(3), line)
+                   for line in text.splitlines(keepends=True) if not moved.match(line))
     with tempfile.TemporaryDirectory() as tmp:
         copy = pathlib.Path(tmp, pathlib.Path(path).name)
         copy.write_text(kept, encoding="utf-8")

@@ -76,11 +76,11 @@ def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
     # a lever on the same SFT start: copied, not trained again (its metrics are byte for byte the same)
     lever = tmp_path / "lever"
     doc2 = ablation.main(["--small", "--rl_steps", "1", "--out", str(lever), "--sft_from", str(out),
-                          "--arms", "mempo,grpo", "--gin_param", 'RLConfig.memory_baseline="input"'])
+                          "--arms", "mempo,grpo", "--gin_param", 'MemoryRewardConfig.baseline="input"'])
     for name in ("metrics.jsonl", "eval_sft.json"):
         assert (lever / "seed0" / "sft" / name).read_bytes() == (out / "seed0" / "sft" / name).read_bytes()
     assert doc2["results"]["arms"]["grpo"]["0"]["eval"]["sft"] == sft_eval
-    assert "memory_baseline = 'input'" in (lever / "seed0" / "mempo" / "config.gin").read_text()
+    assert "MemoryRewardConfig.baseline = 'input'" in (lever / "seed0" / "mempo" / "config.gin").read_text()
     with pytest.raises(FileNotFoundError, match="not a finished SFT start"):
         ablation.main(["--small", "--out", str(tmp_path / "x"), "--sft_from", str(tmp_path / "nowhere")])
 

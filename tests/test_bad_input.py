@@ -48,7 +48,9 @@ def _one_error(err: list[str]) -> str:
     ("RLConfig.questions_per_step=0", "RLConfig.questions_per_step must be >= 1, got 0"),
     ("RLConfig.ppo_epochs=1.5", "RLConfig.ppo_epochs must be an int, got 1.5"),
     ('RLConfig.outcome_metric="bleu"', "RLConfig.outcome_metric: unknown metric 'bleu'"),
-    ('RLConfig.memory_answer="both"', "RLConfig.memory_answer must be one of ('gold', 'generated'), got 'both'"),
+    ('MemoryRewardConfig.answer="both"', "MemoryRewardConfig.answer must be one of ('gold', 'generated'), got 'both'"),
+    ('MemoryRewardConfig.group="step"', "MemoryRewardConfig.group must be one of ('question', 'turn'), got 'step'"),
+    ('RLConfig.memory_norm="center"', "RLConfig.memory_norm moved to MemoryRewardConfig.norm; bind MemoryRewardConfig.norm"),
     ("RLConfig.memory_coef=nan", None),  # gin has no nan literal: a parse error, also one line
     ("SFTConfig.batch_rows=0", "SFTConfig.batch_rows must be >= 1, got 0"),
     ("SFTConfig.full_fraction=1.5", "SFTConfig.full_fraction must be <= 1.0, got 1.5"),

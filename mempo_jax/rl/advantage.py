@@ -9,8 +9,12 @@ interfere. Group ids are assigned per question *before* the n rollout copies are
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+from mempo_jax.core.registry import Registry
 
 
 def _group_centred(values, group_ids, num_groups: int, valid):
@@ -82,6 +86,22 @@ def outcome_advantage(rewards: jax.Array, group_ids: jax.Array, num_groups: int)
     return group_normalize(rewards, group_ids, num_groups)
 
 
+MEMORY_NORMS: Registry[Callable[..., jax.Array]] = Registry("memory advantage norm")
+
+
+@MEMORY_NORMS.register("zscore")
+def _zscore(mem_rewards, mem_group_ids, num_groups: int, valid) -> jax.Array:
+    """``group_normalize``: (R_M − mean_g) / (std_g + eps) (docs/algorithm.md §4)."""
+    return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
+
+
+@MEMORY_NORMS.register("center")
+def _center(mem_rewards, mem_group_ids, num_groups: int, valid) -> jax.Array:
+    """``R_M − mean_g`` only, left in R_M's units (the no-std variant of Dr. GRPO, Liu et al. 2025)."""
+    _, valid, _, _, centred = _group_centred(mem_rewards, mem_group_ids, num_groups, valid)
+    return jnp.where(valid, centred, 0.0)
+
+
 def memory_advantage(
     mem_rewards: jax.Array,
     mem_group_ids: jax.Array,
@@ -91,31 +111,25 @@ def memory_advantage(
 ) -> jax.Array:
     """Memory advantage A_M per ``<mem>`` turn (docs/algorithm.md §4).
 
-    One mean/std per question group, pooled over *every turn of every trajectory* of that group;
-    each turn's R_M is normalised with it (so turns of one trajectory get different values).
+    One mean/std per segment (a question group: pooled over *every turn of every trajectory* of
+    that group); each turn's R_M is normalised with it (so turns of one trajectory get different values).
 
     Args:
       mem_rewards: ``[M]`` float R_M = P_mem − P_full (probability units), one per turn.
-      mem_group_ids: ``[M]`` int32 question index of the turn's trajectory.
-      num_groups: static number of questions.
+      mem_group_ids: ``[M]`` int32 segment of the turn (its question index by default).
+      num_groups: static number of segments.
       valid: ``[M]`` bool, False on padding turns.
-      norm: ``"zscore"`` (the spec: ``group_normalize``) or ``"center"`` (``R_M − mean_g``
-        only, left in probability units, so a group whose R_M differ by noise gets advantages
-        of that size rather than ±1; the no-std variant of Dr. GRPO, Liu et al. 2025;
-        ``RLConfig.memory_norm``).
+      norm: a name in ``MEMORY_NORMS``: ``"zscore"`` (the spec: ``group_normalize``) or
+        ``"center"`` (``R_M − mean_g`` only, so a group whose R_M differ by noise gets
+        advantages of that size rather than ±1; ``MemoryRewardConfig.norm``).
 
     Returns:
       ``[M]`` float32; 0 on invalid turns.
 
     Raises:
-      ValueError: an unknown ``norm``.
+      ValueError: an unknown ``norm`` (listing the known ones).
     """
-    if norm == "zscore":
-        return group_normalize(mem_rewards, mem_group_ids, num_groups, valid)
-    if norm != "center":
-        raise ValueError(f"memory advantage norm must be 'zscore' or 'center', got {norm!r}")
-    _, valid, _, _, centred = _group_centred(mem_rewards, mem_group_ids, num_groups, valid)
-    return jnp.where(valid, centred, 0.0)
+    return MEMORY_NORMS.get(norm)(mem_rewards, mem_group_ids, num_groups, valid)
 
 
 def scatter_span_values(

@@ -1,7 +1,7 @@
 """Memory reward R_M = P(Z | mem_traj[t]) − P(Z | full_traj[t]) (docs/algorithm.md §3).
 
 Z is scored after a fixed, never-scored prefix (``answer_prefix``, and ``full_prefix`` on the
-full view only): ``RLConfig.memory_prefix`` picks it (``experiment.answer_prefix_ids``).
+full view only): ``MemoryRewardConfig.prefix`` picks it (``experiment.answer_prefix_ids``).
 
 A detached extra forward pass: nothing is generated; the answer Z is re-scored under the full
 history snapshot and under the compressed memory view of every ``<mem>`` turn. All 2M contexts
@@ -19,12 +19,16 @@ table, a custom model) is scored padded, as before.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mempo_jax.agent.trajectory import FULL
+from mempo_jax.core.registry import Registry
+from mempo_jax.core.validation import check
 from mempo_jax.core.batching import bucket_length, pad_sequences
 from mempo_jax.core.batching import length_buckets as _length_buckets
 from mempo_jax.core.logprobs import token_logprobs
@@ -141,11 +145,34 @@ class MemoryRewardOutput(NamedTuple):
     p_mem: np.ndarray  # P(Z | mem_traj[t])
 
 
-LOG_FLOOR = 1e-30  # P below this counts as this in ``memory_reward_values(..., "log")`` (P = 0: no Z token)
+LOG_FLOOR = 1e-30  # P below this counts as this in the ``"log"`` scale (P = 0: no Z token)
+
+# ---- the memory reward's variants: MemoryRewardConfig names one of each, registered here ------------
+
+MEMORY_REWARD_SCALES: Registry[Callable[[MemoryRewardOutput], np.ndarray]] = Registry("memory reward scale")
+MEMORY_BASELINES: Registry[Callable[[int | str], int | str]] = Registry("memory reward baseline")
+MEMORY_TRAJECTORIES: Registry[Callable[[np.ndarray], np.ndarray]] = Registry("memory reward trajectory selection")
+MEMORY_GROUPINGS: Registry[Callable[..., tuple[np.ndarray, int]]] = Registry("memory reward grouping")
+MEMORY_ANSWERS = ("gold", "generated")  # the Z scored: MemoryRewardConfig.answer (``step.memory_contexts``)
+MEMORY_PREFIXES = ("empty_mem", "think", "none")  # MemoryRewardConfig.prefix (``experiment.answer_prefix_ids``)
+
+
+@MEMORY_REWARD_SCALES.register("prob")
+def _prob_scale(out: MemoryRewardOutput) -> np.ndarray:
+    """``P_mem − P_full`` in [−1, 1] (docs/algorithm.md §3)."""
+    return np.asarray(out.r_mem, np.float32)
+
+
+@MEMORY_REWARD_SCALES.register("log")
+def _log_scale(out: MemoryRewardOutput) -> np.ndarray:
+    """``log P_mem − log P_full``: nats per answer token, ``P`` floored at ``LOG_FLOOR``."""
+    lp_mem = np.log(np.maximum(np.asarray(out.p_mem, np.float64), LOG_FLOOR))
+    lp_full = np.log(np.maximum(np.asarray(out.p_full, np.float64), LOG_FLOOR))
+    return (lp_mem - lp_full).astype(np.float32)
 
 
 def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> np.ndarray:
-    """R_M of each scored turn in the chosen units (``RLConfig.memory_reward_scale``).
+    """R_M of each scored turn in the chosen units (``MemoryRewardConfig.scale``).
 
     ``"prob"`` (docs/algorithm.md §3): ``P_mem − P_full``, in [−1, 1]. ``"log"``: ``log P_mem − log
     P_full``, the difference of the mean per-token log-likelihoods of Z (nats per answer token;
@@ -158,21 +185,121 @@ def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> np.nda
 
     Args:
       out: the scorer's ``MemoryRewardOutput`` (``[M]`` float32 ``p_full``, ``p_mem``).
-      scale: ``"prob"`` or ``"log"``.
+      scale: a name in ``MEMORY_REWARD_SCALES`` (``"prob"`` or ``"log"``).
 
     Returns:
       ``[M]`` float32.
 
     Raises:
-      ValueError: an unknown ``scale``.
+      ValueError: an unknown ``scale`` (listing the known ones).
     """
-    if scale == "prob":
-        return np.asarray(out.r_mem, np.float32)
-    if scale != "log":
-        raise ValueError(f"memory reward scale must be 'prob' or 'log', got {scale!r}")
-    lp_mem = np.log(np.maximum(np.asarray(out.p_mem, np.float64), LOG_FLOOR))
-    lp_full = np.log(np.maximum(np.asarray(out.p_full, np.float64), LOG_FLOOR))
-    return (lp_mem - lp_full).astype(np.float32)
+    return MEMORY_REWARD_SCALES.get(scale)(out)
+
+
+@MEMORY_BASELINES.register("full")
+def _full_baseline(context_steps: int | str) -> int | str:
+    """``full_traj[t]``, the whole history (docs/algorithm.md §3)."""
+    return FULL
+
+
+@MEMORY_BASELINES.register("input")
+def _input_baseline(context_steps: int | str) -> int | str:
+    """The context turn t's memory was written from (``Trajectory.policy_context(context_steps, t)``)."""
+    return context_steps
+
+
+@MEMORY_TRAJECTORIES.register("all")
+def _all_trajectories(rewards: np.ndarray) -> np.ndarray:
+    """Every trajectory (docs/algorithm.md §3)."""
+    return np.ones(np.shape(rewards), bool)
+
+
+@MEMORY_TRAJECTORIES.register("correct")
+def _correct_trajectories(rewards: np.ndarray) -> np.ndarray:
+    """Trajectories whose outcome reward is > 0."""
+    return np.asarray(rewards) > 0
+
+
+@MEMORY_GROUPINGS.register("question")
+def _question_groups(group_ids: np.ndarray, turn_index: np.ndarray, num_groups: int,
+                     max_turns: int | None) -> tuple[np.ndarray, int]:
+    """One segment per question: every turn of every trajectory of its group (docs/algorithm.md §4)."""
+    return np.asarray(group_ids, np.int32).reshape(-1), int(num_groups)
+
+
+@MEMORY_GROUPINGS.register("turn")
+def _turn_groups(group_ids: np.ndarray, turn_index: np.ndarray, num_groups: int,
+                 max_turns: int | None) -> tuple[np.ndarray, int]:
+    """One segment per (question, turn index): segment ``group · max_turns + turn``.
+
+    Raises:
+      ValueError: ``max_turns`` is None, or a turn index ``>= max_turns``.
+    """
+    if max_turns is None:
+        raise ValueError("the 'turn' memory reward grouping needs max_turns (RolloutConfig.max_turns)")
+    t = np.asarray(turn_index, np.int32).reshape(-1)
+    if t.size and t.max() >= max_turns:
+        raise ValueError(f"a <mem> turn index {int(t.max())} >= max_turns {max_turns}")
+    return np.asarray(group_ids, np.int32).reshape(-1) * max_turns + t, int(num_groups) * int(max_turns)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRewardConfig:
+    """How the memory reward R_M is scored and turned into A_M (docs/algorithm.md §3–§4).
+
+    The defaults are the algorithm as written; every other value is a variant, chosen by name
+    from the registries above.
+
+    Attributes:
+      answer: the Z scored (``MEMORY_ANSWERS``): ``"gold"`` (each objective's first alias) or
+        ``"generated"`` (the sampled ids of the trajectory's final ``<answer>`` block; gold
+        without one).
+      prefix: the never-scored ids between a view and Z (``MEMORY_PREFIXES``,
+        ``experiment.answer_prefix_ids``): ``"empty_mem"`` (the full view gets an empty
+        ``<mem></mem>``), ``"think"`` or ``"none"``.
+      include_malformed: also score the ``<mem>`` span of a turn with a format error. ``False``:
+        such turns get no R_M / A_M and stay out of the group's statistics (their tokens keep
+        A_T); ``mem/excluded_malformed`` counts them.
+      trajectories: which trajectories' ``<mem>`` turns are scored (``MEMORY_TRAJECTORIES``):
+        ``"all"`` or ``"correct"`` (outcome reward > 0). The others are left out as malformed
+        turns are.
+      scale: the units of R_M (``MEMORY_REWARD_SCALES``, ``memory_reward_values``): ``"prob"``
+        or ``"log"``.
+      baseline: the view P_mem is compared with (``MEMORY_BASELINES``): ``"full"``
+        (``full_traj[t]``) or ``"input"`` (the context the policy wrote turn t's memory from;
+        the same as ``"full"`` in full mode).
+      hindsight: append the tool results returned from turn t on
+        (``Trajectory.later_observations``) to both views of turn t's memory.
+      norm: how R_M becomes A_M within a segment (``advantage.MEMORY_NORMS``): ``"zscore"`` or
+        ``"center"`` (mean subtracted only, in R_M's units).
+      group: which ``<mem>`` turns share one R_M mean/std (``MEMORY_GROUPINGS``):
+        ``"question"`` (every turn of every trajectory of the question's group) or ``"turn"``
+        (the group's turns of the same index).
+
+    Raises:
+      ValueError: one line naming the field and the known values.
+    """
+
+    answer: str = "gold"
+    prefix: str = "empty_mem"
+    include_malformed: bool = False
+    trajectories: str = "all"
+    scale: str = "prob"
+    baseline: str = "full"
+    hindsight: bool = False
+    norm: str = "zscore"
+    group: str = "question"
+
+    def __post_init__(self):
+        from mempo_jax.rl.advantage import MEMORY_NORMS
+
+        check(self, "answer", str, choices=MEMORY_ANSWERS)
+        check(self, "prefix", str, choices=MEMORY_PREFIXES)
+        check(self, "include_malformed", bool)
+        check(self, "hindsight", bool)
+        for name, registry in (("trajectories", MEMORY_TRAJECTORIES), ("scale", MEMORY_REWARD_SCALES),
+                               ("baseline", MEMORY_BASELINES), ("norm", MEMORY_NORMS), ("group", MEMORY_GROUPINGS)):
+            check(self, name, str, choices=tuple(registry.names()))
 
 
 class MemoryRewardScorer:
@@ -185,7 +312,7 @@ class MemoryRewardScorer:
       answer_prefix: ids placed between context and Z on both views (e.g. ``[id("<answer>")]``).
       full_prefix: ids placed on the full view only, before ``answer_prefix`` (see
         ``build_scoring_batch``; ``experiment.answer_prefix_ids`` builds both from
-        ``RLConfig.memory_prefix``).
+        ``MemoryRewardConfig.prefix``).
       temperature: the sampler's softmax temperature (> 0), as for the trainer's log-probs.
       min_rows: smallest row bucket; use a multiple of the data-parallel device count.
       batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.

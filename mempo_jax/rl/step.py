@@ -30,7 +30,8 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
 from mempo_jax.rl.losses import LossConfig
-from mempo_jax.rl.memory_reward import memory_reward_values
+from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardConfig,
+                                        memory_reward_values)
 from mempo_jax.rl.rewards import get_metric, outcome_reward
 from mempo_jax.text.stop_strings import byte_offsets
 from mempo_jax.core.validation import check
@@ -47,58 +48,19 @@ class RLConfig:
       num_mini_batches: optimizer steps per RL step.
       ppo_epochs: passes over the step's rows.
       outcome_metric: ``"em"`` or ``"f1"``.
-      memory_answer: ``"gold"`` or ``"generated"`` — the Z scored by the memory reward.
       memory_coef: scale of A_M in A = A_T + memory_coef · A_M (1 in the spec; 0 disables).
       loss: PPO loss options.
       rollout: rollout options (``context_steps`` picks full or k-step training).
       precompile: compile every program shape the config can produce (``precompile_rl_step``)
         before the first step, so that no step compiles; off by default (it builds shapes a
         short run may never use).
-      memory_reward_malformed: also score the ``<mem>`` span of a turn with a format error (mem
-        not first, a nested tag, a second ``<mem>``, no closing action, …) and give it A_M.
-        ``False`` (default): such turns get no R_M / A_M and stay out of the group's R_M mean and
-        std (their tokens keep A_T); ``mem/excluded_malformed`` counts them.
-      memory_prefix: the never-scored ids between a memory-reward context and Z
-        (``experiment.answer_prefix_ids``): ``"empty_mem"`` (default; the full view gets an
-        empty ``<mem></mem>`` so both views are followed by their natural continuation),
-        ``"think"`` or ``"none"``.
+      memory_reward: how R_M is scored and normalised (``MemoryRewardConfig``; its defaults are
+        docs/algorithm.md §3–§4, every other value a named variant).
       old_logprobs: where the PPO "old" log-probs come from: ``"trainer"`` (default; the policy
         recomputes them over the step's rows before the update, one detached packed pass,
         ``policy_old_logprobs``, as verl's ``compute_log_prob``; the sampler's stay in the
         rollout records for ``rollout/logprob_diff/*``) or ``"sampler"`` (the sampler's own; no
         recompute, no ``logprob_diff`` metrics).
-      memory_reward_on: which trajectories' ``<mem>`` turns get a memory reward: ``"all"``
-        (default, docs/algorithm.md §3) or ``"correct"`` (only those whose outcome reward is > 0, so
-        A_M only ranks the memories of answers that were right). The
-        other turns are left out as malformed ones are (no R_M / A_M, outside the group's R_M
-        statistics, not scored).
-      memory_norm: how R_M becomes A_M within a group: ``"zscore"`` (default, docs/algorithm.md §4) or
-        ``"center"`` (mean subtracted only, in probability units; ``advantage.memory_advantage``).
-      memory_reward_scale: the units of R_M (``memory_reward.memory_reward_values``): ``"prob"``
-        (default, docs/algorithm.md §3: ``P_mem − P_full``) or ``"log"`` (``log P_mem − log P_full``,
-        nats per answer token: an early memory that dropped an objective gets a signal although
-        Z is still unlikely under both views).
-      memory_baseline: the view P_mem is compared with: ``"full"`` (default, docs/algorithm.md §3:
-        ``full_traj[t]``, the whole history) or ``"input"`` (the context the policy wrote turn t's
-        memory from, ``Trajectory.policy_context(rollout.context_steps, t)``; the same as
-        ``"full"`` in full mode). In k-step mode a memory that dropped a fact passes the loss on:
-        every later memory lacks it and, against the full history, each is penalised for what it
-        never saw; against its own input only the memory that dropped it is.
-      memory_group: which ``<mem>`` turns share one R_M mean/std: ``"question"`` (default,
-        docs/algorithm.md §4: every turn of every trajectory of the question's group) or ``"turn"``
-        (the group's turns of the same index: memory t of one trajectory is ranked against memory
-        t of the others, so a turn whose R_M is structurally near 0, an early memory that cannot
-        yet hold the answer, is not pushed down by the final turns' larger R_M).
-      memory_hindsight: append the tool results returned from turn t on
-        (``Trajectory.later_observations``) to both views of turn t's memory (default ``False``,
-        docs/algorithm.md §3 as written). Z needs facts that arrive later (a bridge question's second
-        hop, a multi-objective question's other objectives), so before the last turn P(Z | mem)
-        and P(Z | baseline) are both ~0 whatever the memory kept; with the later results
-        appended the views differ only by what this memory kept of the past. Measured on the
-        tiny world (``benchmarks/ablation.py``, 3 seeds, docs/benchmarks.md): with
-        ``memory_baseline = "input"`` MemPO − GRPO on bridge + multi-objective k1 EM +0.027
-        [−0.000, +0.055] at 8 RL steps (the input baseline alone: +0.023), −0.040 at 32; with
-        ``"full"`` −0.031.
     """
 
     steps: int = 40
@@ -107,20 +69,12 @@ class RLConfig:
     num_mini_batches: int = 2
     ppo_epochs: int = 1
     outcome_metric: str = "em"
-    memory_answer: str = "gold"
     memory_coef: float = 1.0
     loss: LossConfig = LossConfig()
     rollout: RolloutConfig = RolloutConfig()
     precompile: bool = False
-    memory_reward_malformed: bool = False
-    memory_prefix: str = "empty_mem"
     old_logprobs: str = "trainer"
-    memory_reward_on: str = "all"
-    memory_norm: str = "zscore"
-    memory_group: str = "question"
-    memory_reward_scale: str = "prob"
-    memory_baseline: str = "full"
-    memory_hindsight: bool = False
+    memory_reward: MemoryRewardConfig = MemoryRewardConfig()
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -131,19 +85,11 @@ class RLConfig:
             get_metric(self.outcome_metric)
         except ValueError as e:
             raise ValueError(f"RLConfig.outcome_metric: {e}") from None
-        check(self, "memory_answer", str, choices=("gold", "generated"))
         check(self, "memory_coef", float)
         check(self, "loss", LossConfig)
         check(self, "rollout", RolloutConfig)
         check(self, "precompile", bool)
-        check(self, "memory_reward_malformed", bool)
-        check(self, "memory_reward_on", str, choices=("all", "correct"))
-        check(self, "memory_norm", str, choices=("zscore", "center"))
-        check(self, "memory_group", str, choices=("question", "turn"))
-        check(self, "memory_reward_scale", str, choices=("prob", "log"))
-        check(self, "memory_baseline", str, choices=("full", "input"))
-        check(self, "memory_hindsight", bool)
-        check(self, "memory_prefix", str, choices=("empty_mem", "think", "none"))
+        check(self, "memory_reward", MemoryRewardConfig)
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
 
@@ -229,7 +175,7 @@ def precompile_rl_step(learner, ref_params, engine, scorer, tokenizer, cfg: RLCo
         _advantages.lower(sds((n,), jnp.float32), sds((n,), jnp.int32), sds((mb,), jnp.float32), sds((mb,), jnp.int32),
                           sds((mb,), jnp.bool_), sds((mb,), jnp.int32), sds((mb,), jnp.int32), sds((mb,), jnp.int32),
                           sds((b,), jnp.int32), sds((b, length), jnp.float32), sds((), jnp.float32),
-                          num_groups=cfg.questions_per_step, memory_norm=cfg.memory_norm,
+                          num_groups=cfg.questions_per_step, memory_norm=cfg.memory_reward.norm,
                           num_mem_groups=mem_group_count(cfg)).compile()
     out["advantages"] = len(training_length_buckets(cfg))
     out["seconds"] = time.perf_counter() - t0
@@ -265,17 +211,17 @@ def answer_ids_of(turn: Turn, codec) -> Optional[list[int]]:
 
 
 def scored_memory_turns(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]],
-                        include_malformed: bool, rewards: np.ndarray | None = None) -> np.ndarray:
+                        include_malformed: bool, trajectories: np.ndarray | None = None) -> np.ndarray:
     """``[M]`` bool: which recorded ``<mem>`` turns get a memory reward. With
     ``include_malformed`` every one; else only turns without a format error
-    (``turn.parsed.error is None``; ``RLConfig.memory_reward_malformed``). With ``rewards``
-    (``[N]`` float32 outcome rewards of ``trajs``), also only turns of trajectories whose reward
-    is > 0 (``RLConfig.memory_reward_on = "correct"``)."""
+    (``turn.parsed.error is None``; ``MemoryRewardConfig.include_malformed``). With
+    ``trajectories`` (``[N]`` bool over ``trajs``, ``MemoryRewardConfig.trajectories``' selection),
+    also only turns of the selected trajectories."""
     keep = np.ones((len(mem_turn),), bool)
     if not include_malformed:
         keep = np.asarray([trajs[i].turns[t].parsed.error is None for i, t in mem_turn], bool).reshape(-1)
-    if rewards is not None:
-        keep &= np.asarray([rewards[i] > 0 for i, _ in mem_turn], bool).reshape(-1)
+    if trajectories is not None:
+        keep &= np.asarray([bool(trajectories[i]) for i, _ in mem_turn], bool).reshape(-1)
     return keep
 
 
@@ -298,20 +244,20 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
     ``full_traj[t]`` (``baseline_steps = FULL``, the default; else the k-step policy context of
-    turn t, ``Trajectory.policy_context``: ``RLConfig.memory_baseline = "input"``) /
+    turn t, ``Trajectory.policy_context``: ``MemoryRewardConfig.baseline = "input"``) /
     ``mem_traj[t]`` views and Z: the gold answer (default; aliases' first
     entries joined by ``"; "``, encoded with a leading space as rendered in turns) or, with
     ``"generated"``, the sampled ids of the trajectory's final ``<answer>`` block
     (``answer_ids_of`` with ``codec``, the policy's ``TagCodec``; default: ``tokenizer``'s tags
     as single ids), gold when the trajectory gave no answer. Never decoded and re-encoded.
-    ``hindsight`` (``RLConfig.memory_hindsight``): both views of turn t end with
+    ``hindsight`` (``MemoryRewardConfig.hindsight``): both views of turn t end with
     ``Trajectory.later_observations(t)``, the tool results of turns t.. (none for the answer turn).
 
     Raises:
       ValueError: for an unknown ``answer_source``.
     """
     if answer_source not in ("gold", "generated"):
-        raise ValueError(f"memory_answer must be 'gold' or 'generated', got {answer_source!r}")
+        raise ValueError(f"MemoryRewardConfig.answer must be 'gold' or 'generated', got {answer_source!r}")
     if answer_source == "generated" and codec is None:
         codec = TagCodec(tokenizer, "tokens")
     full, mem, answers = [], [], []
@@ -398,26 +344,31 @@ def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[s
                  "rollout/logprob_diff/max": float(gap.max()) if gap.size else 0.0}
 
 
+def ppo_old_logprobs(learner, rows: TrainingRows, source: str) -> tuple[np.ndarray, dict[str, float]]:
+    """The PPO "old" log-probs ``[R, L]`` and their metrics (``RLConfig.old_logprobs``): ``"trainer"``
+    recomputes them (``policy_old_logprobs``; the sampler's stay in ``rows.old_logprobs``),
+    ``"sampler"`` uses the sampler's (no metrics)."""
+    if source == "trainer":
+        return policy_old_logprobs(learner, rows)
+    return rows.old_logprobs, {}
+
+
 def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
     """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (docs/algorithm.md §3)."""
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
-def memory_turns_per_group(cfg: RLConfig) -> int | None:
-    """``compute_advantages``' ``turns_per_group``: ``RolloutConfig.max_turns`` with
-    ``RLConfig.memory_group = "turn"``, else ``None`` (one R_M statistic per question)."""
-    return cfg.rollout.max_turns if cfg.memory_group == "turn" else None
-
-
 def mem_group_count(cfg: RLConfig) -> int:
-    """The number of R_M segments of a step: questions, times ``max_turns`` with ``memory_group = "turn"``."""
-    return cfg.questions_per_step * (memory_turns_per_group(cfg) or 1)
+    """The number of R_M segments of a step (``MemoryRewardConfig.group``'s grouping of no turns):
+    questions, times ``max_turns`` with ``group = "turn"``."""
+    none = np.zeros((0,), np.int32)
+    return MEMORY_GROUPINGS.get(cfg.memory_reward.group)(none, none, cfg.questions_per_step, cfg.rollout.max_turns)[1]
 
 
 def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
                        *, max_rows: int | None = None, max_mem: int | None = None,
                        mem_valid: np.ndarray | None = None, memory_norm: str = "zscore",
-                       turns_per_group: int | None = None):
+                       memory_group: str = "question", max_turns: int | None = None):
     """Token advantages ``[rows, seq]`` and their parts (docs/algorithm.md §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
@@ -438,10 +389,11 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
       mem_valid: optional ``[M]`` bool, False on turns without a memory reward
         (``scored_memory_turns``): their A_M is 0 and their R_M enters no group statistic.
         Default all True.
-      memory_norm: ``"zscore"`` or ``"center"`` (``advantage.memory_advantage``).
-      turns_per_group: ``None`` (default): one R_M statistic per question group; an int T: one
-        per (question group, turn index), segment ``group · T + turn`` (``RLConfig.memory_group
-        = "turn"``, T = ``RolloutConfig.max_turns``).
+      memory_norm: a name in ``advantage.MEMORY_NORMS`` (``MemoryRewardConfig.norm``).
+      memory_group: a name in ``memory_reward.MEMORY_GROUPINGS`` (``MemoryRewardConfig.group``):
+        ``"question"`` (default): one R_M statistic per question group; ``"turn"``: one per
+        (question group, turn index), segment ``group · max_turns + turn``.
+      max_turns: ``RolloutConfig.max_turns`` (the ``"turn"`` grouping's T).
 
     Returns:
       ``(advantages [R, L], a_t [N], a_m [M])`` float32 numpy arrays.
@@ -457,12 +409,8 @@ def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_
         raise ValueError(f"mem_valid has {keep.shape[0]} entries for {m} <mem> turns")
     group_ids = np.asarray([tr.group_id for tr in trajs], np.int32)
     mem_groups = np.asarray([trajs[i].group_id for i, _ in rows.mem_turn], np.int32).reshape(-1)
-    num_mem_groups = int(num_groups)
-    if turns_per_group is not None:
-        t_index = np.asarray([t for _, t in rows.mem_turn], np.int32).reshape(-1)
-        if t_index.size and t_index.max() >= turns_per_group:
-            raise ValueError(f"a <mem> turn index {int(t_index.max())} >= turns_per_group {turns_per_group}")
-        mem_groups, num_mem_groups = mem_groups * turns_per_group + t_index, int(num_groups) * turns_per_group
+    t_index = np.asarray([t for _, t in rows.mem_turn], np.int32).reshape(-1)
+    mem_groups, num_mem_groups = MEMORY_GROUPINGS.get(memory_group)(mem_groups, t_index, int(num_groups), max_turns)
     adv, a_t, a_m = _advantages(
         np.asarray(rewards, np.float32), group_ids, pad(np.asarray(r_mem, np.float32).reshape(-1), mb),
         pad(mem_groups, mb), pad(keep, mb, False), pad(rows.mem_rows.astype(np.int32), mb),
@@ -525,27 +473,24 @@ def rl_step(learner, ref_params, engine, scorer, questions, fmt, tool_env, cfg: 
     rewards = score_trajectories(trajs, cfg.outcome_metric)
     rows = pad_columns(build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id), TRAIN_MIN_LENGTH,
                        tokenizer.pad_id)
-    scored = scored_memory_turns(trajs, rows.mem_turn, cfg.memory_reward_malformed,
-                                 rewards if cfg.memory_reward_on == "correct" else None)
+    mr = cfg.memory_reward
+    scored = scored_memory_turns(trajs, rows.mem_turn, mr.include_malformed,
+                                 MEMORY_TRAJECTORIES.get(mr.trajectories)(rewards))
     full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
-                                         cfg.memory_answer, codec=fmt.codec,
-                                         baseline_steps=cfg.rollout.context_steps if cfg.memory_baseline == "input"
-                                         else FULL, hindsight=cfg.memory_hindsight)
+                                         mr.answer, codec=fmt.codec, hindsight=mr.hindsight,
+                                         baseline_steps=MEMORY_BASELINES.get(mr.baseline)(cfg.rollout.context_steps))
     mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
-    r_mem[scored] = memory_reward_values(mem_out, cfg.memory_reward_scale)
+    r_mem[scored] = memory_reward_values(mem_out, mr.scale)
     ref_logp = detached_logprobs(learner, ref_params, rows)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),
-                                       mem_valid=scored, memory_norm=cfg.memory_norm,
-                                       turns_per_group=memory_turns_per_group(cfg))
+                                       mem_valid=scored, memory_norm=mr.norm, memory_group=mr.group,
+                                       max_turns=cfg.rollout.max_turns)
     timings["timing/scoring_s"] = time.perf_counter() - t1
 
     t_old = time.perf_counter()
-    if cfg.old_logprobs == "trainer":
-        old_logp, lp_metrics = policy_old_logprobs(learner, rows)  # the sampler's stay in rows.old_logprobs
-    else:
-        old_logp, lp_metrics = rows.old_logprobs, {}
+    old_logp, lp_metrics = ppo_old_logprobs(learner, rows, cfg.old_logprobs)
     timings["timing/old_logprobs_s"] = time.perf_counter() - t_old
 
     t2 = time.perf_counter()
@@ -581,7 +526,7 @@ def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, r_mem: np.ndarray, 
     """The step's reward, memory-reward and batch-shape metrics (verl's names where one exists):
     ``rewards`` ``[n_traj]`` outcome rewards, ``mem_out`` the scorer's output over the ``scored``
     (``[n_mem]`` bool) memory turns, ``r_mem`` ``[n_mem]`` their R_M in the configured units
-    (``RLConfig.memory_reward_scale``: ``mem/reward/mean`` is the mean of what the advantages
+    (``MemoryRewardConfig.scale``: ``mem/reward/mean`` is the mean of what the advantages
     used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
     em = score_trajectories(trajs, "em")
     return {

@@ -22,7 +22,7 @@ from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.agent.engine import RolloutEngine
-from mempo_jax.rl.memory_reward import MemoryRewardScorer
+from mempo_jax.rl.memory_reward import MEMORY_PREFIXES, MemoryRewardScorer
 from mempo_jax.text.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document
@@ -157,12 +157,9 @@ def _tokenizer_texts(documents, questions) -> list[str]:
     return texts
 
 
-MEMORY_PREFIXES = ("empty_mem", "think", "none")  # the values of RLConfig.memory_prefix
-
-
 def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], list[int]]:
     """``(full_prefix, answer_prefix)``: the never-scored ids between a memory-reward context and
-    Z (``MemoryRewardScorer``), chosen by ``RLConfig.memory_prefix``.
+    Z (``MemoryRewardScorer``), chosen by ``MemoryRewardConfig.prefix`` (``MEMORY_PREFIXES``).
 
     Built from the protocol's tags only (encoded as text, so it holds for single-token and text
     tags alike); no think wording is assumed. The answer turn's opening is
@@ -186,10 +183,10 @@ def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], li
     think is equally unlikely on both views (P(``</think>`` right after ``<think>``) 0.0000 and 0.0001).
 
     Raises:
-      ValueError: for an unknown ``mode`` (names ``RLConfig.memory_prefix``).
+      ValueError: for an unknown ``mode`` (names ``MemoryRewardConfig.prefix``).
     """
     if mode not in MEMORY_PREFIXES:
-        raise ValueError(f"RLConfig.memory_prefix must be one of {MEMORY_PREFIXES}, got {mode!r}")
+        raise ValueError(f"MemoryRewardConfig.prefix must be one of {MEMORY_PREFIXES}, got {mode!r}")
     if mode == "none":
         return [], []
     opening = tokenizer.encode(THINK[0] + THINK[1] + ANSWER[0])
@@ -437,7 +434,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
                          rules=rules, rollout_tensor=cfg.mesh.rollout_tensor)
     _check_rollout_fits(cfg, model_cfg, policy.engine)
-    full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_prefix)
+    full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_reward.prefix)
     scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,
                                 temperature=cfg.rl.rollout.temperature or 1.0, chunk_rows=scoring_chunk_rows,
                                 min_rows=max(8, sharding.batch_shards(mesh, rules)),

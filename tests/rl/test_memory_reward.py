@@ -1,6 +1,8 @@
 """The memory reward's inputs in the RL step: which ``<mem>`` turns are scored (malformed turns are
 not, by default), which ids Z is (the sampled answer ids, never re-encoded), and the prefix
-between each view and Z (``RLConfig.memory_prefix``)."""
+between each view and Z (``MemoryRewardConfig.prefix``)."""
+
+import pathlib
 
 import jax
 import numpy as np
@@ -13,6 +15,7 @@ from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig, make_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import Trajectory, build_training_rows
+from mempo_jax.rl.memory_reward import MEMORY_TRAJECTORIES, MemoryRewardConfig
 from mempo_jax.rl.step import (RLConfig, answer_ids_of, compute_advantages, memory_contexts, rl_step,
                                scored_memory_turns)
 from toy_agent import WordTokenizer, toy_model, toy_world
@@ -67,9 +70,12 @@ def test_memory_reward_on_correct_keeps_only_the_turns_of_rewarded_trajectories(
     rows = build_training_rows(trajs, 1, TOK.pad_id)
     rewards = np.asarray([0.0, 1.0, 0.5], np.float32)
     owner = [i for i, _ in rows.mem_turn]
-    keep = scored_memory_turns(trajs, rows.mem_turn, True, rewards)
+    correct = MEMORY_TRAJECTORIES.get("correct")(rewards)
+    assert correct.tolist() == [False, True, True]
+    assert MEMORY_TRAJECTORIES.get("all")(rewards).all()
+    keep = scored_memory_turns(trajs, rows.mem_turn, True, correct)
     assert keep.tolist() == [owner_i != 0 for owner_i in owner] and not keep.all() and keep.any()
-    both = scored_memory_turns(trajs, rows.mem_turn, False, rewards)  # and the format filter still applies
+    both = scored_memory_turns(trajs, rows.mem_turn, False, correct)  # and the format filter still applies
     assert both.tolist() == (keep & scored_memory_turns(trajs, rows.mem_turn, False)).tolist()
     assert both.sum() < keep.sum()
 
@@ -106,7 +112,7 @@ def test_memory_group_turn_normalises_each_turn_index_within_its_question():
     m = len(rows.mem_turn)
     r_mem = np.random.default_rng(0).normal(size=m).astype(np.float32)
     rewards = np.asarray([1, 0, 1, 0, 1, 1], np.float32)
-    _, _, a_m = compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, turns_per_group=4)
+    _, _, a_m = compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, memory_group="turn", max_turns=4)
     want = np.zeros(m)
     segs = [(trajs[i].group_id, t) for i, t in rows.mem_turn]
     for seg in set(segs):  # numpy reference: z-score (ddof 1) within (question, turn index); a segment of one: its raw R_M
@@ -116,11 +122,11 @@ def test_memory_group_turn_normalises_each_turn_index_within_its_question():
     np.testing.assert_allclose(a_m, want, rtol=1e-5, atol=1e-5)
     _, _, a_q = compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0)  # the spec's pooling differs
     assert not np.allclose(a_q, a_m)
-    with pytest.raises(ValueError, match="turn index 2 >= turns_per_group 2"):
-        compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, turns_per_group=2)
-    assert RLConfig(memory_group="turn").memory_group == "turn"
-    with pytest.raises(ValueError, match="memory_group"):
-        RLConfig(memory_group="step")
+    with pytest.raises(ValueError, match="turn index 2 >= max_turns 2"):
+        compute_advantages(trajs, rows, rewards, r_mem, 2, 1.0, memory_group="turn", max_turns=2)
+    assert MemoryRewardConfig(group="turn").group == "turn"
+    with pytest.raises(ValueError, match=r"MemoryRewardConfig.group must be one of \('question', 'turn'\)"):
+        MemoryRewardConfig(group="step")
 
 
 class _Recording:
@@ -179,7 +185,7 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
     tok, env, questions, learner, scorer = _toy_learner_and_scorer()
     ref = jax.tree.map(lambda x: x.copy(), learner.params)
     first = [MALFORMED["mem not first"], MALFORMED["nested tag"], VALID, MALFORMED["second mem"], VALID, VALID]
-    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_malformed=include,
+    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward=MemoryRewardConfig(include_malformed=include),
                    rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
@@ -198,11 +204,11 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
                                                       ("log", "input", False), ("prob", "input", True)])
 def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(scale, baseline, hindsight,
                                                                                  monkeypatch):
-    """``RLConfig.memory_reward_scale``: the R_M that ``rl_step`` hands to ``compute_advantages``
+    """``MemoryRewardConfig.scale``: the R_M that ``rl_step`` hands to ``compute_advantages``
     is the scorer's ``P_mem − P_full`` (``prob``) or ``log P_mem − log P_full`` (``log``),
-    recomputed here from the scorer's own P values. ``RLConfig.memory_baseline``: the scored
+    recomputed here from the scorer's own P values. ``MemoryRewardConfig.baseline``: the scored
     baseline views are ``full_traj[t]`` or the k = 1 context each memory was written from;
-    ``RLConfig.memory_hindsight``: both views end with the later tool results."""
+    ``MemoryRewardConfig.hindsight``: both views end with the later tool results."""
     from mempo_jax.agent.trajectory import FULL
     from mempo_jax.rl import step as step_mod
 
@@ -212,8 +218,8 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
     monkeypatch.setattr(step_mod, "compute_advantages",
                         lambda trajs, rows, rewards, r_mem, *a, **k: seen.append(np.array(r_mem)) or
                         real(trajs, rows, rewards, r_mem, *a, **k))
-    cfg = RLConfig(questions_per_step=2, group_size=3, memory_reward_scale=scale, memory_baseline=baseline,
-                   memory_hindsight=hindsight, rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
+    cfg = RLConfig(questions_per_step=2, group_size=3,
+                   memory_reward=MemoryRewardConfig(scale=scale, baseline=baseline, hindsight=hindsight), rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
     m, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
@@ -267,7 +273,7 @@ def test_generated_answer_is_scored_as_its_sampled_ids(spm):
 
 
 def test_input_baseline_is_the_context_the_memory_was_written_from():
-    """``memory_contexts(..., baseline_steps=1)`` (``RLConfig.memory_baseline = "input"`` in k = 1
+    """``memory_contexts(..., baseline_steps=1)`` (``MemoryRewardConfig.baseline = "input"`` in k = 1
     mode): turn t's baseline view is prompt + turn t−1's output + its tool result, not the whole
     history; the memory view and Z do not change; ``FULL`` gives ``full_traj[t]``."""
     from mempo_jax.agent.trajectory import FULL
@@ -286,7 +292,7 @@ def test_input_baseline_is_the_context_the_memory_was_written_from():
 
 
 def test_hindsight_views_end_with_the_later_tool_results():
-    """``memory_contexts(..., hindsight=True)`` (``RLConfig.memory_hindsight``): turn t's memory
+    """``memory_contexts(..., hindsight=True)`` (``MemoryRewardConfig.hindsight``): turn t's memory
     and baseline views are followed by the tool results of turns t.. in order (turn t's own
     search result first, no outputs); the answer turn, which has none, is scored as without."""
     tr = Trajectory("q", 0, (("paris",),), TOK.encode("who is alice"))
@@ -341,7 +347,7 @@ def test_log_scale_memory_reward_golden_values_and_floor():
     np.testing.assert_array_equal(memory_reward_values(out, "prob"), p_mem - p_full)
     np.testing.assert_allclose(memory_reward_values(out, "log"),
                                [-3.0546238, 0.0, 0.0, np.log(LOG_FLOOR) - np.log(0.25)], rtol=1e-6)
-    with pytest.raises(ValueError, match="'prob' or 'log'"):
+    with pytest.raises(ValueError, match=r"known: \['log', 'prob'\]"):
         memory_reward_values(out, "logit")
 
 
@@ -360,3 +366,19 @@ def test_log_scale_memory_reward_ranks_like_the_probability_difference(pairs):
     order = np.argsort(p_mem, kind="stable")
     same_full = MemoryRewardOutput(p_mem - p_full[0], np.full_like(p_full, p_full[0]), p_mem)
     assert np.all(np.diff(memory_reward_values(same_full, "log")[order]) >= 0)
+
+
+def test_memory_reward_variants_are_bound_by_name_and_old_run_folders_keep_theirs(tmp_path):
+    """``MemoryRewardConfig.*`` bindings apply without an ``RLConfig.memory_reward`` line; an old
+    run folder's ``config.gin`` that binds ``RLConfig.memory_*`` fields is read under the new names
+    (``config.RENAMED_FIELDS``), the same variant; a recipe binding one is refused (test_bad_input)."""
+    from mempo_jax.config import DEFAULT_GIN, load_config, load_run_folder_config
+
+    cfg = load_config([DEFAULT_GIN], ['MemoryRewardConfig.baseline = "input"', "MemoryRewardConfig.hindsight = True"])
+    assert cfg.rl.memory_reward == MemoryRewardConfig(baseline="input", hindsight=True)
+    old = tmp_path / "config.gin"
+    old.write_text(pathlib.Path(DEFAULT_GIN).read_text() + "\nRLConfig.memory_norm = 'center'\n"
+                   "RLConfig.memory_group = 'turn'\nRLConfig.memory_reward_on = 'correct'\n"
+                   "RLConfig.memory_reward_malformed = True\n")
+    assert load_run_folder_config(old).rl.memory_reward == MemoryRewardConfig(
+        norm="center", group="turn", trajectories="correct", include_malformed=True)

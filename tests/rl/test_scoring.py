@@ -156,7 +156,7 @@ def test_answer_prefix_ids_per_memory_prefix_mode():
     assert answer_prefix_ids(tok) == ([tok.piece_id("<mem>"), tok.piece_id("</mem>")], t)  # default empty_mem
     assert answer_prefix_ids(tok, "think") == ([], t)
     assert answer_prefix_ids(tok, "none") == ([], [])
-    with pytest.raises(ValueError, match="RLConfig.memory_prefix"):
+    with pytest.raises(ValueError, match="MemoryRewardConfig.prefix"):
         answer_prefix_ids(tok, "mem")
 
 
