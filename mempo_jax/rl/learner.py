@@ -9,7 +9,7 @@ full-batch gradient; tunix-style (sum, denominator) losses).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,8 @@ from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sha
                                 param_shardings, replicated)
 from mempo_jax.core.validation import check
 
+T = TypeVar("T")
+TRAIN_MIN_LENGTH = 128  # smallest length bucket of the RL step's training rows (tokens)
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -141,6 +143,8 @@ class Learner:
         self.num_updates = 0
         self.before_update = before_update
         self.pad_id = int(pad_id)
+        self._packed_logprobs = None  # packed_logprobs(), built on first use
+        self._precompiled_for = None  # precompile_once's last key
         self.packs_update = getattr(logits_fn, "packed", None) is not None
         self.mesh = mesh = mesh_or_local(mesh)
         self.rules = rules
@@ -394,6 +398,44 @@ class Learner:
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))
         return {k: float(np.mean(v)) for k, v in out.items()}
+
+    # ---- the RL step's detached passes and its ahead-of-time programs ------------------------
+    def on_global_rows(self, fn, params, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """``fn(params, input_ids, valid)``: on one process over its own rows
+        (``run.lockstep.DistributedLearner`` runs it over every process's rows)."""
+        return fn(params, input_ids, valid)
+
+    def packed_logprobs(self):
+        """This learner's ``core.logprobs.PackedLogprobs`` (built on first use and kept), or ``None``
+        where the packed pass does not apply (``packs_update`` is False)."""
+        from mempo_jax.core.logprobs import PackedLogprobs
+
+        if not self.packs_update:
+            return None
+        if self._packed_logprobs is None:
+            self._packed_logprobs = PackedLogprobs(
+                self.logits_fn.packed, self.temperature, rows_per_call=self.logprob_chunk_rows,
+                min_rows=batch_shards(self.mesh, self.rules), min_length=TRAIN_MIN_LENGTH,
+                param_shardings=self.param_shardings, batch_sharding=self.batch_sharding)
+        return self._packed_logprobs
+
+    def detached_logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """``[R, L]`` float32 per-token log-probs of ``params`` over ``input_ids [R, L]`` (no
+        gradient), at the learner's temperature: one packed pass (``packed_logprobs``) where it
+        applies, else the padded ``logprobs``; over the global rows on several processes."""
+        calc = self.packed_logprobs()
+        if calc is None:
+            return self.logprobs(params, input_ids, valid)
+        return self.on_global_rows(calc, params, input_ids, valid)
+
+    def precompile_once(self, key, build: Callable[[], T]) -> T | None:
+        """``build()`` when ``key`` (e.g. the ``RLConfig``) differs from the key of the last build
+        (or none ran yet), else ``None``: the programs one config needs are built once per learner."""
+        if self._precompiled_for == key:
+            return None
+        out = build()
+        self._precompiled_for = key
+        return out
 
 
 def mini_batch_slices(n: int, num_mini_batches: int) -> list[tuple[int, int]]:

@@ -25,10 +25,12 @@ import numpy as np
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.text.protocol import ANSWER, MEM
-from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, place_params, rollout, rollout_metrics
+from mempo_jax.agent.rollout import Engine, RolloutConfig, new_trajectories, place_params, rollout, rollout_metrics
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
+from mempo_jax.rl.interfaces import MemoryScorer, PolicyLearner
+from mempo_jax.rl.learner import TRAIN_MIN_LENGTH  # noqa: F401  (the training rows' smallest length bucket)
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardConfig,
                                         memory_reward_values)
@@ -93,7 +95,6 @@ class RLConfig:
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
 
 
-TRAIN_MIN_LENGTH = 128  # smallest length bucket of training rows (tokens)
 
 
 def training_row_bound(cfg: RLConfig) -> int:
@@ -133,7 +134,8 @@ def scoring_length_bound(cfg: RLConfig, allowance: int = 128) -> int:
     return max(ro.max_context_tokens, history + allowance)
 
 
-def precompile_rl_step(learner, ref_params, engine, scorer, tokenizer, cfg: RLConfig, key: jax.Array) -> dict:
+def precompile_rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemoryScorer, tokenizer,
+                       cfg: RLConfig, key: jax.Array) -> dict:
     """Build every program an RL step of ``cfg`` can run, so that steps compile nothing.
 
     The shapes are functions of the config only: the rollout engine's programs (``engine.warm``,
@@ -160,11 +162,10 @@ def precompile_rl_step(learner, ref_params, engine, scorer, tokenizer, cfg: RLCo
     n_traj = cfg.questions_per_step * cfg.group_size
     mine = process_slice(cfg.questions_per_step)  # this process's questions (its rollout's slots)
     out = {"sampler": warm_sampler(engine, learner.params, cfg.rollout, (mine.stop - mine.start) * cfg.group_size, key)}
-    scorer = getattr(scorer, "scorer", scorer)  # a lockstep DistributedScorer wraps the scorer
     out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
-    calc = _packed_logprobs(learner)  # the reference log-probs, and the old ones with old_logprobs = "trainer"
+    calc = learner.packed_logprobs()  # the reference log-probs, and the old ones with old_logprobs = "trainer"
     out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss,
                                         logprobs=calc is None)
     if calc is not None:
@@ -288,41 +289,18 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
                                loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
 
 
-def _packed_logprobs(learner):
-    """The learner's ``PackedLogprobs`` (built once, kept on the learner), or ``None`` where the
-    packed pass does not apply: a learner that does not pack (``Learner.packs_update``)."""
-    from mempo_jax.core.logprobs import PackedLogprobs
-    from mempo_jax.core.sharding import batch_shards
-
-    if not learner.packs_update:
-        return None
-    calc = getattr(learner, "_packed_logprobs_calc", None)
-    if calc is None:
-        calc = PackedLogprobs(learner.logits_fn.packed, learner.temperature, rows_per_call=learner.logprob_chunk_rows,
-                              min_rows=batch_shards(learner.mesh, learner.rules), min_length=TRAIN_MIN_LENGTH,
-                              param_shardings=learner.param_shardings, batch_sharding=learner.batch_sharding)
-        learner._packed_logprobs_calc = calc
-    return calc
-
-
-def detached_logprobs(learner, params, rows: TrainingRows) -> np.ndarray:
+def detached_logprobs(learner: PolicyLearner, params, rows: TrainingRows) -> np.ndarray:
     """``[R, L]`` float32 per-token log-probs of ``params`` over the step's rows (no gradient),
-    at the learner's temperature: one packed pass (``_packed_logprobs``) where it applies, else
-    the padded ``learner.logprobs``. The reference and the PPO "old" log-probs both come from here."""
-    calc = _packed_logprobs(learner)
-    if calc is None:
-        return learner.logprobs(params, rows.input_ids, rows.valid)
-    on_global_rows = getattr(learner, "on_global_rows", None)  # several processes: the global batch
-    if on_global_rows is None:
-        return calc(params, rows.input_ids, rows.valid)
-    return on_global_rows(calc, params, rows.input_ids, rows.valid)
+    at the learner's temperature (``Learner.detached_logprobs``: one packed pass where it applies,
+    else the padded ``learner.logprobs``). The reference and the PPO "old" log-probs both come from here."""
+    return learner.detached_logprobs(params, rows.input_ids, rows.valid)
 
 
 def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[str, float]]:
     """The PPO "old" log-probs recomputed by the policy before the update, and the sampler/trainer gap.
 
     One detached pass of ``learner.params`` (the policy that sampled the step) over the
-    training rows, packed (``_packed_logprobs``; the padded ``learner.logprobs`` where
+    training rows, packed (``Learner.packed_logprobs``; the padded ``learner.logprobs`` where
     packing does not apply), at the learner's temperature: verl's ``compute_log_prob`` before
     ``update_policy``. In float32 it agrees with the sampler to ~1e-5; in bfloat16 the
     cached-decode and full-forward numerics differ, and the clip would act on that noise.
@@ -432,16 +410,17 @@ def _advantages(rewards, group_ids, r_mem, mem_groups, mem_valid, mem_rows, mem_
     return token_advantages(a_t[traj_index], mem_tok, loss_mask), a_t, a_m
 
 
-def rl_step(learner, ref_params, engine, scorer, questions, fmt, tool_env, cfg: RLConfig, key: jax.Array,
+def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemoryScorer, questions, fmt, tool_env,
+            cfg: RLConfig, key: jax.Array,
             rng: np.random.Generator, traj_offset: int = 0,
             progress: Optional[Callable[[int, int], None]] = None) -> tuple[dict[str, float], list[Trajectory]]:
     """Run one MemPO step on ``questions`` and update ``learner`` in place.
 
     Args:
-      learner: a ``Learner`` (policy params + optimizer).
+      learner: the policy (``interfaces.PolicyLearner``: a ``Learner``), updated in place.
       ref_params: frozen reference-policy parameters.
-      engine: the rollout engine (``rollout.rollout``).
-      scorer: a ``MemoryRewardScorer``.
+      engine: the rollout engine (``agent.rollout.Engine``).
+      scorer: the memory-reward scorer (``interfaces.MemoryScorer``: a ``MemoryRewardScorer``).
       questions: items with ``id``, ``question``, ``golds``.
       fmt, tool_env: the agent format (``AgentFormat``: tokenizer, tags, prompt) and host tools.
       cfg: RL options.
@@ -456,10 +435,10 @@ def rl_step(learner, ref_params, engine, scorer, questions, fmt, tool_env, cfg: 
       ``rollout_mesh.weight_sync``).
     """
     timings = {}
-    if cfg.precompile and getattr(learner, "_rl_precompiled", None) != cfg:
-        timings["timing/precompile_s"] = precompile_rl_step(learner, ref_params, engine, scorer, fmt.tokenizer, cfg,
-                                                            key)["seconds"]
-        learner._rl_precompiled = cfg
+    built = learner.precompile_once(cfg, lambda: precompile_rl_step(learner, ref_params, engine, scorer, fmt.tokenizer,
+                                                                    cfg, key)) if cfg.precompile else None
+    if built is not None:
+        timings["timing/precompile_s"] = built["seconds"]
     t_sync = time.perf_counter()
     params = jax.block_until_ready(place_params(engine, learner.params))
     timings["timing/weight_sync_s"] = time.perf_counter() - t_sync

@@ -454,7 +454,9 @@ HF_TOKENIZER_DIR = "hf_tokenizer"
 
 def _is_hf_tokenizer(tokenizer) -> bool:
     """An ``HFTokenizer`` (saved as a folder) rather than a SentencePiece model (one file)."""
-    return callable(getattr(tokenizer, "save", None))
+    from mempo_jax.text.hf_tokenizer import HFTokenizer
+
+    return isinstance(tokenizer, HFTokenizer)
 
 
 def _hf_tokenizer_json(tokenizer) -> Any:

@@ -58,8 +58,9 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
         that the Qwen2 / Llama layout cannot express (``CheckpointError``).
     """
     from mempo_jax.model.hf_io import save_hf_checkpoint
+    from mempo_jax.text.hf_tokenizer import HFTokenizer
 
-    if not callable(getattr(tokenizer, "save", None)):
+    if not isinstance(tokenizer, HFTokenizer):
         raise ValueError("only a policy with a Hugging Face tokenizer (a run from ModelOptions.checkpoint) can be "
                          "exported as a Hugging Face checkpoint; this one has a SentencePiece model")
     folder = pathlib.Path(folder)

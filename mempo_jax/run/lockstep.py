@@ -112,6 +112,14 @@ class DistributedScorer:
         start = int(counts[: jax.process_index()].sum())
         return MemoryRewardOutput(*(x[start : start + m] for x in out))
 
+    def length_buckets(self, max_tokens: int) -> list[int]:
+        """The wrapped scorer's ``length_buckets``."""
+        return self.scorer.length_buckets(max_tokens)
+
+    def precompile(self, params, lengths) -> int:
+        """The wrapped scorer's ``precompile`` (programs are per process; nothing is exchanged)."""
+        return self.scorer.precompile(params, lengths)
+
 
 class DistributedLearner(Learner):
     """A ``Learner`` fed with this process's rows on several processes.

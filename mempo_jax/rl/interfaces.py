@@ -1,0 +1,58 @@
+"""What the RL step takes: the policy learner and the memory-reward scorer, as ``Protocol``s.
+
+The rollout engine the step samples with is ``agent.rollout.Engine``. ``rl.learner.Learner``
+(and ``run.lockstep.DistributedLearner``), ``rl.memory_reward.MemoryRewardScorer`` (and
+``run.lockstep.DistributedScorer``) implement these; tests give scripted stand-ins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from mempo_jax.rl.losses import LossConfig
+from mempo_jax.rl.memory_reward import MemoryRewardOutput
+
+T = TypeVar("T")
+
+
+class MemoryScorer(Protocol):
+    """Scores P(Z | full_traj[t]) and P(Z | mem_traj[t]) of M turns (docs/algorithm.md §3)."""
+
+    def __call__(self, params: Any, full_contexts: Sequence[Sequence[int]], mem_contexts: Sequence[Sequence[int]],
+                 answers: Sequence[Sequence[int]]) -> MemoryRewardOutput:
+        """``MemoryRewardOutput`` of ``[M]`` float32 arrays, detached."""
+
+    def length_buckets(self, max_tokens: int) -> list[int]:
+        """The length buckets a scoring row of at most ``max_tokens`` tokens can land in."""
+
+    def precompile(self, params: Any, lengths: Sequence[int]) -> int:
+        """Compile the scoring programs at ``lengths`` ahead of time; return their count."""
+
+
+class PolicyLearner(Protocol):
+    """The policy's parameters, optimizer state and the passes the RL step runs on them."""
+
+    params: Any
+    micro_batch_rows: int
+
+    def detached_logprobs(self, params: Any, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """``[R, L]`` float32 per-token log-probs of ``params`` (no gradient), at the sampler's temperature."""
+
+    def packed_logprobs(self) -> Any:
+        """The packed log-prob pass (``core.logprobs.PackedLogprobs``) or ``None`` where it does not apply."""
+
+    def precompile(self, lengths: Sequence[int], ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
+                   logprob_rows: int | None = None, logprobs: bool = True) -> int:
+        """Compile the update (and the padded log-probs) at ``lengths`` ahead of time; return their count."""
+
+    def precompile_once(self, key: Any, build: Callable[[], T]) -> T | None:
+        """``build()`` unless the last build was for ``key``; ``None`` when skipped."""
+
+    def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
+                   rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
+        """One PPO epoch over ``rows``, in place; the epoch's metrics."""
+
+
+__all__ = ["MemoryScorer", "PolicyLearner"]
