@@ -45,7 +45,7 @@ on any process is acted on by all at the next step boundary.
 
 The stages are functions of a ``RunContext`` (``mempo_jax.run.context.open_run`` builds and
 checks it; ``mempo_jax.run.stages`` holds them); ``main(argv, hooks=FaultHooks(...))`` injects the
-test faults (``python -m mempo_jax.train`` reads them from ``$MEMPO_TEST_*``).
+test faults (the command line never does).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main(argv=None, hooks=None) -> int:
 
     Args:
       argv: the command line (default ``sys.argv[1:]``).
-      hooks: test-only ``resume.FaultHooks`` (``python -m mempo_jax.train``: ``FaultHooks.from_env()``).
+      hooks: test-only ``resume.FaultHooks`` (default: none).
 
     Returns:
       0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error or a
@@ -178,19 +178,5 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _cli() -> int:
-    """``python -m mempo_jax.train``: ``main`` with the test fault hooks of the environment.
-
-    A malformed ``$MEMPO_TEST_*`` value is a one-line error (exit status 2)."""
-    from mempo_jax.run.resume import FaultHooks
-
-    try:
-        hooks = FaultHooks.from_env()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return main(hooks=hooks)
-
-
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(main())

@@ -153,8 +153,23 @@ class RLCheckpoint:
 
 
 @dataclasses.dataclass
+class RunProgress:
+    """What the stages change as the run goes (the one mutable part of a ``RunContext``).
+
+    Attributes:
+      sft_saved, rl_saved: the newest saved SFT / RL step (None: none yet).
+      rl_step: the RL step running (``cfg.rl.steps`` once RL is done).
+    """
+
+    sft_saved: Optional[int] = None
+    rl_saved: Optional[int] = None
+    rl_step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RunContext:
-    """What the stages share (built by ``open_run``).
+    """What the stages share, set up once by ``open_run`` (frozen); what the loop changes is
+    ``progress``.
 
     Attributes:
       run_dir, cfg, run_cfg: the run folder, the ``ExperimentConfig`` and the whole ``RunConfig``.
@@ -167,7 +182,8 @@ class RunContext:
       point: the ``ResumePoint``; ``sft_state`` / ``rl_state``: the restored checkpoints or None.
       hooks: the test-only ``FaultHooks``; ``t_start``: wall-clock origin (minus resumed time).
       rl_key, eval_key: the RL and evaluation PRNG streams.
-      sft_saved, rl_saved: the newest saved SFT / RL step; ``rl_step``: the RL step running.
+      sft_opt, rl_opt: the SFT and RL optimizers.
+      progress: the ``RunProgress`` (saved steps, the RL step running).
     """
 
     run_dir: pathlib.Path
@@ -193,9 +209,7 @@ class RunContext:
     point: Any = None
     sft_state: Any = None
     rl_state: Any = None
-    sft_saved: Optional[int] = None
-    rl_saved: Optional[int] = None
-    rl_step: int = 0
+    progress: RunProgress = dataclasses.field(default_factory=RunProgress)
 
     @property
     def multi(self) -> bool:
@@ -327,12 +341,12 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     ctx = RunContext(run_dir, cfg, run_cfg, mesh, rules, exp, sync, exp.engine, scorer, sft_ckpt, rl_ckpt, pre,
                      interruptible, hooks, t_start, jax.random.fold_in(key, RL_STREAM),
                      jax.random.fold_in(key, EVAL_STREAM), make_optimizer(cfg.sft.optim), make_optimizer(cfg.optim))
-    ctx.point, (ctx.sft_state, ctx.rl_state) = restore_newest(
+    point, (sft_state, rl_state) = restore_newest(
         lambda skip: find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps, skip),
         lambda point: _restore(ctx, point))
+    ctx = dataclasses.replace(ctx, point=point, sft_state=sft_state, rl_state=rl_state)
     check_free_space(run_dir, checkpoint_bytes(exp.params, ctx.opt_target(ctx.rl_opt)))
-    _prepare_folder(ctx, stack)
-    return ctx
+    return _prepare_folder(ctx, stack)
 
 
 def _restore(ctx: RunContext, point):
@@ -353,8 +367,9 @@ def _restore(ctx: RunContext, point):
     return sft, rl
 
 
-def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> None:
-    """Every check has passed: the run folder changes from here on (process 0 writes)."""
+def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
+    """Every check has passed: the run folder changes from here on (process 0 writes). Returns
+    ``ctx`` with its logs, the resumed time taken off ``t_start`` and the resumed ``progress``."""
     from mempo_jax import config as config_lib
 
     run_dir, point, exp = ctx.run_dir, ctx.point, ctx.exp
@@ -371,15 +386,16 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> None:
                 (run_dir / name).unlink(missing_ok=True)
         write_text_atomic(run_dir / "config.gin", config_lib.operative_config())
         save_run_artifacts(run_dir, exp.tokenizer, exp.model_cfg)
-        ctx.logs = RunLogs(run_dir, newest, point.source, warn=lambda msg: tqdm.write(msg, file=sys.stderr))
+        logs = RunLogs(run_dir, newest, point.source, warn=lambda msg: tqdm.write(msg, file=sys.stderr))
     else:
-        ctx.logs = NoLogs(newest)
-    stack.callback(ctx.logs.close)
+        logs = NoLogs(newest)
+    stack.callback(logs.close)
     ctx.sync.barrier()  # several processes: process 0 has created the folders, moved skipped checkpoints
     ctx.sft_ckpt.prepare()
     ctx.rl_ckpt.prepare()
-    ctx.t_start -= float(newest.get("elapsed_s", 0.0)) if newest else 0.0
-    ctx.sft_saved, ctx.rl_saved = point.sft_step, point.rl_step
+    resumed_s = float(newest.get("elapsed_s", 0.0)) if newest else 0.0
+    ctx = dataclasses.replace(ctx, logs=logs, t_start=ctx.t_start - resumed_s,
+                              progress=RunProgress(sft_saved=point.sft_step, rl_saved=point.rl_step))
     ctx.say(f"[mempo] {ctx.cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
             f"questions, search {exp.corpus}, vocab {exp.tokenizer.vocab_size}, "
             f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
@@ -388,3 +404,4 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> None:
                 f"process(es)", flush=True)
     if not point.fresh:
         ctx.say(f"[mempo] {point.describe()}", flush=True)
+    return ctx

@@ -517,45 +517,21 @@ def check_sft_step(step: int, metrics: Mapping[str, float], last_good: str) -> N
 
 
 # ---- test-only fault hooks ----------------------------------------------------------------------
-def _parse_steps(text: str) -> frozenset[int]:
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return frozenset(out)
-
-
 @dataclasses.dataclass(frozen=True)
 class FaultHooks:
-    """Faults injected by tests, passed to ``train.main(hooks=...)`` (or, for a subprocess run of
-    ``python -m mempo_jax.train``, read from the environment by ``from_env``; never set them in
-    real runs). The trainer calls ``before_sample`` and ``update_rows``.
+    """Faults injected by tests, passed to ``train.main(hooks=...)`` (a subprocess test runs
+    ``tests/fault_train.py``, which passes them); the product's command line never sets them.
+    The trainer calls ``before_sample`` and ``update_rows``.
 
     Attributes:
-      nan_grad_steps: ``MEMPO_TEST_NAN_GRAD_STEPS="1,3-5"``: RL steps whose PPO batches get NaN
-        advantages, so every update of the step has non-finite gradients.
-      sigterm_rollout_step: ``MEMPO_TEST_SIGTERM_ROLLOUT_STEP=2``: the process sends itself
-        SIGTERM at the first rollout cycle of RL step 2 (during a rollout, before its first
-        sampling call).
+      nan_grad_steps: RL steps whose PPO batches get NaN advantages, so every update of the step
+        has non-finite gradients.
+      sigterm_rollout_step: the process sends itself SIGTERM at the first rollout cycle of this
+        RL step (during a rollout, before its first sampling call).
     """
 
     nan_grad_steps: frozenset = frozenset()
     sigterm_rollout_step: Optional[int] = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "FaultHooks":
-        """Parse the variables.
-
-        Raises:
-          ValueError: a malformed value (names the variable).
-        """
-        try:
-            nan = _parse_steps(env.get("MEMPO_TEST_NAN_GRAD_STEPS", ""))
-            sig = env.get("MEMPO_TEST_SIGTERM_ROLLOUT_STEP", "").strip()
-            return cls(nan, int(sig) if sig else None)
-        except ValueError:
-            raise ValueError("MEMPO_TEST_NAN_GRAD_STEPS must look like '1,3-5' and "
-                             "MEMPO_TEST_SIGTERM_ROLLOUT_STEP like '2'") from None
 
     def before_sample(self, step: int, preemption) -> None:
         """Called at every rollout cycle of RL step ``step``: at ``sigterm_rollout_step`` the

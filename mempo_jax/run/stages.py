@@ -3,7 +3,8 @@
 ``train.run`` calls them in order: ``zero_shot_stage`` (``EvalConfig.zero_shot``), ``sft_stage``,
 ``evaluate_stage("sft")``, ``rl_stage``, ``evaluate_stage("rl")``, ``summarize``. Each stage
 resumes from what the context restored, saves its checkpoints through the context's
-checkpointers and acts on a SIGTERM at its step boundaries (``RunContext.pre``).
+checkpointers and acts on a SIGTERM at its step boundaries (``RunContext.pre``). The context is
+set up once (frozen); what the stages change is its ``RunProgress`` (saved steps, the RL step).
 """
 
 from __future__ import annotations
@@ -208,13 +209,14 @@ def sft_stage(ctx: RunContext, learner, sft_file, stack) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
         ctx.logs.write(step, "sft", m)
-        check_sft_step(step, m, f"{ctx.sft_ckpt.directory}/{ctx.sft_saved}" if ctx.sft_saved is not None else "none")
+        saved = ctx.progress.sft_saved
+        check_sft_step(step, m, f"{ctx.sft_ckpt.directory}/{saved}" if saved is not None else "none")
         ctx.agree_on_preemption()
         done = step + 1 == cfg.sft.steps
         if done or (step + 1) % ck.every_steps == 0 or ctx.pre.requested:
             ctx.sft_ckpt.save(step + 1, learner.params, learner.opt_state, ctx.meta("sft", step + 1, learner,
                                                                                    final=done))
-            ctx.sft_saved = step + 1
+            ctx.progress.sft_saved = step + 1
         ctx.pre.check()
     bar.close()
     if cfg.sft.steps == 0:
@@ -312,15 +314,15 @@ class _RLRun:
 
     def _progress(self, turn: int, rows: int) -> None:
         """The rollout's ``progress`` callback: the test fault hooks, once per rollout cycle."""
-        self.ctx.hooks.before_sample(self.ctx.rl_step, self.ctx.pre)
+        self.ctx.hooks.before_sample(self.ctx.progress.rl_step, self.ctx.pre)
 
     def _before_update(self, rows):
         self.ctx.pre.commit()  # the step's state changes from here: finish it
-        return self.ctx.hooks.update_rows(self.ctx.rl_step, rows)
+        return self.ctx.hooks.update_rows(self.ctx.progress.rl_step, rows)
 
     def record(self) -> RLCheckpoint:
         """What a checkpoint saved now would hold."""
-        return RLCheckpoint(self.ctx.rl_step, _plain(self.order.get_state()), self.ctx.logs.offsets(),
+        return RLCheckpoint(self.ctx.progress.rl_step, _plain(self.order.get_state()), self.ctx.logs.offsets(),
                             self.faults.state())
 
     def save(self, record: RLCheckpoint) -> None:
@@ -328,7 +330,7 @@ class _RLRun:
         ctx = self.ctx
         ctx.rl_ckpt.save(record.step, self.learner.params, self.learner.opt_state,
                          record.meta(ctx.meta("rl", record.step, self.learner), ctx.rl_key, ctx.cfg.seed))
-        ctx.rl_saved = record.step
+        ctx.progress.rl_saved = record.step
 
     def step(self, ref_params, step: int):
         """Roll out, score and update on RL step ``step``'s questions (a SIGTERM before the update
@@ -337,7 +339,7 @@ class _RLRun:
         from mempo_jax.rl.step import rl_step
 
         ctx, cfg = self.ctx, self.ctx.cfg
-        ctx.rl_step = step
+        ctx.progress.rl_step = step
         before = self.record()
         try:
             with ctx.interruptible():
@@ -351,7 +353,7 @@ class _RLRun:
                                    np.random.default_rng([cfg.seed, RL_STREAM, step]),
                                    traj_offset=first * cfg.rl.group_size, progress=self._progress)
         except Preempted:
-            if ctx.rl_saved != step:
+            if ctx.progress.rl_saved != step:
                 self.save(before)
             raise
         return m, trajs, first
@@ -389,17 +391,17 @@ def rl_stage(ctx: RunContext, params, ref_params, stack):
         m, trajs, first = run.step(ref_params, step)
         run.log(step, m, trajs, first, bar)
         if run.faults.exceeded:
-            last = f"{ctx.rl_ckpt.directory}/{ctx.rl_saved}" if ctx.rl_saved is not None else \
+            last = f"{ctx.rl_ckpt.directory}/{ctx.progress.rl_saved}" if ctx.progress.rl_saved is not None else \
                 f"{ctx.sft_ckpt.directory}/{cfg.sft.steps} (SFT; no RL checkpoint yet)"
             raise run.faults.error(last)
         ctx.agree_on_preemption()
-        ctx.rl_step = step + 1
+        ctx.progress.rl_step = step + 1
         if step + 1 == cfg.rl.steps or ctx.pre.requested or ((step + 1) % ck.every_steps == 0 and not run.faults.streak):
             run.save(run.record())
         ctx.pre.check()
     bar.close()
-    if ctx.rl_saved != cfg.rl.steps:  # RLConfig.steps = 0
-        ctx.rl_step = cfg.rl.steps
+    if ctx.progress.rl_saved != cfg.rl.steps:  # RLConfig.steps = 0
+        ctx.progress.rl_step = cfg.rl.steps
         run.save(run.record())
     return run.learner
 

@@ -457,7 +457,7 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"tool_result_layout must be one of {TOOL_RESULT_LAYOUTS}, got {layout!r}")
 
 
-def observation_frame(template, layout: str = "assistant",
+def observation_frame(template: "ChatTemplate | PlainTemplate", layout: str = "assistant",
                       context: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, str]:
     """``(before, after)``: the text appended after a sampled turn is ``before + body + after``,
     ``body`` being the tool result (the caller may cut its ids to ``max_observation_tokens``).
@@ -493,7 +493,7 @@ def observation_frame(template, layout: str = "assistant",
     _check_layout(layout)
     if layout == "assistant":
         return INFORMATION[0], INFORMATION[1]
-    source = getattr(template, "source", repr(template))
+    source = template.source
     if isinstance(template, PlainTemplate):
         raise ValueError(f"tool_result_layout {layout!r} needs a chat template; the plain template "
                          "only has the 'assistant' layout")

@@ -20,14 +20,19 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS, train_command  # noqa: E402
+from fault_train import fault_command  # noqa: E402
 from mempo_jax.agent.format import AgentFormat
 
 from conftest import SPM_CACHE, one_device_env  # noqa: E402  (the session's shared caches)
 
 
-def _train(run_dir, params=(), env_extra=None, timeout=600):
-    return subprocess.run(train_command(run_dir, params, SPM_CACHE), env=one_device_env(**(env_extra or {})),
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _train(run_dir, params=(), faults=None, timeout=600):
+    """The small run as a subprocess; ``faults`` (``{"nan_grad_steps": "2,4-6"}``): through
+    ``tests/fault_train.py`` (``train.main(hooks=FaultHooks(...))``)."""
+    cmd = train_command(run_dir, params, SPM_CACHE)
+    if faults:
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
+    return subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def _errors(text: str) -> list[str]:
@@ -44,7 +49,7 @@ def nan_run(small_run, tmp_path_factory):
 
     After the session's small run (same shapes): its programs load from the XLA cache."""
     run = tmp_path_factory.mktemp("nan") / "run"
-    proc = _train(run, NAN_PARAMS, {"MEMPO_TEST_NAN_GRAD_STEPS": "2,4-6"})
+    proc = _train(run, NAN_PARAMS, {"nan_grad_steps": "2,4-6"})
     return run, proc
 
 

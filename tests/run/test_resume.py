@@ -25,17 +25,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS, chaos, compare_runs, count_lines, train_command  # noqa: E402
 from conftest import SPM_CACHE, one_device_env  # noqa: E402  (the session's shared caches)
+from fault_train import fault_command  # noqa: E402
 
 SFT_STEPS = RL_STEPS = 6
 # 6 SFT lines, the SFT evaluation (one mode), 6 RL lines, the RL evaluation
 LINES = SFT_STEPS + 1 + RL_STEPS + 1
 
 
-def _train(run_dir, params=(), env_extra=None, timeout=600, args=()):
+def _train(run_dir, params=(), faults=None, timeout=600, args=()):
+    """The small run as a subprocess; ``faults`` (``{"sigterm_rollout_step": 3}``): through
+    ``tests/fault_train.py`` (``train.main(hooks=FaultHooks(...))``)."""
     cmd = train_command(run_dir, params, SPM_CACHE) + list(args)
+    if faults:
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=one_device_env(**(env_extra or {})), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
@@ -100,7 +104,7 @@ def test_uninterrupted_run_leaves_resume_points(reference):
 @pytest.mark.slow
 def test_sigterm_during_rollout_saves_exits_0_and_resumes_exactly(reference, tmp_path):
     run = tmp_path / "run"
-    proc, wall = _train(run, env_extra={"MEMPO_TEST_SIGTERM_ROLLOUT_STEP": "3"})
+    proc, wall = _train(run, faults={"sigterm_rollout_step": 3})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIGTERM: saving a checkpoint" in proc.stderr and "preempted: checkpoint saved" in proc.stderr
     # the rollout of RL step 3 was abandoned; its state (after step 2) is checkpoint 3
