@@ -24,7 +24,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -41,6 +41,14 @@ from mempo_jax.run.preemption import Preemption
 from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, FaultHooks, RunLogs, check_free_space,
                               check_logs, check_run_folder, find_resume_point, restore_newest)
 from mempo_jax.core.sharding import batch_shards, opt_state_shardings
+
+if TYPE_CHECKING:
+    import optax
+
+    from mempo_jax.agent.engine import RolloutEngine
+    from mempo_jax.config import ExperimentConfig, RunConfig
+    from mempo_jax.run.experiment import Experiment
+    from mempo_jax.run.resume import ResumePoint
 
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
@@ -187,26 +195,26 @@ class RunContext:
     """
 
     run_dir: pathlib.Path
-    cfg: Any
-    run_cfg: Any
-    mesh: Any
+    cfg: ExperimentConfig
+    run_cfg: RunConfig
+    mesh: jax.sharding.Mesh
     rules: Any
-    exp: Any
-    sync: Any
-    engine: Any
-    scorer: Any
+    exp: Experiment
+    sync: lockstep.HostSync
+    engine: RolloutEngine
+    scorer: lockstep.DistributedScorer
     sft_ckpt: Checkpointer
     rl_ckpt: Checkpointer
     pre: Preemption
     interruptible: Callable
     hooks: FaultHooks
     t_start: float
-    rl_key: Any
-    eval_key: Any
-    sft_opt: Any
-    rl_opt: Any
-    logs: Any = None
-    point: Any = None
+    rl_key: jax.Array
+    eval_key: jax.Array
+    sft_opt: optax.GradientTransformation
+    rl_opt: optax.GradientTransformation
+    logs: RunLogs | NoLogs | None = None
+    point: Optional[ResumePoint] = None
     sft_state: Any = None
     rl_state: Any = None
     progress: RunProgress = dataclasses.field(default_factory=RunProgress)
