@@ -113,8 +113,11 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
     return names
 
 
-def _path_key(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+def path_key(path) -> tuple:
+    """A ``jax.tree_util.tree_flatten_with_path`` path as plain keys: a dict entry's key, an
+    attribute's name, any other entry as is (e.g. ``("layers", "attn", "q", "kernel")``)."""
+    return tuple(k.key if isinstance(k, jax.tree_util.DictKey) else k.name if isinstance(k, jax.tree_util.GetAttrKey)
+                 else k for k in path)
 
 
 # ------------------------------------------------------------------------------------- import
@@ -186,15 +189,15 @@ def load_hf_checkpoint(
     _check_keys(names, key_file, tied_head)
     graphdef, abstract = split_model(abstract_model(cfg))
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    targets = {_path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)[0]}
+    targets = {path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)[0]}
     flat = jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh_or_local(mesh), rules), is_leaf=is_var)[0]
-    shardings = {_path_key(p): v.get_value() for p, v in flat}
+    shardings = {path_key(p): v.get_value() for p, v in flat}
     loaded = _read_tensors(names, key_file, targets, shardings, jnp.dtype(param_dtype))
     if tied_head:
         _check_tied_head(key_file)
 
     def fill(p, var):
-        return var.replace(loaded[_path_key(p)])
+        return var.replace(loaded[path_key(p)])
 
     params = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=is_var)
     return cfg, graphdef, params
@@ -310,7 +313,7 @@ def save_hf_checkpoint(
         ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
         extra_config = {**ids, **(extra_config or {})}
     hf_config = config_to_hf(cfg, model_type, extra_config)
-    flat = {_path_key(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
+    flat = {path_key(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
     names = hf_name_map(cfg)
     plan, sizes = _shard_plan(names, flat, max_shard_bytes)  # from shapes alone: one shard fetched at a time

@@ -36,6 +36,7 @@ from flax import nnx
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
+from mempo_jax.model.hf_io import path_key
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
 
 DEFAULT_ROW_MULTIPLE = 64  # transformers' pad_to_multiple_of guidance (tensor cores); also TPU-friendly
@@ -149,13 +150,10 @@ def resize_vocab(
     shardings = param_shardings(abstract, mesh_or_local(mesh), rules)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
-    def key(path) -> tuple:
-        return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-
-    old_flat = {key(p): v for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]}
+    old_flat = {path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]}
 
     def fill(path, var):
-        k = key(path)
+        k = path_key(path)
         if k not in resized:
             return var.replace(old_flat[k].get_value())
         arr = np.ascontiguousarray(resized[k])
