@@ -28,6 +28,7 @@ from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
+from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
@@ -189,6 +190,14 @@ class ExecutionConfig:
         not apply (default ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``,
         a power of two); 0 = the scorer's ``scoring.DEFAULT_CHUNK_ROWS``.
+      logit_chunk_tokens: sequence positions per LM-head chunk wherever log-probs are taken (the
+        update, SFT, old / reference log-probs, scoring): the ``[rows, length, vocab]`` logits are
+        never built, one ``[rows, logit_chunk_tokens, vocab]`` float32 block at a time is
+        (``core.logprobs.target_logprobs``; default ``DEFAULT_LOGIT_CHUNK``).
+      remat: decoder-layer rematerialisation in the update and SFT step: ``"none"``, ``"full"``
+        (each layer recomputed in the backward pass from its input) or a ``jax.checkpoint_policies``
+        name such as ``"dots_saveable"`` (matmul outputs kept) / ``"nothing_saveable"``
+        (``model.decoder.REMAT_CHOICES``).
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -198,12 +207,18 @@ class ExecutionConfig:
     sft_micro_batch_rows: int = 0
     logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS
     scoring_chunk_rows: int = 0
+    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK
+    remat: str = "full"
 
     def __post_init__(self):
+        from mempo_jax.model.decoder import REMAT_CHOICES
+
         check(self, "micro_batch_rows", int, lo=1)
         check(self, "sft_micro_batch_rows", int, lo=0)
         check(self, "logprob_chunk_rows", int, lo=1)
         check(self, "scoring_chunk_rows", int, lo=0)
+        check(self, "logit_chunk_tokens", int, lo=1)
+        check(self, "remat", str, choices=REMAT_CHOICES)
         n = self.scoring_chunk_rows
         require(n & (n - 1) == 0, f"ExecutionConfig.scoring_chunk_rows must be 0 or a power of two, got {n}")
 

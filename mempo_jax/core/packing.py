@@ -2,7 +2,7 @@
 
 A packed row holds several sequences back to back; ``segment_ids`` numbers them 1, 2, … (0 on
 padding), RoPE positions restart at 0 per segment (``model.forward.packed_positions``) and the
-attention mask keeps each token inside its own segment (``model.forward.make_packed_logits_fn``),
+attention mask keeps each token inside its own segment (``model.forward.LogitsFn.packed``),
 so every sequence gets the logits it would get alone (Krell et al. 2021, "Efficient sequence
 packing without cross-contamination"; the ``segment_ids`` of t5x / MaxText packed batches).
 Rows are assigned to bins by first-fit decreasing (Johnson 1973), ≤ 11/9 OPT + 1 bins.
@@ -160,7 +160,7 @@ def pack_token_rows(rows: dict[str, np.ndarray], num_rows: int, pad_id: int = 0)
     Returns:
       The same keys as ``[num_rows, L]`` arrays (0 / False / ``pad_id`` on padding; ``valid`` is
       True on every packed token) plus ``segment_ids`` and ``positions`` ``[num_rows, L]`` int32
-      (``PackedRows``), which make the model's packed call (``make_packed_logits_fn``) give every
+      (``PackedRows``), which make the model's packed call (``LogitsFn.packed``) give every
       sequence the logits it gets alone.
 
     Raises:

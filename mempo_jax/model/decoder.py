@@ -147,8 +147,8 @@ class Decoder(nnx.Module):
           kv_bound: with a cache, int32 scalar ``> `` every position a used query sees (default
             ``max(positions) + 1``).
           block_k: key-block length of the cache attention (tokens).
-          logits_at: optional ``[B]`` int32 input positions in ``[0, T)``: the final norm and LM
-            head are applied to that one position per row only and the logits are ``[B, 1,
+          logits_at: optional ``[B]`` int32 input positions in ``[0, T)``: the LM head is
+            applied to that one position per row only and the logits are ``[B, 1,
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
@@ -159,6 +159,44 @@ class Decoder(nnx.Module):
 
         Raises:
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
+        """
+        x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
+                                      block_k=block_k)
+        if logits_at is not None:
+            at = jnp.asarray(logits_at, jnp.int32)
+            if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:
+                raise ValueError(f"logits_at {at.shape} must be [batch] = {(tokens.shape[0],)} or [batch, K]")
+            at = at[:, None] if at.ndim == 1 else at
+            x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, K, D]
+        return project_logits(self.head_weight(), x), cache
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        attn_mask=None,
+        cache: KVCache | None = None,
+        *,
+        rows: jax.Array | None = None,
+        write: jax.Array | None = None,
+        kv_bound: jax.Array | None = None,
+        block_k: int = BLOCK_K,
+        remat: str = "none",
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The final-normed hidden states that the LM head reads (``__call__`` without the head).
+
+        Args:
+          tokens, positions, attn_mask, cache, rows, write, kv_bound, block_k: as ``__call__``.
+          remat: ``"none"``, ``"full"`` (each decoder layer recomputed in the backward pass from
+            its input) or the name of a ``jax.checkpoint_policies`` policy (e.g.
+            ``"dots_saveable"``: the layer's matmul outputs kept, the rest recomputed). Applies to
+            calls without a cache; it changes the memory and time of a gradient, not values.
+
+        Returns:
+          ``(hidden [B, T, embed] in the activation dtype, updated cache or None)``.
+
+        Raises:
+          ValueError: as ``__call__``, or an unknown ``remat``.
         """
         b, t = tokens.shape
         if positions.shape != (b, t):
@@ -184,17 +222,46 @@ class Decoder(nnx.Module):
             attn_mask = AttentionMask.cached(positions)
         dt = self.cfg.activation_dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-        for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, attn_mask, cache, i, where)
-        if logits_at is not None:
-            at = jnp.asarray(logits_at, jnp.int32)
-            if at.ndim not in (1, 2) or at.shape[0] != b:
-                raise ValueError(f"logits_at {at.shape} must be [batch] = {(b,)} or [batch, K]")
-            at = at[:, None] if at.ndim == 1 else at
-            x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, K, D]
-        x = self.final_norm(x)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+        policy = remat_policy(remat)
+        if cache is None and remat != "none":
+            # A scan over the layers' stacked parameters: its backward pass keeps each layer's input
+            # only (the saved residuals are the scan's, which XLA cannot schedule away; a
+            # checkpoint per unrolled layer saves nothing on XLA CPU).
+            gdef = nnx.graphdef(self.layers[0])
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
+
+            def body(h, state):
+                return nnx.merge(gdef, state)(h, positions, attn_mask, None, 0, None)[0], None
+
+            x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), cache
+            for i, block in enumerate(self.layers):
+                x, cache = block(x, positions, attn_mask, cache, i, where)
+        return self.final_norm(x), cache
+
+    def head_weight(self) -> jax.Array:
+        """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""
+        dt = self.cfg.activation_dtype
+        return self.embed[...].astype(dt).T if self.cfg.tie_embeddings else self.lm_head[...].astype(dt)
+
+
+REMAT_CHOICES = ("none", "full") + tuple(n for n in dir(jax.checkpoint_policies) if n.endswith(("saveable", "dots"))
+                                         or n.startswith("checkpoint_dots"))
+
+
+def remat_policy(remat: str):
+    """The ``jax.checkpoint`` policy of a ``remat`` name (``Decoder.hidden_states``): ``None`` for
+    ``"none"`` / ``"full"`` (``"full"`` saves nothing but each layer's input).
+
+    Raises:
+      ValueError: a name that is neither ``"none"``, ``"full"`` nor in ``REMAT_CHOICES``.
+    """
+    if remat not in REMAT_CHOICES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_CHOICES)}; got {remat!r}")
+    return None if remat in ("none", "full") else getattr(jax.checkpoint_policies, remat)
+
+
+def project_logits(weight: jax.Array, hidden: jax.Array) -> jax.Array:
+    """The LM head: ``hidden [B, T, embed] @ weight [embed, vocab]`` → float32 ``[B, T, vocab]``
+    (float32 accumulation)."""
+    return jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32).astype(jnp.float32)

@@ -6,17 +6,15 @@ callers can ``jax.jit`` / ``jax.grad`` them with explicit shardings (tunix-style
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mempo_jax.core.logprobs import token_entropy, token_logprobs
+from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.decoder import Decoder
+from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
@@ -54,28 +52,125 @@ def positions_from_mask(valid_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(valid_mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
 
 
-def make_logits_fn(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
-    """Build ``logits_fn(params, input_ids, valid_mask) -> logits``.
+class LogitsFn:
+    """The model's pure calls over ``(params, arrays)``: logits, hidden states and the LM head.
 
-    ``input_ids [B, L]`` int32, ``valid_mask [B, L]`` bool (True on real tokens, left or right
-    padding or both) → ``logits [B, L, vocab]`` float32, where ``logits[:, t]`` predicts token
-    ``t + 1``. Positions come from ``positions_from_mask`` and the attention mask is
-    ``causal & valid[:, None, :]`` (an ``attention.AttentionMask``: long rows run the blocked
-    attention, no ``[B, L, L]`` array), so a padded row's real tokens get exactly the logits of
-    the unpadded row. Logits at padding positions are meaningless. Not jitted: wrap it yourself.
+    ``fn(params, input_ids, valid_mask) -> logits``: ``input_ids [B, L]`` int32, ``valid_mask [B, L]``
+    bool (True on real tokens, left or right padding or both) → ``logits [B, L, vocab]`` float32,
+    where ``logits[:, t]`` predicts token ``t + 1``. Positions come from ``positions_from_mask``
+    and the attention mask is ``causal & valid[:, None, :]`` (an ``attention.AttentionMask``: long
+    rows run the blocked attention, no ``[B, L, L]`` array), so a padded row's real tokens get
+    exactly the logits of the unpadded row. Logits at padding positions are meaningless. Not
+    jitted: wrap it yourself.
 
-    The returned function carries ``logits_fn.packed`` (``make_packed_logits_fn(graphdef)``),
-    the call over rows packed end to end that the memory-reward scorer uses.
+    The trainer and the scorers never build ``[B, L, vocab]``: they take ``hidden`` (or
+    ``packed_hidden``) and hand ``head(params)`` and ``project`` to
+    ``core.logprobs.target_logprobs``, which applies the head ``logit_chunk`` positions at a time
+    (``token_stats``).
+
+    Args:
+      graphdef: from ``split_model``.
+      logit_chunk: positions per LM-head chunk of ``token_stats`` (``ExecutionConfig.logit_chunk_tokens``).
+      remat: decoder-layer rematerialisation of the hidden-state calls (``Decoder.hidden_states``;
+        ``ExecutionConfig.remat``).
+
+    Raises:
+      ValueError: an unknown ``remat`` or ``logit_chunk < 1``.
     """
 
-    def logits_fn(params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
-        model = nnx.merge(graphdef, params)
+    def __init__(self, graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none"):
+        remat_policy(remat)
+        if logit_chunk < 1:
+            raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
+        self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
+
+    def __call__(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
+        model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid))
         return logits
 
-    logits_fn.packed = make_packed_logits_fn(graphdef)
-    return logits_fn
+    def packed(self, params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+               logits_at: jax.Array | None = None) -> jax.Array:
+        """The forward pass over sequences packed end to end in each row.
+
+        Args:
+          input_ids: ``[B, L]`` int32, several sequences per row, back to back.
+          segment_ids: ``[B, L]`` int32, ``k > 0`` on the tokens of the row's k-th sequence, 0 on
+            padding. A token attends only to earlier tokens of its own segment (packed attention
+            mask; Krell et al. 2021, "Efficient sequence packing without cross-contamination").
+          positions: ``[B, L]`` int32 RoPE positions, restarting at 0 per segment (``packed_positions``).
+          logits_at: optional ``[B, K]`` int32 columns: logits only there (``Decoder.__call__``).
+
+        Returns:
+          ``logits [B, L, vocab]`` (or ``[B, K, vocab]``) float32. Each segment's logits equal
+          those of the sequence alone in an unpacked row (float32 rounding aside).
+        """
+        model = nnx.merge(self.graphdef, params)
+        seg = segment_ids.astype(jnp.int32)
+        logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), AttentionMask.causal(seg > 0, seg),
+                          logits_at=logits_at)
+        return logits
+
+    def hidden(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
+        """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input)."""
+        model = nnx.merge(self.graphdef, params)
+        valid = valid_mask.astype(bool)
+        x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
+                                   remat=self.remat)
+        return x
+
+    def packed_hidden(self, params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array,
+                      positions: jax.Array) -> jax.Array:
+        """``[B, L, embed]`` final hidden states of ``packed``'s rows."""
+        model = nnx.merge(self.graphdef, params)
+        seg = segment_ids.astype(jnp.int32)
+        x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions.astype(jnp.int32),
+                                   AttentionMask.causal(seg > 0, seg), remat=self.remat)
+        return x
+
+    def head(self, params: nnx.State) -> jax.Array:
+        """The LM head weight ``[embed, vocab]`` (``Decoder.head_weight``), ``project``'s weights."""
+        return nnx.merge(self.graphdef, params).head_weight()
+
+    @staticmethod
+    def project(weight: jax.Array, hidden: jax.Array) -> jax.Array:
+        """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]`` (``decoder.project_logits``)."""
+        return project_logits(weight, hidden)
+
+
+def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none") -> LogitsFn:
+    """``LogitsFn(graphdef, logit_chunk=..., remat=...)``: the uniform model contract of the trainer,
+    the scorers and the evaluation."""
+    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat)
+
+
+def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = None,
+                segment_ids: jax.Array | None = None, positions: jax.Array | None = None, temperature: float = 1.0,
+                entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token log-probs (and entropies) of ``input_ids`` under ``fn``, shift-by-one convention of
+    ``core.logprobs`` (column 0 is 0), without ``[B, L, vocab]`` logits.
+
+    Args:
+      fn: a ``LogitsFn`` (hidden states, then the LM head in ``fn.logit_chunk``-position chunks),
+        or any ``(params, ids, valid) -> logits`` callable (its logits chunked the same way).
+      params: the model parameters.
+      input_ids: ``[B, L]`` int32.
+      valid: ``[B, L]`` bool, for padded rows; or ``segment_ids`` and ``positions`` ``[B, L]``
+        int32 for rows packed end to end (``LogitsFn.packed``).
+      temperature: softmax temperature (> 0).
+      entropy: also return entropies.
+
+    Returns:
+      ``(logp [B, L], entropy [B, L] or None)`` float32.
+    """
+    ids = input_ids.astype(jnp.int32)
+    if not isinstance(fn, LogitsFn):
+        logits = fn(params, ids, valid) if segment_ids is None else fn.packed(params, ids, segment_ids, positions)
+        return shifted_logprobs(logits, ids, temperature=temperature, entropy=entropy)
+    hidden = fn.hidden(params, ids, valid) if segment_ids is None else fn.packed_hidden(params, ids, segment_ids,
+                                                                                        positions)
+    return shifted_logprobs(hidden, ids, fn.project, fn.head(params), temperature, fn.logit_chunk, entropy)
 
 
 def packed_positions(segment_ids: np.ndarray) -> np.ndarray:
@@ -95,34 +190,6 @@ def packed_positions(segment_ids: np.ndarray) -> np.ndarray:
     new_run[:, 1:] = seg[:, 1:] != seg[:, :-1]
     starts = np.maximum.accumulate(np.where(new_run, cols, 0), axis=1)
     return (cols - starts).astype(np.int32)
-
-
-def make_packed_logits_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
-    """Build ``packed(params, input_ids, segment_ids, positions, logits_at=None) -> logits``, the
-    forward pass over sequences packed end to end in each row.
-
-    Args (of the returned function):
-      input_ids: ``[B, L]`` int32, several sequences per row, back to back.
-      segment_ids: ``[B, L]`` int32, ``k > 0`` on the tokens of the row's k-th sequence, 0 on
-        padding. A token attends only to earlier tokens of its own segment (packed attention
-        mask; Krell et al. 2021, "Efficient sequence packing without cross-contamination").
-      positions: ``[B, L]`` int32 RoPE positions, restarting at 0 per segment (``packed_positions``).
-      logits_at: optional ``[B, K]`` int32 columns: logits only there (``Decoder.__call__``).
-
-    Returns:
-      ``logits [B, L, vocab]`` (or ``[B, K, vocab]``) float32. Each segment's logits equal
-      those of the sequence alone in an unpacked row (float32 rounding aside).
-    """
-
-    def packed(params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-               logits_at: jax.Array | None = None) -> jax.Array:
-        model = nnx.merge(graphdef, params)
-        seg = segment_ids.astype(jnp.int32)
-        mask = AttentionMask.causal(seg > 0, seg)
-        logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), mask, logits_at=logits_at)
-        return logits
-
-    return packed
 
 
 def sequence_logprobs(
@@ -145,9 +212,8 @@ def sequence_logprobs(
       ``mempo_jax.core.logprobs`` (column t scores token t given tokens < t). Both are 0 where token t
       or its predecessor is padding (nothing real predicts it).
     """
-    logits = make_logits_fn(graphdef)(params, input_ids, valid_mask)
-    logp = token_logprobs(logits, input_ids, temperature)
-    ent = token_entropy(logits, temperature)
+    logp, ent = token_stats(make_logits_fn(graphdef), params, input_ids, valid=valid_mask, temperature=temperature,
+                            entropy=True)
     valid = valid_mask.astype(bool)
     scored = valid & jnp.concatenate([jnp.zeros_like(valid[:, :1]), valid[:, :-1]], axis=1)
     return jnp.where(scored, logp, 0.0), jnp.where(scored, ent, 0.0)

@@ -17,8 +17,8 @@ import numpy as np
 import optax
 
 from mempo_jax.core.batching import bucket_length
-from mempo_jax.core.logprobs import token_entropy, token_logprobs
 from mempo_jax.core.packing import pack_token_rows
+from mempo_jax.model.forward import token_stats
 from mempo_jax.rl.losses import LossConfig, loss_denominator, mempo_loss
 from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
                                 param_shardings, replicated)
@@ -108,7 +108,10 @@ class Learner:
     """Policy parameters, optimizer state and the jitted steps that use them.
 
     Args:
-      logits_fn: ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits [B,L,V] f32``.
+      logits_fn: the model (``model.forward.LogitsFn``: its hidden states and LM head, the head
+        applied in chunks, ``token_stats``; its ``remat`` rematerialises the decoder layers of the
+        update and SFT step), or any ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits
+        [B,L,V] f32`` callable.
       params: the policy parameters (a pytree; nnx.State).
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
@@ -154,7 +157,7 @@ class Learner:
         rep = replicated(mesh)
         self.params = jax.device_put(params, ps)
         self.opt_state = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)(self.params)
-        self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=(rep, rep))
+        self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=rep)
         self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1),
                                  in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
         self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1),
@@ -183,8 +186,7 @@ class Learner:
 
     # ---- log-probs -------------------------------------------------------------------------
     def _logprobs_impl(self, params, ids, valid):
-        logits = self.logits_fn(params, ids, valid)
-        return token_logprobs(logits, ids, self.temperature), token_entropy(logits, self.temperature)
+        return token_stats(self.logits_fn, params, ids, valid=valid, temperature=self.temperature)[0]
 
     def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
         """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
@@ -201,7 +203,7 @@ class Learner:
             ``logprob_chunk_rows`` constructor argument: ``ExecutionConfig.logprob_chunk_rows`` in a run).
 
         Returns:
-          ``[R, L]`` float32 natural-log probabilities (``token_logprobs`` convention).
+          ``[R, L]`` float32 natural-log probabilities (``core.logprobs`` convention).
         """
         out = []
         target = self._logprob_call_rows(chunk_rows)
@@ -213,7 +215,7 @@ class Learner:
                 ids = np.pad(ids, ((0, target - n), (0, 0)))
                 v = np.pad(v, ((0, target - n), (0, 0)))
             ids, v = jax.device_put((ids, v), self.batch_sharding)
-            lp, _ = self._logprobs(params, ids, v)
+            lp = self._logprobs(params, ids, v)
             out.append(np.asarray(lp)[:n])
         return np.concatenate(out, axis=0)
 
@@ -262,8 +264,7 @@ class Learner:
         micro = self._split_micro_sharded(batch, n_micro)
 
         def loss_fn(p, mb):
-            logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
-            logp = token_logprobs(logits, mb["input_ids"], 1.0)
+            logp, _ = token_stats(self.logits_fn, p, mb["input_ids"], valid=mb["valid"])
             return -(logp * mb["loss_mask"]).sum() / denom
 
         def body(carry, mb):
@@ -299,13 +300,9 @@ class Learner:
 
         def loss_fn(p, mb):
             seg = mb.get("segment_ids")
-            if seg is None:
-                logits = self.logits_fn(p, mb["input_ids"], mb["valid"])
-            else:
-                logits = self.logits_fn.packed(p, mb["input_ids"], seg, mb["positions"])
-            logp = token_logprobs(logits, mb["input_ids"], self.temperature)
-            ent = jax.lax.stop_gradient(token_entropy(logits, self.temperature)) if not loss_cfg.entropy_coef \
-                else token_entropy(logits, self.temperature)
+            logp, ent = token_stats(self.logits_fn, p, mb["input_ids"], valid=mb["valid"], segment_ids=seg,
+                                    positions=mb.get("positions"), temperature=self.temperature, entropy=True)
+            ent = ent if loss_cfg.entropy_coef else jax.lax.stop_gradient(ent)
             total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                                     mb["loss_mask"], loss_cfg, entropy=ent, segment_ids=seg)
             metrics = dict(metrics, _denominator=part_denom)
@@ -414,7 +411,7 @@ class Learner:
             return None
         if self._packed_logprobs is None:
             self._packed_logprobs = PackedLogprobs(
-                self.logits_fn.packed, self.temperature, rows_per_call=self.logprob_chunk_rows,
+                self.logits_fn, self.temperature, rows_per_call=self.logprob_chunk_rows,
                 min_rows=batch_shards(self.mesh, self.rules), min_length=TRAIN_MIN_LENGTH,
                 param_shardings=self.param_shardings, batch_sharding=self.batch_sharding)
         return self._packed_logprobs

@@ -31,10 +31,8 @@ from mempo_jax.core.registry import Registry
 from mempo_jax.core.validation import check
 from mempo_jax.core.batching import bucket_length, pad_sequences
 from mempo_jax.core.batching import length_buckets as _length_buckets
-from mempo_jax.core.logprobs import token_logprobs
+from mempo_jax.core.logprobs import target_logprobs
 from mempo_jax.core.packing import pack, plan_packing
-
-LogitsFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
 def answer_likelihood(logp: jax.Array, answer_mask: jax.Array) -> jax.Array:
@@ -342,7 +340,7 @@ class MemoryRewardScorer:
 
     def __init__(
         self,
-        logits_fn: LogitsFn,
+        logits_fn: Callable[..., jax.Array],
         pad_id: int,
         answer_prefix: Sequence[int],
         temperature: float = 1.0,
@@ -386,19 +384,28 @@ class MemoryRewardScorer:
 
     def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
         """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
+        from mempo_jax.model.forward import token_stats
+
         params = jax.lax.stop_gradient(params)
-        logits = self.logits_fn(params, input_ids, valid)
-        logp = token_logprobs(logits, input_ids, self.temperature)
+        logp, _ = token_stats(self.logits_fn, params, input_ids, valid=valid, temperature=self.temperature)
         return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
 
     def _packed_logprobs(self, params, input_ids, segment_ids, positions, logits_at, targets) -> jax.Array:
         """``(params, ids, segment_ids, positions [R, L], logits_at, targets [R, K]) -> logp [R, K]``
-        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad."""
+        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad; with a ``LogitsFn`` the
+        LM head runs on the hidden states at ``logits_at`` in ``logit_chunk``-column chunks."""
+        from mempo_jax.model.forward import LogitsFn
+
         params = jax.lax.stop_gradient(params)
-        logits = self.packed_fn(params, input_ids, segment_ids, positions, logits_at)
-        logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.float32(self.temperature), axis=-1)
-        picked = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return jax.lax.stop_gradient(picked)
+        fn = self.logits_fn
+        if isinstance(fn, LogitsFn):
+            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions)
+            hidden = jnp.take_along_axis(hidden, logits_at[..., None].astype(jnp.int32), axis=1)  # [R, K, D]
+            logp, _ = target_logprobs(hidden, targets, fn.project, fn.head(params), self.temperature, fn.logit_chunk)
+        else:
+            logits = self.packed_fn(params, input_ids, segment_ids, positions, logits_at)
+            logp, _ = target_logprobs(logits, targets, temperature=self.temperature)
+        return jax.lax.stop_gradient(logp)
 
     def _score_packed(self, params, rows, spans) -> np.ndarray:
         """``P [len(rows)]`` float32 of the stacked rows, packed (see the ``packing`` argument)."""

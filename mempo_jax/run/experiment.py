@@ -16,7 +16,7 @@ import jax
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.text.protocol import ANSWER, MEM, THINK, render_turn
 from mempo_jax.agent.tags import TagCodec
-from mempo_jax.config import ExperimentConfig
+from mempo_jax.config import ExecutionConfig, ExperimentConfig
 from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
@@ -350,7 +350,7 @@ class Policy:
 
 
 def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None,
-                rollout_tensor: int = 0) -> Policy:
+                rollout_tensor: int = 0, execution=None) -> Policy:
     """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
     command): ``params`` placed on ``mesh`` by their logical-axis rules, ``make_engine`` of the
     model on this process's rollout mesh (``rollout_mesh.rollout_mesh`` of ``mesh``) and
@@ -361,15 +361,18 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
       tokenizer, fmt: its tokenizer and ``AgentFormat`` (``policy_format``).
       mesh, rules: default ``sharding.local_mesh()`` and ``DEFAULT_RULES``.
       rollout_tensor: ``MeshConfig.rollout_tensor`` (0: the rollout mesh's default).
+      execution: the ``ExecutionConfig`` whose ``logit_chunk_tokens`` and ``remat`` the logits
+        function takes (default ``ExecutionConfig()``).
     """
     from mempo_jax.core import sharding
     from mempo_jax.core.rollout_mesh import rollout_mesh
 
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
+    ex = execution or ExecutionConfig()
     params = sharding.shard_params(params, mesh, rules)
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
     return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules),
-                  make_logits_fn(graphdef), mesh, rules)
+                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat), mesh, rules)
 
 
 def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
@@ -432,7 +435,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
         model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
-                         rules=rules, rollout_tensor=cfg.mesh.rollout_tensor)
+                         rules=rules, rollout_tensor=cfg.mesh.rollout_tensor, execution=cfg.execution)
     _check_rollout_fits(cfg, model_cfg, policy.engine)
     full_prefix, answer_prefix = answer_prefix_ids(tokenizer, cfg.rl.memory_reward.prefix)
     scorer = MemoryRewardScorer(policy.logits_fn, tokenizer.pad_id, answer_prefix, full_prefix=full_prefix,

@@ -38,7 +38,7 @@ def test_packed_logprobs_equal_the_padded_learner_pass():
     ids = np.where(valid, rng.integers(3, 48, (n, length)), 0).astype(np.int32)
     learner = Learner(fn, params, make_optimizer(OptimConfig()), temperature=0.7)
     want = learner.logprobs(params, ids, valid)
-    calc = PackedLogprobs(fn.packed, 0.7, rows_per_call=4, min_length=16)
+    calc = PackedLogprobs(fn, 0.7, rows_per_call=4, min_length=16)
     got = calc(params, ids, valid)
     scored = valid & np.concatenate([np.zeros((n, 1), bool), valid[:, :-1]], axis=1)
     np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
