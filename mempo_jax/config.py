@@ -198,6 +198,9 @@ class ExecutionConfig:
         (each layer recomputed in the backward pass from its input) or a ``jax.checkpoint_policies``
         name such as ``"dots_saveable"`` (matmul outputs kept) / ``"nothing_saveable"``
         (``model.decoder.REMAT_CHOICES``).
+      reference_dtype: dtype of the frozen reference policy's weights (``"float32"`` or
+        ``"bfloat16"``: half the reference's memory; its log-probs then carry bfloat16 weight
+        rounding). The policy's master weights and optimizer state stay float32.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -209,6 +212,7 @@ class ExecutionConfig:
     scoring_chunk_rows: int = 0
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK
     remat: str = "full"
+    reference_dtype: str = "float32"
 
     def __post_init__(self):
         from mempo_jax.model.decoder import REMAT_CHOICES
@@ -219,6 +223,7 @@ class ExecutionConfig:
         check(self, "scoring_chunk_rows", int, lo=0)
         check(self, "logit_chunk_tokens", int, lo=1)
         check(self, "remat", str, choices=REMAT_CHOICES)
+        check(self, "reference_dtype", str, choices=("float32", "bfloat16"))
         n = self.scoring_chunk_rows
         require(n & (n - 1) == 0, f"ExecutionConfig.scoring_chunk_rows must be 0 or a power of two, got {n}")
 

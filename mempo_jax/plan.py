@@ -4,23 +4,26 @@ Builds the policy (``nnx.eval_shape`` of the decoder), the AdamW state and the s
 (``jax.eval_shape`` of the jitted initialisers with their ``out_shardings``) on the *target* mesh —
 a device-less ``AbstractMesh`` of the slice's device count (``TPUConfig.accelerator_type``) and the
 config's ``MeshConfig`` and rules — and reads bytes per device off the shard shapes. Activations are estimated for
-the present model code (no rematerialisation; attention materialises ``[rows, heads, L, S]``
-float32 scores and probabilities; logits are float32 ``[rows, L, vocab]``), sharded by the same
+the present model code (decoder layers rematerialised or not, ``ExecutionConfig.remat``; dense
+attention materialises ``[rows, heads, L, S]`` float32 scores and probabilities; the LM head runs
+``ExecutionConfig.logit_chunk_tokens`` positions at a time, float32 ``[rows, chunk, vocab]``), sharded by the same
 logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), for each phase of a
 step:
 
-* sampling: KV cache + prefill (full ``[rows, P, vocab]`` logits, one layer's transients);
+* sampling: KV cache + prefill (one layer's transients; logits at the last prompt token only);
 * log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
   packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
   which this bound covers; a packed call may pick 2× or 4× that length when it computes fewer
   positions, capped at the longest precompiled length only after ``RLConfig.precompile``: not
-  covered): logits, log-softmax, entropy;
+  covered): one chunk's logits and their log-softmax terms;
 * memory-reward scoring, packed (``MemoryRewardScorer.packed_logprobs``: ``[R, L]`` calls of the
   stacked ``[full; mem]`` rows packed end to end, segment-masked attention ``[R, heads, L, L]``,
   the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row);
 * update (one PPO micro-batch; its rows packed end to end at the same length): activations
-  saved for the backward pass of every layer and two layers' backward transients, float32
-  logits copies and their gradient, plus the gradient accumulator and one micro-batch's gradient.
+  saved for the backward pass of every layer (each layer's input only under remat, plus a stacked
+  copy of the layer parameters that the rematerialised scan reads) and two layers' backward
+  transients, one chunk's float32 logits and their gradient, plus the gradient accumulator and
+  one micro-batch's gradient.
 
 Peak per device = parameters + optimizer state + reference + the largest phase. The command
 exits 1 with a message naming the largest term when the peak exceeds ``PlanConfig.hbm_fraction``
@@ -100,10 +103,20 @@ class MemoryPlan:
 
 def model_source(cfg) -> str:
     """Where the plan's architecture comes from: ``ModelOptions.checkpoint`` when its
-    ``config.json`` is on disk, else ``ModelOptions.preset`` (a pod recipe is planned before its
-    weights are downloaded: its preset is the same architecture)."""
+    ``config.json`` is on disk; else ``ModelOptions.preset`` when it names a pretrained
+    architecture (a pod recipe is planned before its weights are downloaded: its preset is the
+    same architecture); else (preset ``tiny``, a from-scratch model) nothing.
+
+    Raises:
+      ValueError: (one line) a checkpoint whose ``config.json`` cannot be read and no pretrained
+        preset to stand for it.
+    """
     if cfg.model.checkpoint and pathlib.Path(cfg.model.checkpoint, "config.json").is_file():
         return cfg.model.checkpoint
+    if cfg.model.checkpoint and cfg.model.preset == "tiny":
+        raise ValueError(f"cannot read {pathlib.Path(cfg.model.checkpoint, 'config.json')} "
+                         f"(ModelOptions.checkpoint, relative to {pathlib.Path.cwd()}): convert or download the "
+                         f"checkpoint first, or bind ModelOptions.preset to its architecture")
     return cfg.model.preset
 
 
@@ -181,7 +194,8 @@ def step_shapes(cfg, plan_cfg) -> dict:
     prompt = min(ro.prefill_chunk, cache_len)
     return {"rollout_rows": rows, "prompt_len": prompt, "cache_len": cache_len,
             "train_len": train_len, "micro_batch_rows": ex.micro_batch_rows,
-            "logprob_rows": ex.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len}
+            "logprob_rows": ex.logprob_chunk_rows, "scoring_rows": scoring_rows, "scoring_len": scoring_len,
+            "logit_chunk": ex.logit_chunk_tokens}
 
 
 class _Act:
@@ -278,16 +292,21 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     micro, lp_rows = shapes["micro_batch_rows"], shapes["logprob_rows"]
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * p_bytes  # accumulator + one micro-batch's gradient (parameter dtype)
+    chunk = shapes["logit_chunk"]
+    if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
+        saved = (n_layers + 2) * act.layer_saved(micro, train_len)
+    else:  # each layer's input, the stacked layer parameters, two layers' saved activations
+        layer_params = p_bytes * n_layers // max(n_layers + 1, 1)
+        saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
+                 + 2 * act.layer_saved(micro, train_len))
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
-        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
+        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, 1)
         + act.layer_forward(rows, prompt, size),
-        "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, train_len)
+        "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len // ANSWER_FRACTION)
+        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
         + act.layer_forward(s_rows, s_len, s_len),
-        # every layer's saved activations + two layers' worth of backward transients
-        "update": gradient_bytes + (n_layers + 2) * act.layer_saved(micro, train_len)
-        + LOGIT_COPIES["update"] * 4 * act.logits(micro, train_len),
+        "update": gradient_bytes + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
     }
     shapes["gradient_bytes"] = gradient_bytes
     peak = 2 * p_bytes + o_bytes + max(phases.values())

@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import sys
 import jax
+import jax.numpy as jnp
 
 from mempo_jax.cli import command_name
 from mempo_jax.config import DEFAULT_GIN, RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
@@ -122,7 +123,10 @@ def run(args, hooks=None) -> dict:
         evals, per_q = {}, {}
         stages.zero_shot_stage(ctx, learner, evals, per_q)
         stages.sft_stage(ctx, learner, sft_file, stack)
-        ref_params = jax.tree.map(lambda x: x.copy(), learner.params)  # frozen reference: the SFT result
+        # frozen reference: the SFT result (ExecutionConfig.reference_dtype; float32: a copy)
+        ref_dtype = jnp.dtype(cfg.execution.reference_dtype)
+        ref_params = jax.tree.map(lambda x: x.astype(ref_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                                  and x.dtype != ref_dtype else x.copy(), learner.params)
         evals["sft"], per_q["sft"] = stages.evaluate_stage(ctx, "sft", learner, ctx.point.eval_sft, ctx.sft_ckpt,
                                                            cfg.sft.steps)
         learner = stages.rl_stage(ctx, learner.params, ref_params, stack)
@@ -147,9 +151,10 @@ def main(argv=None, hooks=None) -> int:
       hooks: test-only ``resume.FaultHooks`` (default: none).
 
     Returns:
-      0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error or a
-      failed write (disk full, read-only folder; one line on stderr), 3 when non-finite steps
-      stopped the run (one line on stderr).
+      0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error, a
+      failed write (disk full, read-only folder) or a device out of memory (``RESOURCE_EXHAUSTED``:
+      the phase and the binding to lower, ``out_of_memory_line``; the last checkpoint stays as it
+      was) — one line on stderr each —, 3 when non-finite steps stopped the run (one line on stderr).
     """
     from mempo_jax.run.preemption import Preempted
     from mempo_jax.run.resume import NumericalFault
@@ -167,7 +172,43 @@ def main(argv=None, hooks=None) -> int:
     except (ValueError, OSError) as e:  # bad config, data or run folder; a full disk, a read-only folder
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:
+        line = out_of_memory_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     return 0
+
+
+# (function or file name in the traceback, phase, the bindings that lower its memory); the innermost match wins
+_OOM_PHASES = (
+    ("rollout", "sampling", "RolloutConfig.num_slots (or RolloutConfig.max_context_tokens)"),
+    ("rollout_cached", "sampling", "RolloutConfig.num_slots (or RolloutConfig.max_context_tokens)"),
+    ("sft_step", "the SFT step", "ExecutionConfig.sft_micro_batch_rows (or ExecutionConfig.remat = \"full\")"),
+    ("ppo_update", "the PPO update", "ExecutionConfig.micro_batch_rows (or ExecutionConfig.remat = \"full\", "
+     "ExecutionConfig.logit_chunk_tokens)"),
+    ("logprobs", "the log-probs", "ExecutionConfig.logprob_chunk_rows (or ExecutionConfig.logit_chunk_tokens)"),
+    ("detached_logprobs", "the old / reference log-probs", "ExecutionConfig.logprob_chunk_rows"),
+    ("memory_reward.py", "the memory-reward scoring", "ExecutionConfig.scoring_chunk_rows"),
+)
+
+
+def out_of_memory_line(e: BaseException) -> str | None:
+    """One line for a device out-of-memory (``RESOURCE_EXHAUSTED`` in the error): the phase it
+    happened in (read off the traceback) and the binding to lower; ``None`` for any other error."""
+    import pathlib
+    import traceback
+
+    if "RESOURCE_EXHAUSTED" not in str(e):
+        return None
+    phase, binding = "an unrecognised phase", "ExecutionConfig.micro_batch_rows / logprob_chunk_rows"
+    for frame in traceback.extract_tb(e.__traceback__):
+        for key, p, b in _OOM_PHASES:
+            if key in (frame.name, pathlib.Path(frame.filename).name):
+                phase, binding = p, b
+    first = " ".join(str(e).split())[:160]
+    return f"device out of memory in {phase} ({first}); lower {binding}; the last checkpoint is kept"
 
 
 def _one_line(e: BaseException) -> str:

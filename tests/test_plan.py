@@ -59,7 +59,8 @@ def real(small):
     mesh = make_mesh(1, 4, 2)
     model_cfg = plan.model_config(cfg)
     graphdef, params = init_sharded_params(model_cfg, 0, mesh)
-    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
+    fn = make_logits_fn(graphdef, logit_chunk=cfg.execution.logit_chunk_tokens, remat=cfg.execution.remat)
+    learner = Learner(fn, params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     return mesh, model_cfg, graphdef, learner
 
 
@@ -203,6 +204,14 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
                '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
     planned = json.loads(capsys.readouterr().out)
     assert planned["num_params"] == model_cfg.replace(vocab_size=49216).num_params() > model_cfg.num_params()
-    # not downloaded yet: the preset stands for it (the pod recipes bind the same architecture)
-    missing = config_lib.load_config([recipe], [f'ModelOptions.checkpoint="{smollm2_dir}/nowhere"'])
-    assert plan.model_source(missing) == "tiny" and plan.model_config(missing) == ModelConfig.tiny(missing.vocab_size)
+    # not converted yet, and the recipe's preset is the from-scratch "tiny": one line, exit 2 (it used
+    # to plan "tiny: 0.00 B parameters ... fits")
+    nowhere = f'--gin_param=ModelOptions.checkpoint="{smollm2_dir}/nowhere"'
+    assert plan.main([f"--gin_file={recipe}", nowhere]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read {smollm2_dir}/nowhere/config.json" in err
+    # a pod recipe's pretrained preset stands for its checkpoint before the download
+    pod = config_lib.load_config([str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")],
+                                 ['ModelOptions.checkpoint="/nowhere"'])
+    assert plan.model_source(pod) == "qwen2_5_0_5b" and plan.model_config(pod) == ModelConfig.qwen2_5_0_5b().replace(
+        dtype="bfloat16")

@@ -231,7 +231,7 @@ class PackedLogprobs:
 
         params = jax.lax.stop_gradient(params)
         logp, _ = token_stats(self.logits_fn, params, ids, segment_ids=segment_ids, positions=positions,
-                              temperature=self.temperature)
+                              temperature=self.temperature, grad=False)
         return jax.lax.stop_gradient(logp)
 
     def __call__(self, params, input_ids, valid):

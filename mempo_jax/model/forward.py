@@ -112,21 +112,23 @@ class LogitsFn:
                           logits_at=logits_at)
         return logits
 
-    def hidden(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
-        """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input)."""
+    def hidden(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array,
+               remat: str | None = None) -> jax.Array:
+        """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input);
+        ``remat`` overrides ``self.remat`` (``"none"`` for a pass that is not differentiated)."""
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                                   remat=self.remat)
+                                   remat=self.remat if remat is None else remat)
         return x
 
     def packed_hidden(self, params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array,
-                      positions: jax.Array) -> jax.Array:
-        """``[B, L, embed]`` final hidden states of ``packed``'s rows."""
+                      positions: jax.Array, remat: str | None = None) -> jax.Array:
+        """``[B, L, embed]`` final hidden states of ``packed``'s rows (``remat`` as ``hidden``)."""
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions.astype(jnp.int32),
-                                   AttentionMask.causal(seg > 0, seg), remat=self.remat)
+                                   AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat)
         return x
 
     def head(self, params: nnx.State) -> jax.Array:
@@ -147,7 +149,7 @@ def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_C
 
 def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None, temperature: float = 1.0,
-                entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                entropy: bool = False, grad: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """Per-token log-probs (and entropies) of ``input_ids`` under ``fn``, shift-by-one convention of
     ``core.logprobs`` (column 0 is 0), without ``[B, L, vocab]`` logits.
 
@@ -160,6 +162,8 @@ def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = N
         int32 for rows packed end to end (``LogitsFn.packed``).
       temperature: softmax temperature (> 0).
       entropy: also return entropies.
+      grad: the result is differentiated (the decoder layers then follow ``fn.remat``; ``False``:
+        no rematerialisation, whose stacked layer copy a forward-only pass does not need).
 
     Returns:
       ``(logp [B, L], entropy [B, L] or None)`` float32.
@@ -168,8 +172,9 @@ def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = N
     if not isinstance(fn, LogitsFn):
         logits = fn(params, ids, valid) if segment_ids is None else fn.packed(params, ids, segment_ids, positions)
         return shifted_logprobs(logits, ids, temperature=temperature, entropy=entropy)
-    hidden = fn.hidden(params, ids, valid) if segment_ids is None else fn.packed_hidden(params, ids, segment_ids,
-                                                                                        positions)
+    remat = None if grad else "none"
+    hidden = (fn.hidden(params, ids, valid, remat) if segment_ids is None
+              else fn.packed_hidden(params, ids, segment_ids, positions, remat))
     return shifted_logprobs(hidden, ids, fn.project, fn.head(params), temperature, fn.logit_chunk, entropy)
 
 
@@ -213,7 +218,7 @@ def sequence_logprobs(
       or its predecessor is padding (nothing real predicts it).
     """
     logp, ent = token_stats(make_logits_fn(graphdef), params, input_ids, valid=valid_mask, temperature=temperature,
-                            entropy=True)
+                            entropy=True, grad=False)
     valid = valid_mask.astype(bool)
     scored = valid & jnp.concatenate([jnp.zeros_like(valid[:, :1]), valid[:, :-1]], axis=1)
     return jnp.where(scored, logp, 0.0), jnp.where(scored, ent, 0.0)

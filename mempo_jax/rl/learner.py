@@ -186,7 +186,7 @@ class Learner:
 
     # ---- log-probs -------------------------------------------------------------------------
     def _logprobs_impl(self, params, ids, valid):
-        return token_stats(self.logits_fn, params, ids, valid=valid, temperature=self.temperature)[0]
+        return token_stats(self.logits_fn, params, ids, valid=valid, temperature=self.temperature, grad=False)[0]
 
     def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
         """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.

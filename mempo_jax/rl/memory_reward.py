@@ -387,7 +387,7 @@ class MemoryRewardScorer:
         from mempo_jax.model.forward import token_stats
 
         params = jax.lax.stop_gradient(params)
-        logp, _ = token_stats(self.logits_fn, params, input_ids, valid=valid, temperature=self.temperature)
+        logp, _ = token_stats(self.logits_fn, params, input_ids, valid=valid, temperature=self.temperature, grad=False)
         return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
 
     def _packed_logprobs(self, params, input_ids, segment_ids, positions, logits_at, targets) -> jax.Array:
@@ -399,7 +399,7 @@ class MemoryRewardScorer:
         params = jax.lax.stop_gradient(params)
         fn = self.logits_fn
         if isinstance(fn, LogitsFn):
-            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions)
+            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions, remat="none")
             hidden = jnp.take_along_axis(hidden, logits_at[..., None].astype(jnp.int32), axis=1)  # [R, K, D]
             logp, _ = target_logprobs(hidden, targets, fn.project, fn.head(params), self.temperature, fn.logit_chunk)
         else:

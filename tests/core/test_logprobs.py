@@ -120,3 +120,18 @@ def test_gradient_program_keeps_no_rows_by_length_by_vocab_buffer():
     unchunked = temp(lambda p, i, v: reference(full(p, i, v), i, 1.0))
     small = temp(lambda p, i, v: token_stats(chunked, p, i, valid=v, entropy=True))
     assert small < block < unchunked
+
+
+def test_bfloat16_reference_weights_give_close_logprobs():
+    """``ExecutionConfig.reference_dtype = "bfloat16"``: the reference's log-probs from bfloat16
+    weights stay within bfloat16 rounding of the float32 ones."""
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
+
+    cfg = ModelConfig.tiny(VOCAB, num_layers=2)
+    graphdef, params = split_model(create_model(cfg, seed=4))
+    ids = np.random.RandomState(0).randint(0, VOCAB, (4, 16)).astype(np.int32)
+    valid = np.ones((4, 16), bool)
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig()))
+    f32 = learner.logprobs(params, ids, valid)
+    bf16 = learner.logprobs(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), ids, valid)
+    assert 0 < np.abs(bf16 - f32).max() < 0.05
