@@ -316,6 +316,75 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
                       shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
 
 
+def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
+    """XLA's own ``compiled.memory_analysis()`` per device of the update, log-prob and scoring
+    programs at the plan's shapes (``step_shapes``), compiled with abstract parameters (no weights
+    allocated) on a mesh of this process's devices shaped like the slice's (on CPU:
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+
+    Returns:
+      ``{phase: {"arguments", "temporaries", "outputs", "aliased"}}`` bytes, and for each phase
+      ``"total"`` = arguments + temporaries + outputs − aliased (the donated parameters and
+      optimizer state of the update are counted once).
+
+    Raises:
+      ValueError: fewer devices than the slice has.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from mempo_jax.core.logprobs import PackedLogprobs
+    from mempo_jax.core.sharding import logical_to_sharding, make_mesh
+    from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
+    from mempo_jax.rl.learner import Learner, make_optimizer
+    from mempo_jax.rl.losses import LossConfig
+    from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
+
+    n = tpu.num_devices
+    if len(jax.devices()) < n:
+        raise ValueError(f"xla_phases needs {n} devices, this process has {len(jax.devices())} "
+                         f"(CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+    mesh = make_mesh(*mesh_cfg.shape(n), devices=jax.devices()[:n])
+    rules = mesh_cfg.rules
+    model_cfg = model_config(cfg, mesh, rules)
+    graphdef, abstract = split_model(abstract_model(model_cfg))
+    ex = cfg.execution
+    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat)
+    learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
+                      rules=rules)
+    s = step_shapes(cfg, plan_cfg)
+    bs = logical_to_sharding(("batch", None), mesh, rules)
+    sds = lambda r, length, dt: jax.ShapeDtypeStruct((r, int(length)), dt, sharding=bs)  # noqa: E731
+    micro, length = s["micro_batch_rows"], s["train_len"]
+    batch = {k: sds(micro, length, jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
+    batch["valid"] = sds(micro, length, jnp.bool_)
+    batch.update({k: sds(micro, length, jnp.float32) for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
+    programs = {"update": learner._ppo_step.lower(learner.params, learner.opt_state, batch, 1, LossConfig())}
+    lp = PackedLogprobs(fn, 1.0, rows_per_call=s["logprob_rows"], param_shardings=learner.param_shardings,
+                        batch_sharding=bs)
+    programs["logprobs"] = lp._call.lower(learner.params, *[sds(s["logprob_rows"], length, jnp.int32)] * 3)
+    scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=learner.param_shardings)
+    r, sl = s["scoring_rows"], s["scoring_len"]
+    programs["scoring"] = scorer.packed_logprobs.lower(learner.params, *[sds(r, sl, jnp.int32)] * 3,
+                                                       *[sds(r, sl // ANSWER_FRACTION, jnp.int32)] * 2)
+    out = {}
+    for phase, lowered in programs.items():
+        m = lowered.compile().memory_analysis()
+        d = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+             "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes}
+        d["total"] = d["arguments"] + d["temporaries"] + d["outputs"] - d["aliased"]
+        out[phase] = d
+    return out
+
+
+def phase_totals(plan: MemoryPlan) -> dict:
+    """The plan's bytes per device of the programs ``xla_phases`` compiles: what each holds
+    (parameters; the update also the optimizer state) plus its transient phase term."""
+    return {"update": plan.params + plan.opt_state + plan.phases["update"],
+            "logprobs": plan.params + plan.phases["logprobs"],
+            "scoring": plan.params + plan.phases["scoring"]}
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:8.2f} GiB"
 
@@ -420,6 +489,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--gin_file", action="append", default=[], help=gin_file_help(None))
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
+    p.add_argument("--xla", action="store_true",
+                   help="also compile the update, log-prob and scoring programs with abstract parameters on this "
+                        "process's devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N) and print XLA's "
+                        "memory_analysis() per device beside the plan's figure")
     args = p.parse_args(argv)
     from mempo_jax import config as config_lib
     from mempo_jax.core import mesh_config
@@ -438,6 +511,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps({**plan_dict(plan), "rollout": rollout}, indent=1))
     else:
         print(format_plan(plan, ", ".join(args.gin_file)) + "\n" + format_rollout_plan(rollout))
+    if args.xla:
+        xla, ours = xla_phases(cfg, pod.mesh, pod.tpu, pod.plan), phase_totals(plan)
+        print("  XLA memory_analysis() per device (arguments + temporaries + outputs - aliased) against the plan:")
+        for phase, d in xla.items():
+            print(f"    {phase:<10} XLA {_gib(d['total'])} (temporaries {_gib(d['temporaries'])})   plan "
+                  f"{_gib(ours[phase])}   plan / XLA {ours[phase] / max(d['total'], 1):.2f}")
     if not plan.fits:
         print(f"error: the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
               f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "

@@ -112,7 +112,8 @@ class Learner:
         applied in chunks, ``token_stats``; its ``remat`` rematerialises the decoder layers of the
         update and SFT step), or any ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits
         [B,L,V] f32`` callable.
-      params: the policy parameters (a pytree; nnx.State).
+      params: the policy parameters (a pytree; nnx.State), or their ``jax.ShapeDtypeStruct``s
+        (nothing allocated: the programs can be lowered and compiled, not run).
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       micro_batch_rows: rows per micro-batch in gradient accumulation.
@@ -155,8 +156,13 @@ class Learner:
         opt = self.opt_shardings = opt_state_shardings(optimizer, params, mesh, rules)
         bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
         rep = replicated(mesh)
-        self.params = jax.device_put(params, ps)
-        self.opt_state = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)(self.params)
+        init = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):  # compile-only (the plan)
+            self.params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params, ps)
+            self.opt_state = jax.eval_shape(init, self.params)
+        else:
+            self.params = jax.device_put(params, ps)
+            self.opt_state = init(self.params)
         self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=rep)
         self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1),
                                  in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
