@@ -10,7 +10,7 @@ attention materialises ``[rows, heads, L, S]`` float32 scores and probabilities;
 logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), for each phase of a
 step:
 
-* sampling: KV cache + prefill (one layer's transients; logits at the last prompt token only);
+* sampling: KV cache + prefill (``[rows, P, vocab]`` logits, one layer's transients);
 * log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
   packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
   which this bound covers; a packed call may pick 2× or 4× that length when it computes fewer
@@ -300,7 +300,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
                  + 2 * act.layer_saved(micro, train_len))
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
-        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, 1)
+        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
         + act.layer_forward(rows, prompt, size),
         "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
