@@ -423,7 +423,7 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
         fmt = policy_format(options, tokenizer)
     else:
         tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder)
-        tokenizer_dir = tokenizer.path.parent if hasattr(tokenizer, "path") else None  # an HF tokenizer saved in the run
+        tokenizer_dir = tokenizer.path.parent  # the run's tokenizer folder (an HF tokenizer's files, or tokenizer.model)
         fmt = policy_format(run_model_options(run_dir), tokenizer, folder=tokenizer_dir)
     return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
 

@@ -368,7 +368,7 @@ class PlainTemplate:
         Raises:
           ValueError: as ``render``.
         """
-        bos = [] if getattr(tokenizer, "bos_id", None) is None else [int(tokenizer.bos_id)]
+        bos = [] if tokenizer.bos_id is None else [int(tokenizer.bos_id)]
         return bos + encode_rendered(tokenizer, self.render(messages, add_generation_prompt))
 
 
