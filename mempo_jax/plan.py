@@ -293,6 +293,9 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * p_bytes  # accumulator + one micro-batch's gradient (parameter dtype)
     chunk = shapes["logit_chunk"]
+    # weights gathered whole for a matmul (fsdp shards them at rest): the embedding / LM head,
+    # gathered for the lookup and again for the head, in the activation dtype, split over tensor only
+    gathered = 2 * act.act * act.elems((None, "vocab", None), (1, model_cfg.vocab_size, model_cfg.embed_dim))
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
     else:  # each layer's input, the stacked layer parameters, two layers' saved activations
@@ -302,11 +305,11 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
         + act.layer_forward(rows, prompt, size),
-        "logprobs": LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
+        "logprobs": gathered + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
+        "scoring": gathered + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
         + act.layer_forward(s_rows, s_len, s_len),
-        "update": gradient_bytes + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
+        "update": gradient_bytes + gathered + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
     }
     shapes["gradient_bytes"] = gradient_bytes
     peak = 2 * p_bytes + o_bytes + max(phases.values())
