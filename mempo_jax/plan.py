@@ -220,6 +220,13 @@ class _Act:
         return self.elems(("batch", "seq", name, "head_dim"), (rows, length, heads, self.c.head_dim))
 
     def scores(self, rows, length, slots) -> int:
+        """Elements of the attention scores live at once: ``[rows, heads, length, slots]`` on the
+        dense path, one ``BLOCK_Q x BLOCK_K`` tile per row and head on the blocked path (long rows,
+        ``attention.use_blocked``; its query blocks are rematerialised in the backward pass)."""
+        from mempo_jax.model.attention import BLOCK_K, BLOCK_Q, use_blocked
+
+        if use_blocked(length, slots):
+            length, slots = min(length, BLOCK_Q), min(slots, BLOCK_K)
         return self.elems(("batch", "heads", "seq", None), (rows, self.c.num_heads, length, slots))
 
     def logits(self, rows, length) -> int:
@@ -312,10 +319,11 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         "update": gradient_bytes + gathered + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
     }
     shapes["gradient_bytes"] = gradient_bytes
-    peak = 2 * p_bytes + o_bytes + max(phases.values())
+    ref_bytes = p_bytes // 2 if cfg.execution.reference_dtype == "bfloat16" else p_bytes  # float32 master weights
+    peak = p_bytes + ref_bytes + o_bytes + max(phases.values())
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
     return MemoryPlan(model_source(cfg), model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
-                      tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, p_bytes, c_bytes, phases,
+                      tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, ref_bytes, c_bytes, phases,
                       shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
 
 
