@@ -197,7 +197,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     assert abs(model_cfg.num_params() - 134.52e6) < 0.01e6
     plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
     out = capsys.readouterr().out
-    assert f"model    {smollm2_dir}: 0.13 B parameters" in out and "update micro-batch 2 x 1024" in out
+    assert f"model    {smollm2_dir}: 0.13 B parameters" in out and "update micro-batch 8 x 1024" in out
     # tags as added tokens: no spare row in SmolLM2, so 12 new rows, rounded up to 64 (49,216)
     tokens = '--gin_param=ModelOptions.tags="tokens"'
     plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", tokens, "--json",
