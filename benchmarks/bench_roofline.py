@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
              "ref_logprobs": np.full((rows, length), -5.0, np.float32),
              "advantages": rng.normal(0, 1, (rows, length)).astype(np.float32)}
     loss = LossConfig()
-    compiled = learner._ppo_step.lower(learner.params, learner.opt_state, batch, 1, loss).compile()
+    compiled = learner._ppo_step.lower(learner.params, None, learner.opt_state, batch, 1, loss).compile()
     try:
         ca = compiled.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     analytic = 3 * forward_flops(cfg, rows, length)
 
     def update():
-        learner.params, learner.opt_state, m = learner._ppo_step(learner.params, learner.opt_state, batch, 1, loss)
+        learner.params, learner.opt_state, m = learner._ppo_step(learner.params, None, learner.opt_state, batch, 1, loss)
         jax.block_until_ready(m)
 
     update()

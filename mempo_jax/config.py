@@ -33,6 +33,7 @@ from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
+from mempo_jax.model.lora import LoraConfig
 from mempo_jax.rl.step import RLConfig
 from mempo_jax.core.validation import check, require
 
@@ -338,6 +339,8 @@ class ExperimentConfig:
       mesh: the device mesh (``MeshConfig``). Unbound (no ``MeshConfig.*`` binding), one process
         runs on the smallest mesh, ``(1, 1, 1)``; several processes on ``MeshConfig()``'s.
       execution: micro-batch and chunk rows of the device programs (``ExecutionConfig``).
+      lora: LoRA adapters (``LoraConfig``; ``rank = 0``, the default, trains every parameter).
+        ``LoraConfig.*`` bindings apply without an ``ExperimentConfig.lora`` line.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range or of the wrong type (names the
@@ -364,6 +367,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     execution: ExecutionConfig = ExecutionConfig()
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         check(self, "seed", int, lo=0)
@@ -391,7 +395,7 @@ class ExperimentConfig:
         check(self, "log_rollouts", int, lo=0)
         for name, kind in (("world", WorldConfig), ("model", ModelOptions), ("sft", SFTConfig), ("rl", RLConfig),
                            ("optim", OptimConfig), ("eval", EvalConfig), ("checkpoint", CheckpointConfig),
-                           ("mesh", MeshConfig), ("execution", ExecutionConfig)):
+                           ("mesh", MeshConfig), ("execution", ExecutionConfig), ("lora", LoraConfig)):
             check(self, name, kind)
         micro = self.execution.sft_micro_batch_rows
         require(not (micro and self.sft.batch_rows % micro), "ExecutionConfig.sft_micro_batch_rows must be 0 or divide "
@@ -412,7 +416,7 @@ class ExperimentConfig:
 # recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
                   RLConfig, RolloutConfig, LossConfig, MemoryRewardConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
-                  TPUConfig, PlanConfig)
+                  TPUConfig, PlanConfig, LoraConfig)
 # Bindings of fields that moved (a recipe that still binds one gets a one-line error naming the new field).
 MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows",
                 "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
@@ -493,7 +497,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
             # CheckpointConfig.* / MeshConfig.* / ExecutionConfig.* bindings apply without an
             # ExperimentConfig.<field> = @...() line, MemoryRewardConfig.* ones without RLConfig.memory_reward (unbound ones stay out of the operative config).
             nested = {"checkpoint": CheckpointConfig}
-            nested.update({name: kind for name, kind in (("mesh", MeshConfig), ("execution", ExecutionConfig))
+            nested.update({name: kind for name, kind in (("mesh", MeshConfig), ("execution", ExecutionConfig),
+                                                         ("lora", LoraConfig))
                            if binds_any(kind)})
             cfg = dataclasses.replace(cfg, **{name: gin.get_configurable(kind)() for name, kind in nested.items()
                                               if not _is_bound(f"ExperimentConfig.{name}")})

@@ -109,6 +109,7 @@ def run(args, hooks=None) -> dict:
     from mempo_jax.run.experiment import check_qa_inputs
     from mempo_jax.run.resume import FaultHooks
     from mempo_jax.run.context import open_run, setup_compilation_cache
+    from mempo_jax.model.lora import reference_params
 
     setup_compilation_cache()
     run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
@@ -123,10 +124,11 @@ def run(args, hooks=None) -> dict:
         evals, per_q = {}, {}
         stages.zero_shot_stage(ctx, learner, evals, per_q)
         stages.sft_stage(ctx, learner, sft_file, stack)
-        # frozen reference: the SFT result (ExecutionConfig.reference_dtype; float32: a copy)
+        # Frozen reference: the SFT result (ExecutionConfig.reference_dtype; float32: a copy); with LoRA
+        # its adapters so, over the same base arrays.
         ref_dtype = jnp.dtype(cfg.execution.reference_dtype)
-        ref_params = jax.tree.map(lambda x: x.astype(ref_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                                  and x.dtype != ref_dtype else x.copy(), learner.params)
+        ref_params = reference_params(learner.params, lambda x: x.astype(ref_dtype) if jnp.issubdtype(
+            x.dtype, jnp.floating) and x.dtype != ref_dtype else x.copy())
         evals["sft"], per_q["sft"] = stages.evaluate_stage(ctx, "sft", learner, ctx.point.eval_sft, ctx.sft_ckpt,
                                                            cfg.sft.steps)
         learner = stages.rl_stage(ctx, learner.params, ref_params, stack)
@@ -138,6 +140,14 @@ def run(args, hooks=None) -> dict:
 
             exported = str(export_policy(ctx.run_dir / EXPORT_DIR, ctx.exp.model_cfg, learner.params,
                                          ctx.exp.tokenizer, source=cfg.model.checkpoint))
+            if ctx.exp.model_cfg.lora_rank:  # also the adapters alone, as a PEFT folder over the source
+                from mempo_jax.run.export import PEFT_EXPORT_DIR, export_adapter
+
+                try:
+                    export_adapter(ctx.run_dir / PEFT_EXPORT_DIR, ctx.exp.model_cfg, learner.params,
+                                   cfg.model.checkpoint)
+                except ValueError as e:  # embedding rows added for the tags: the merged export only
+                    ctx.say(f"[mempo] no {PEFT_EXPORT_DIR}: {e}", flush=True)
         summary = stages.summarize(ctx, evals, per_q, exported)
     stages.print_summary(ctx, summary)
     return summary

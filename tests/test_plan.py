@@ -93,7 +93,7 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     b = {k: jax.device_put(np.zeros((16, s["train_len"]), dt), rows_sh((16, s["train_len"])))
          for k, dt in [("input_ids", np.int32), ("valid", bool), ("loss_mask", np.float32),
                        ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
-    xla = {"update": _temp(learner._ppo_step.lower(learner.params, learner.opt_state, b, 1, LossConfig()).compile()),
+    xla = {"update": _temp(learner._ppo_step.lower(learner.params, None, learner.opt_state, b, 1, LossConfig()).compile()),
            "logprobs": _temp(learner._logprobs.lower(learner.params, b["input_ids"], b["valid"]).compile())}
     rows, prompt = s["rollout_rows"], s["prompt_len"]
     slots = SlotSampler(graphdef, model_cfg, (2,), 0, mesh=mesh, rules=tuple(pod.mesh.rules))

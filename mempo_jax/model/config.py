@@ -11,6 +11,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+# PEFT / Hugging Face module name → (our module, our weight name): the LoRA targets.
+LORA_TARGETS = {"q_proj": ("attn", "q"), "k_proj": ("attn", "k"), "v_proj": ("attn", "v"), "o_proj": ("attn", "o"),
+                "gate_proj": ("mlp", "gate"), "up_proj": ("mlp", "up"), "down_proj": ("mlp", "down")}
+
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # Llama 3.x rope scaling ("rope_type": "llama3"), from the checkpoints' config.json.
@@ -52,6 +56,12 @@ class ModelConfig:
         0.02 as in Qwen2/Llama, where D ≥ 896). Narrow models train faster from scratch with
         about ``1 / sqrt(embed_dim)``: with 0.02 at D = 128, attention starts uniform and the copy
         circuits form only after a long plateau.
+      lora_rank: rank r of the LoRA adapters (``mempo_jax.model.lora``); 0 = none.
+      lora_alpha: LoRA alpha; the adapter output is scaled by ``lora_alpha / lora_rank`` (PEFT's
+        ``scaling`` without rsLoRA).
+      lora_targets: the projections that get an adapter, by their Hugging Face module names
+        (PEFT ``target_modules``): a subset of ``lora.LORA_TARGETS`` (``q_proj``, ``k_proj``,
+        ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``).
 
     Raises:
       ValueError: from ``__post_init__`` when a field is out of range, naming the field.
@@ -72,6 +82,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     initializer_range: float = 0.02
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -107,6 +120,21 @@ class ModelConfig:
                 raise ValueError("ModelConfig.rope_scaling: high_freq_factor must exceed low_freq_factor")
             # Canonical, hashable form: sorted pairs.
             object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """Validate the LoRA fields; ``lora_targets`` becomes a tuple in ``LORA_TARGETS`` order."""
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
+        targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"ModelConfig.lora_targets: unknown module name(s) {unknown}; known: {list(LORA_TARGETS)}")
+        if self.lora_rank and not targets:
+            raise ValueError("ModelConfig.lora_targets must name at least one module when lora_rank > 0")
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
 
     @property
     def num_groups(self) -> int:
@@ -123,12 +151,27 @@ class ModelConfig:
         """``jnp.dtype`` of parameters."""
         return jnp.dtype(self.param_dtype)
 
+    def lora_weights(self, module: str) -> tuple[str, ...]:
+        """Our weight names of ``module`` (``"attn"`` / ``"mlp"``) that carry an adapter."""
+        return tuple(LORA_TARGETS[t][1] for t in self.lora_targets if LORA_TARGETS[t][0] == module) \
+            if self.lora_rank else ()
+
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def num_lora_params(self) -> int:
+        """Analytic count of the LoRA adapter parameters: ``r · (fan_in + fan_out)`` per targeted
+        weight and layer (0 without adapters)."""
+        d, h, k, hd, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+        io = {"q": (d, h * hd), "k": (d, k * hd), "v": (d, k * hd), "o": (h * hd, d), "gate": (d, f), "up": (d, f),
+              "down": (f, d)}
+        weights = self.lora_weights("attn") + self.lora_weights("mlp")
+        return self.num_layers * self.lora_rank * sum(sum(io[w]) for w in weights)
+
     def num_params(self) -> int:
-        """Analytic parameter count (embedding, blocks, final norm, untied LM head)."""
+        """Analytic parameter count of the base model (embedding, blocks, final norm, untied LM
+        head; LoRA adapters not included: ``num_lora_params``)."""
         d, h, k, hd, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
         attn = d * h * hd + 2 * d * k * hd + h * hd * d
         if self.qkv_bias:

@@ -17,19 +17,26 @@ from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
 
 
+def _rngs(seed: int) -> nnx.Rngs:
+    """The init streams: ``params`` (the base weights) and ``lora`` (adapters, drawn apart so the
+    base weights of a seed are the same with or without adapters)."""
+    return nnx.Rngs(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
+
+
 def create_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    """A randomly initialised ``Decoder`` (normal(0.02) weights, unit norms, zero biases).
+    """A randomly initialised ``Decoder`` (normal(0.02) weights, unit norms, zero biases; LoRA
+    adapters, when ``cfg`` has them, as ``model.lora.adapter_params``).
 
     Args:
       cfg: model config.
       seed: integer seed of the ``params`` RNG stream.
     """
-    return Decoder(cfg, rngs=nnx.Rngs(params=seed))
+    return Decoder(cfg, rngs=_rngs(seed))
 
 
 def abstract_model(cfg: ModelConfig) -> Decoder:
     """The ``Decoder`` with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``; allocates nothing)."""
-    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=_rngs(0)))
 
 
 def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:

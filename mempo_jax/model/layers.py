@@ -19,7 +19,29 @@ from flax import nnx
 
 from mempo_jax.model.attention import attention
 from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.lora import adapter_params, lora_delta
 
+
+
+def add_lora(module: nnx.Module, cfg: ModelConfig, kind: str, rngs: nnx.Rngs, n_in: dict[str, int]) -> None:
+    """Give ``module`` (``kind`` ``"attn"`` / ``"mlp"``) the adapters ``cfg`` asks for:
+    ``{w}_lora_a`` / ``{w}_lora_b`` beside each targeted weight ``w`` (``lora.adapter_params``;
+    ``n_in[w]`` = its input axes)."""
+    for w in cfg.lora_weights(kind):
+        param = getattr(module, w)
+        a, b = adapter_params(rngs, param.shape, param.get_metadata()["out_sharding"], n_in[w], cfg.lora_rank)
+        setattr(module, f"{w}_lora_a", a)
+        setattr(module, f"{w}_lora_b", b)
+
+
+def project(module: nnx.Module, eq: str, x: jax.Array, w: str, n_in: int) -> jax.Array:
+    """``einsum(eq, x, W)`` for weight ``w`` of ``module``, plus its LoRA term when it has one
+    (``lora.lora_delta`` with ``scale = lora_alpha / lora_rank``); in ``x.dtype``."""
+    y = jnp.einsum(eq, x, getattr(module, w)[...].astype(x.dtype))
+    a = getattr(module, f"{w}_lora_a", None)
+    if a is None:
+        return y
+    return y + lora_delta(x, a[...], getattr(module, f"{w}_lora_b")[...], n_in, module.lora_scale)
 
 
 def logical_param(rngs: nnx.Rngs | None, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
@@ -126,6 +148,8 @@ class Attention(nnx.Module):
             self.q_bias = logical_param(rngs, zeros, (h, hd), ("heads", "head_dim"), pd)
             self.k_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
             self.v_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
+        self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+        add_lora(self, cfg, "attn", rngs, {"q": 1, "k": 1, "v": 1, "o": 2})
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Project and rotate.
@@ -138,9 +162,9 @@ class Attention(nnx.Module):
           ``q [batch, seq, heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]`` (RoPE on q, k).
         """
         dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt))
+        q = project(self, "btd,dhk->bthk", x, "q", 1)
+        k = project(self, "btd,dhk->bthk", x, "k", 1)
+        v = project(self, "btd,dhk->bthk", x, "v", 1)
         if self.cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -164,8 +188,11 @@ class Attention(nnx.Module):
         Returns:
           ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).
         """
-        out = attention(q, k, v, attn_mask, **cache)
-        return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(q.dtype))
+        return self.project_out(attention(q, k, v, attn_mask, **cache))
+
+    def project_out(self, out: jax.Array) -> jax.Array:
+        """The output projection (with its adapter): ``[batch, T, heads, head_dim]`` → ``[batch, T, embed]``."""
+        return project(self, "bthk,hkd->btd", out, "o", 2)
 
 
 class MLP(nnx.Module):
@@ -177,10 +204,11 @@ class MLP(nnx.Module):
         self.gate = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.up = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.down = logical_param(rngs, init, (f, d), ("mlp", "embed"), pd)
+        self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+        add_lora(self, cfg, "mlp", rngs, {"gate": 1, "up": 1, "down": 1})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[batch, seq, embed]`` → ``[batch, seq, embed]`` in ``x.dtype``."""
-        dt = x.dtype
-        g = jnp.einsum("btd,df->btf", x, self.gate[...].astype(dt))
-        u = jnp.einsum("btd,df->btf", x, self.up[...].astype(dt))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down[...].astype(dt))
+        g = project(self, "btd,df->btf", x, "gate", 1)
+        u = project(self, "btd,df->btf", x, "up", 1)
+        return project(self, "btf,fd->btd", jax.nn.silu(g) * u, "down", 1)

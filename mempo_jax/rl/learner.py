@@ -23,6 +23,7 @@ from mempo_jax.rl.losses import LossConfig, loss_denominator, mempo_loss
 from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
                                 param_shardings, replicated)
 from mempo_jax.core.validation import check
+from mempo_jax.model.lora import join, split_trainable
 
 T = TypeVar("T")
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of the RL step's training rows (tokens)
@@ -113,7 +114,10 @@ class Learner:
         update and SFT step), or any ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits
         [B,L,V] f32`` callable.
       params: the policy parameters (a pytree; nnx.State), or their ``jax.ShapeDtypeStruct``s
-        (nothing allocated: the programs can be lowered and compiled, not run).
+        (nothing allocated: the programs can be lowered and compiled, not run). With LoRA adapters
+        (``nnx.LoRAParam`` leaves, ``model.lora``) only they are trained: the SFT and PPO steps
+        differentiate, update and donate the adapters alone, the optimizer state covers them
+        alone, and the base weights are passed through unchanged (never donated).
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       micro_batch_rows: rows per micro-batch in gradient accumulation.
@@ -153,21 +157,23 @@ class Learner:
         self.mesh = mesh = mesh_or_local(mesh)
         self.rules = rules
         ps = self.param_shardings = param_shardings(params, mesh, rules)
-        opt = self.opt_shardings = opt_state_shardings(optimizer, params, mesh, rules)
+        ts, fs = split_trainable(ps)  # trainable / frozen (None without adapters) shardings
+        opt = self.opt_shardings = opt_state_shardings(optimizer, split_trainable(params)[0], mesh, rules)
         bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
         rep = replicated(mesh)
-        init = jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=opt)
+        init = jax.jit(optimizer.init, in_shardings=(ts,), out_shardings=opt)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):  # compile-only (the plan)
             self.params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params, ps)
-            self.opt_state = jax.eval_shape(init, self.params)
+            self.opt_state = jax.eval_shape(init, split_trainable(self.params)[0])
         else:
             self.params = jax.device_put(params, ps)
-            self.opt_state = init(self.params)
+            self.opt_state = init(split_trainable(self.params)[0])
         self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=rep)
-        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(3,), donate_argnums=(0, 1),
-                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
-        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(3, 4), donate_argnums=(0, 1),
-                                 in_shardings=(ps, opt, bs), out_shardings=(ps, opt, rep))
+        # The steps take (trainable, frozen, opt_state, batch) and return the new trainable part.
+        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
+                                 in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
+        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(4, 5), donate_argnums=(0, 2),
+                                 in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
 
     def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
         """``batch`` put on the ``batch`` sharding.
@@ -261,16 +267,16 @@ class Learner:
                           for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
             if self.packs_update:
                 batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
-            self._ppo_step.lower(self.params, self.opt_state, batch, int(n_micro), loss_cfg).compile()
+            self._ppo_step.lower(*split_trainable(self.params), self.opt_state, batch, int(n_micro), loss_cfg).compile()
         return (2 if logprobs else 1) * len(lengths)
 
     # ---- SFT -------------------------------------------------------------------------------
-    def _sft_step_impl(self, params, opt_state, batch, n_micro):
+    def _sft_step_impl(self, params, frozen, opt_state, batch, n_micro):
         denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
         micro = self._split_micro_sharded(batch, n_micro)
 
         def loss_fn(p, mb):
-            logp, _ = token_stats(self.logits_fn, p, mb["input_ids"], valid=mb["valid"])
+            logp, _ = token_stats(self.logits_fn, join(p, frozen), mb["input_ids"], valid=mb["valid"])
             return -(logp * mb["loss_mask"]).sum() / denom
 
         def body(carry, mb):
@@ -293,12 +299,14 @@ class Learner:
         """
         b = batch["input_ids"].shape[0]
         n_micro = max(1, b // min(self.micro_batch_rows, b))
-        self.params, self.opt_state, m = self._sft_step(self.params, self.opt_state, self._place_batch(batch), n_micro)
+        trainable, frozen = split_trainable(self.params)
+        trainable, self.opt_state, m = self._sft_step(trainable, frozen, self.opt_state, self._place_batch(batch), n_micro)
+        self.params = join(trainable, frozen)
         self.num_updates += 1
         return {k: float(v) for k, v in jax.device_get(m).items()}
 
     # ---- PPO -------------------------------------------------------------------------------
-    def _ppo_step_impl(self, params, opt_state, batch, n_micro, loss_cfg: LossConfig):
+    def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig):
         # A batch with ``segment_ids`` / ``positions`` holds rows packed end to end (``ppo_update``):
         # the packed forward and per-sequence aggregation give each sequence what it gets alone.
         denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch.get("segment_ids")), 1.0)
@@ -306,8 +314,9 @@ class Learner:
 
         def loss_fn(p, mb):
             seg = mb.get("segment_ids")
-            logp, ent = token_stats(self.logits_fn, p, mb["input_ids"], valid=mb["valid"], segment_ids=seg,
-                                    positions=mb.get("positions"), temperature=self.temperature, entropy=True)
+            logp, ent = token_stats(self.logits_fn, join(p, frozen), mb["input_ids"], valid=mb["valid"],
+                                    segment_ids=seg, positions=mb.get("positions"), temperature=self.temperature,
+                                    entropy=True)
             ent = ent if loss_cfg.entropy_coef else jax.lax.stop_gradient(ent)
             total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                                     mb["loss_mask"], loss_cfg, entropy=ent, segment_ids=seg)
@@ -395,8 +404,10 @@ class Learner:
                 mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
             else:
                 mb = {k: np.pad(v[idx], [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in rows.items()}
-            self.params, self.opt_state, m = self._ppo_step(self.params, self.opt_state, self._place_batch(mb),
-                                                            plan.rows // plan.micro, loss_cfg)
+            trainable, frozen = split_trainable(self.params)
+            trainable, self.opt_state, m = self._ppo_step(trainable, frozen, self.opt_state, self._place_batch(mb),
+                                                          plan.rows // plan.micro, loss_cfg)
+            self.params = join(trainable, frozen)
             self.num_updates += 1
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mempo_jax.model.lora import trainable_part
+
 CHECKSUM_KEY = "array_checksums"  # reserved key of the metadata item (not returned by ``restore``)
 
 
@@ -520,6 +522,9 @@ def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> Non
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_path}: not JSON ({e})") from None
         now = json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+        # fields added since the file was written hold their defaults there
+        stored = {**{f.name: now[f.name] for f in dataclasses.fields(model_cfg) if f.name not in stored
+                     and getattr(model_cfg, f.name) == f.default}, **stored}
         diff = [f"{k} {stored.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(stored) | set(now))
                 if stored.get(k) != now.get(k)]
         if diff:
@@ -588,7 +593,8 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
 
     Args:
       run_dir: the run folder (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
-        ``checkpoints/``).
+        ``checkpoints/``; a LoRA run's also ``config.gin``: its checkpoints hold the adapters, the
+        base is rebuilt by ``experiment.lora_policy_params``).
       step: checkpoint step (default: the latest complete one).
       folder: the checkpoint folder inside ``run_dir``: ``"checkpoints"`` (RL, default) or
         ``"sft_checkpoint"`` (the SFT policy, the RL run's frozen reference).
@@ -612,12 +618,18 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     fields = json.loads((run_dir / "model_config.json").read_text(encoding="utf-8"))
     if isinstance(fields.get("rope_scaling"), list):
         fields["rope_scaling"] = tuple(tuple(x) for x in fields["rope_scaling"])
+    fields["lora_targets"] = tuple(fields.get("lora_targets", ()))
     model_cfg = ModelConfig(**fields)
     graphdef, params = split_model(abstract_model(model_cfg))  # shapes only: the checkpoint fills them
     ckpt = Checkpointer(run_dir / folder, async_save=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / folder}")
-    params, _, _ = ckpt.restore(step, params)
+    params, _, _ = ckpt.restore(step, trainable_part(params))  # a LoRA run's checkpoints hold the adapters
     ckpt.close()
+    if model_cfg.lora_rank:
+        from mempo_jax.config import load_run_folder_config
+        from mempo_jax.run.experiment import lora_policy_params
+
+        params = lora_policy_params(load_run_folder_config(run_dir / "config.gin"), model_cfg, params)
     return tokenizer, model_cfg, graphdef, params

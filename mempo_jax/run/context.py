@@ -41,6 +41,7 @@ from mempo_jax.run.preemption import Preemption
 from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, FaultHooks, RunLogs, check_free_space,
                               check_logs, check_run_folder, find_resume_point, restore_newest)
 from mempo_jax.core.sharding import batch_shards, opt_state_shardings
+from mempo_jax.model.lora import trainable_part, with_trainable
 
 if TYPE_CHECKING:
     import optax
@@ -251,10 +252,17 @@ class RunContext:
                                            sync=self.sync, pad_id=self.exp.tokenizer.pad_id, **kw)
 
     def opt_target(self, opt):
-        """The optimizer state's restore target, with its shardings on the mesh."""
-        abstract = jax.eval_shape(opt.init, self.exp.params)
+        """The optimizer state's restore target, with its shardings on the mesh (the state of the
+        trainable part: the LoRA adapters of a LoRA run)."""
+        trainable = trainable_part(self.exp.params)
+        abstract = jax.eval_shape(opt.init, trainable)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                            opt_state_shardings(opt, self.exp.params, self.mesh, self.rules))
+                            opt_state_shardings(opt, trainable, self.mesh, self.rules))
+
+    def save(self, ckpt, step: int, learner, meta: dict) -> None:
+        """Save ``learner``'s trainable parameters (the adapters of a LoRA run: the base is rebuilt
+        from the config) and optimizer state as checkpoint ``step`` of ``ckpt``."""
+        ckpt.save(step, trainable_part(learner.params), learner.opt_state, meta)
 
 
 def check_mesh_sizes(cfg, mesh, rules) -> None:
@@ -353,7 +361,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
         lambda skip: find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps, skip),
         lambda point: _restore(ctx, point))
     ctx = dataclasses.replace(ctx, point=point, sft_state=sft_state, rl_state=rl_state)
-    check_free_space(run_dir, checkpoint_bytes(exp.params, ctx.opt_target(ctx.rl_opt)))
+    check_free_space(run_dir, checkpoint_bytes(trainable_part(exp.params), ctx.opt_target(ctx.rl_opt)))
     return _prepare_folder(ctx, stack)
 
 
@@ -366,10 +374,13 @@ def _restore(ctx: RunContext, point):
     if point.fresh:
         return None, None
     check_run_artifacts(ctx.run_dir, exp.tokenizer, exp.model_cfg)
-    sft = ctx.sft_ckpt.restore(point.sft_step, exp.params, None if point.sft_done else ctx.opt_target(ctx.sft_opt))
+    # Checkpoints hold the trainable part (RunContext.save); the frozen base is the one built now.
+    full = lambda state: (with_trainable(exp.params, state[0]), *state[1:])  # noqa: E731
+    target = trainable_part(exp.params)
+    sft = full(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
     rl = None
     if point.rl_step is not None:
-        rl = ctx.rl_ckpt.restore(point.rl_step, exp.params, ctx.opt_target(ctx.rl_opt))
+        rl = full(ctx.rl_ckpt.restore(point.rl_step, target, ctx.opt_target(ctx.rl_opt)))
         RLCheckpoint.from_meta(rl[2], point.rl_step, ctx.rl_key, ctx.cfg.seed, point.source)  # checks the RNG stream
     check_logs(ctx.run_dir, point.newest(), point.source)
     return sft, rl

@@ -22,6 +22,7 @@ from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.agent.engine import RolloutEngine
+from mempo_jax.model.lora import add_adapters, base_config, with_trainable
 from mempo_jax.rl.memory_reward import MEMORY_PREFIXES, MemoryRewardScorer
 from mempo_jax.text.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
@@ -404,6 +405,10 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
 
+    With ``cfg.lora.enabled`` the model gets LoRA adapters (``model.lora.add_adapters``, seeded by
+    ``cfg.seed``) on its base (the checkpoint's weights or the seed's random init, in
+    ``LoraConfig.base_dtype``): the trainer then trains and checkpoints the adapters alone.
+
     Args:
       cfg: the run's config.
       cache_dir: folder for cached artefacts (the SentencePiece model). With
@@ -434,6 +439,8 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     else:
         tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
         model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
+    if cfg.lora.enabled:  # adapters on the frozen base (mempo_jax.model.lora)
+        model_cfg, graphdef, params = add_adapters(model_cfg, params, cfg.lora, cfg.seed, mesh=mesh, rules=rules)
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
                          rules=rules, rollout_tensor=cfg.mesh.rollout_tensor, execution=cfg.execution)
     _check_rollout_fits(cfg, model_cfg, policy.engine)
@@ -446,3 +453,34 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, ToolEnvironment(backend, topk=cfg.topk),
                       model_cfg, graphdef, policy.params, policy.engine, policy.logits_fn, scorer, mesh, corpus,
                       policy.fmt)
+
+
+def lora_policy_params(cfg: ExperimentConfig, model_cfg: ModelConfig, adapters, *, mesh=None, rules=None):
+    """The parameters of a LoRA run's policy: its base rebuilt as ``build_experiment`` builds it
+    (``ModelOptions.checkpoint``'s weights, else ``cfg.seed``'s init of the base shapes) with the
+    stored ``adapters`` (a checkpoint's trainable part).
+
+    Args:
+      cfg: the run's config (``RUN_DIR/config.gin``).
+      model_cfg: the run's adapted ``ModelConfig`` (``RUN_DIR/model_config.json``).
+      adapters: the adapters' state (``nnx.LoRAParam`` leaves).
+
+    Raises:
+      ValueError: the rebuilt model is not ``model_cfg`` (the source checkpoint changed).
+      FileNotFoundError: the source checkpoint folder is gone.
+    """
+    from mempo_jax.core.sharding import mesh_or_local
+    from mempo_jax.model.placement import init_params
+
+    mesh = mesh_or_local(mesh)
+    base_cfg = base_config(model_cfg)
+    if cfg.model.checkpoint:
+        base_cfg, _, params, _ = load_checkpoint_policy(cfg.model, mesh, rules)
+    else:
+        base_cfg = base_cfg.replace(param_dtype=dict(cfg.model.overrides).get("param_dtype", "float32"))
+        _, params = init_params(base_cfg, cfg.seed, mesh, rules)
+    built, _, params = add_adapters(base_cfg, params, cfg.lora, cfg.seed, mesh=mesh, rules=rules)
+    if built != model_cfg:
+        raise ValueError(f"the base model rebuilt from the run's config ({cfg.model.checkpoint or 'seed init'}) is not "
+                         "the run's model_config.json")
+    return with_trainable(params, adapters)

@@ -8,11 +8,16 @@ with the protocol tags the run added, ``tokenizer_config.json`` incl. its chat t
 had). ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` read it, and
 ``python -m mempo_jax.evaluate --hf_checkpoint RUN_DIR/hf_export`` evaluates it.
 
+A LoRA run (``LoraConfig.rank > 0``) is exported both ways: ``hf_export`` holds the merged weights
+(``W + (alpha / r) A B``, ``model.lora.merge_adapters``), and ``RUN_DIR/peft_adapter`` the adapters
+alone as a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained`` loads onto the source checkpoint.
+
 Any checkpoint of a run folder can be exported later (the source checkpoint's token ids and
 context length are carried over when ``ModelOptions.checkpoint`` of ``RUN_DIR/config.gin`` still
 exists)::
 
-    python -m mempo_jax.run.export --run_dir RUN_DIR [--checkpoint STEP] --out DIR
+    python -m mempo_jax.run.export --run_dir RUN_DIR [--checkpoint STEP] --out DIR [--peft_out DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import jax
 from mempo_jax.cli import command_name
 
 EXPORT_DIR = "hf_export"
+PEFT_EXPORT_DIR = "peft_adapter"
 # config.json keys of the source checkpoint that the ModelConfig does not hold (token ids, context).
 CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
@@ -45,7 +51,7 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     Args:
       folder: the output folder (e.g. ``RUN_DIR/hf_export``).
       model_cfg: the policy's ``ModelConfig`` (the architecture of ``config.json``).
-      params: the policy's ``nnx.State`` (written in its own dtype).
+      params: the policy's ``nnx.State`` (written in its own dtype; LoRA adapters merged in).
       tokenizer: an ``HFTokenizer`` (its ``save`` writes the tokenizer files).
       source: the Hugging Face folder the policy came from; its ``CARRIED_CONFIG_KEYS`` go into
         ``config.json`` (else the tokenizer's EOS / BOS / pad ids).
@@ -63,6 +69,9 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     if not isinstance(tokenizer, HFTokenizer):
         raise ValueError("only a policy with a Hugging Face tokenizer (a run from ModelOptions.checkpoint) can be "
                          "exported as a Hugging Face checkpoint; this one has a SentencePiece model")
+    from mempo_jax.model.lora import merge_adapters
+
+    model_cfg, params = merge_adapters(model_cfg, params)  # a LoRA policy: its merged weights
     folder = pathlib.Path(folder)
     extra = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id}
     if source is not None and (pathlib.Path(source) / "config.json").is_file():
@@ -80,11 +89,40 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     return folder
 
 
+def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | os.PathLike) -> pathlib.Path:
+    """Write a LoRA policy's adapters as a PEFT folder over the ``source`` checkpoint
+    (``model.lora.save_peft_adapter``), as ``FOLDER.tmp`` renamed into place when complete.
+
+    Raises:
+      ValueError: the policy has no adapters, or its embedding rows differ from the source's
+        (protocol tags added as tokens: the adapters alone do not describe the policy then).
+    """
+    from mempo_jax.model.hf_io import read_hf_config
+    from mempo_jax.model.lora import save_peft_adapter
+
+    base = read_hf_config(source)
+    if base.vocab_size != model_cfg.vocab_size:
+        raise ValueError(f"the policy has {model_cfg.vocab_size} embedding rows and {source} {base.vocab_size}: "
+                         "a PEFT adapter folder cannot carry the added rows; use the merged export")
+    folder = pathlib.Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    writer = jax.process_index() == 0
+    if writer and tmp.exists():
+        shutil.rmtree(tmp)
+    save_peft_adapter(tmp, model_cfg, params, base_model=str(source))
+    if writer:
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    return folder
+
+
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.export"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", required=True, help="run folder of python -m mempo_jax.train (from an HF checkpoint)")
     p.add_argument("--checkpoint", type=int, default=None, help="RL checkpoint step (default: the newest)")
     p.add_argument("--out", required=True, help="output folder (created; an existing one is replaced)")
+    p.add_argument("--peft_out", default=None, help="a LoRA run: also write its adapters as a PEFT folder here")
     return p.parse_args(argv)
 
 
@@ -108,7 +146,12 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     try:
         tokenizer, model_cfg, _, params = load_policy(args.run_dir, args.checkpoint)
-        out = export_policy(args.out, model_cfg, params, tokenizer, source=run_source_checkpoint(args.run_dir))
+        source = run_source_checkpoint(args.run_dir)
+        out = export_policy(args.out, model_cfg, params, tokenizer, source=source)
+        if args.peft_out:
+            if source is None:
+                raise ValueError(f"--peft_out: the source checkpoint of {args.run_dir} is not found")
+            export_adapter(args.peft_out, model_cfg, params, source)
     except (ValueError, FileNotFoundError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

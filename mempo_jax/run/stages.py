@@ -214,13 +214,12 @@ def sft_stage(ctx: RunContext, learner, sft_file, stack) -> None:
         ctx.agree_on_preemption()
         done = step + 1 == cfg.sft.steps
         if done or (step + 1) % ck.every_steps == 0 or ctx.pre.requested:
-            ctx.sft_ckpt.save(step + 1, learner.params, learner.opt_state, ctx.meta("sft", step + 1, learner,
-                                                                                   final=done))
+            ctx.save(ctx.sft_ckpt, step + 1, learner, ctx.meta("sft", step + 1, learner, final=done))
             ctx.progress.sft_saved = step + 1
         ctx.pre.check()
     bar.close()
     if cfg.sft.steps == 0:
-        ctx.sft_ckpt.save(0, learner.params, learner.opt_state, ctx.meta("sft", 0, learner, final=True))
+        ctx.save(ctx.sft_ckpt, 0, learner, ctx.meta("sft", 0, learner, final=True))
 
 
 # ---- RL -------------------------------------------------------------------------------------
@@ -328,8 +327,8 @@ class _RLRun:
     def save(self, record: RLCheckpoint) -> None:
         """Save the policy, optimizer state and ``record`` as RL checkpoint ``record.step``."""
         ctx = self.ctx
-        ctx.rl_ckpt.save(record.step, self.learner.params, self.learner.opt_state,
-                         record.meta(ctx.meta("rl", record.step, self.learner), ctx.rl_key, ctx.cfg.seed))
+        ctx.save(ctx.rl_ckpt, record.step, self.learner,
+                 record.meta(ctx.meta("rl", record.step, self.learner), ctx.rl_key, ctx.cfg.seed))
         ctx.progress.rl_saved = record.step
 
     def step(self, ref_params, step: int):

@@ -35,13 +35,13 @@ class _Recorder:
         self.inner, self.run, self.calls = learner._ppo_step, run, []
         learner._ppo_step = self
 
-    def __call__(self, params, opt_state, batch, n_micro, loss_cfg):
+    def __call__(self, params, frozen, opt_state, batch, n_micro, loss_cfg):
         before = [np.array(x) for x in jax.tree.leaves(params)]  # copied: the program donates params
         batch = {k: np.asarray(v) for k, v in batch.items()}
         if not self.run:
             self.calls.append((batch, before, before))
             return params, opt_state, {"actor/pg_loss": 0.0}
-        params, opt_state, m = self.inner(params, opt_state, batch, n_micro, loss_cfg)
+        params, opt_state, m = self.inner(params, frozen, opt_state, batch, n_micro, loss_cfg)
         self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(params)]))
         return params, opt_state, m
 
