@@ -326,6 +326,8 @@ class ExperimentConfig:
         context paragraphs of the QA files (HotpotQA, 2Wiki, MuSiQue) are the corpus.
       pool_contexts: with ``corpus_path``, also index the context paragraphs the QA files carry
         (ids ``ctx0``, ``ctx1``, …); not allowed with ``retriever_url``.
+      heldout_fraction: without ``eval_path``, the seeded share of the training file's questions
+        held out (``qa_questions.split_questions``).
       world: the embedded world's sizes.
       vocab_size: SentencePiece vocabulary size.
       topk: passages returned per search.
@@ -355,6 +357,7 @@ class ExperimentConfig:
     corpus_path: str = ""
     retriever_url: str = ""
     pool_contexts: bool = False
+    heldout_fraction: float = 0.2
     world: WorldConfig = WorldConfig()
     vocab_size: int = 1024
     topk: int = 1
@@ -390,6 +393,7 @@ class ExperimentConfig:
         if self.pool_contexts and self.retriever_url:
             raise ValueError("ExperimentConfig.pool_contexts cannot add passages to a retriever_url's index; "
                              "use corpus_path, or set pool_contexts = False")
+        check(self, "heldout_fraction", float, gt=0.0, lt=1.0)
         check(self, "vocab_size", int, lo=MIN_VOCAB_SIZE)
         check(self, "topk", int, lo=1)
         check(self, "log_rollouts", int, lo=0)

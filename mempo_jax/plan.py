@@ -25,7 +25,9 @@ step:
   transients, one chunk's float32 logits and their gradient, plus the gradient accumulator and
   one micro-batch's gradient.
 
-Peak per device = parameters + optimizer state + reference + the largest phase. The command
+Peak per device = parameters + optimizer state + reference + the largest phase. With LoRA
+(``LoraConfig.rank > 0``) the optimizer state, the gradients and the reference copy are those of
+the adapters alone (the frozen base, in ``LoraConfig.base_dtype``, is shared by the reference). The command
 exits 1 with a message naming the largest term when the peak exceeds ``PlanConfig.hbm_fraction``
 of the chip's HBM (v5e 16 GiB, v5p 95 GiB, v6e 32 GiB), 2 on a config error, else 0.
 """
@@ -277,28 +279,33 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     from mempo_jax.model.placement import cache_shardings
     from mempo_jax.core.sharding import opt_state_shardings, param_shardings
     from mempo_jax.rl.memory_reward import ANSWER_FRACTION
+    from mempo_jax.model.lora import split_trainable
 
     mesh = mesh_cfg.abstract(tpu.num_devices)
     rules = mesh_cfg.rules
-    model_cfg = model_config(cfg, mesh, rules)
+    model_cfg = cfg.lora.model_config(model_config(cfg, mesh, rules))  # LoraConfig: adapters, base dtype
     _, abstract = split_model(abstract_model(model_cfg))  # nnx.eval_shape of the Decoder
     ps = param_shardings(abstract, mesh, rules)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, ps)
     optimizer = make_optimizer(cfg.optim)
-    os_ = opt_state_shardings(optimizer, abstract, mesh, rules)
-    opt_state = jax.eval_shape(jax.jit(optimizer.init, in_shardings=(ps,), out_shardings=os_), params)
+    # LoRA: the optimizer state, gradients and reference copy are the adapters' (the base is frozen
+    # and shared by the reference); without adapters the trainable part is every parameter.
+    trainable, t_shardings = split_trainable(params)[0], split_trainable(ps)[0]
+    os_ = opt_state_shardings(optimizer, split_trainable(abstract)[0], mesh, rules)
+    opt_state = jax.eval_shape(jax.jit(optimizer.init, in_shardings=(t_shardings,), out_shardings=os_), trainable)
     shapes = step_shapes(cfg, plan_cfg)
     rows, size = shapes["rollout_rows"], shapes["cache_len"]
     cache = jax.eval_shape(jax.jit(lambda: init_cache(model_cfg, rows, size),
                                    out_shardings=cache_shardings(model_cfg, rows, size, mesh, rules)))
 
     p_bytes, o_bytes, c_bytes = _sharded_bytes(params), _sharded_bytes(opt_state), _sharded_bytes(cache)
+    t_bytes = _sharded_bytes(trainable)
     act = _Act(model_cfg, mesh, rules)
     n_layers = model_cfg.num_layers
     prompt, train_len = shapes["prompt_len"], shapes["train_len"]
     micro, lp_rows = shapes["micro_batch_rows"], shapes["logprob_rows"]
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
-    gradient_bytes = 2 * p_bytes  # accumulator + one micro-batch's gradient (parameter dtype)
+    gradient_bytes = 2 * t_bytes  # accumulator + one micro-batch's gradient (trainable parameters' dtype)
     chunk = shapes["logit_chunk"]
     # weights gathered whole for a matmul (fsdp shards them at rest): the embedding / LM head,
     # gathered for the lookup and again for the head, in the activation dtype, split over tensor only
@@ -319,7 +326,8 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         "update": gradient_bytes + gathered + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
     }
     shapes["gradient_bytes"] = gradient_bytes
-    ref_bytes = p_bytes // 2 if cfg.execution.reference_dtype == "bfloat16" else p_bytes  # float32 master weights
+    # the reference copies the trainable part (float32; bfloat16 with ExecutionConfig.reference_dtype); LoRA shares the base
+    ref_bytes = t_bytes // 2 if cfg.execution.reference_dtype == "bfloat16" else t_bytes
     peak = p_bytes + ref_bytes + o_bytes + max(phases.values())
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
     return MemoryPlan(model_source(cfg), model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,

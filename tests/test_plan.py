@@ -215,3 +215,36 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
                                  ['ModelOptions.checkpoint="/nowhere"'])
     assert plan.model_source(pod) == "qwen2_5_0_5b" and plan.model_config(pod) == ModelConfig.qwen2_5_0_5b().replace(
         dtype="bfloat16")
+
+
+def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
+    """With ``LoraConfig``: the policy is a bfloat16 base plus float32 adapters; the optimizer state,
+    gradients and reference copy are the adapters' (byte counts equal the real learner's shards)."""
+    from mempo_jax.model import lora
+
+    mesh_config.register()
+    cfg = config_lib.load_config([], SMALL + ["LoraConfig.rank = 8", 'LoraConfig.base_dtype = "bfloat16"'])
+    pod = mesh_config.from_gin()
+    p = plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    mesh = make_mesh(1, 4, 2)
+    _, base = init_sharded_params(plan.model_config(cfg), 0, mesh)
+    _, graphdef, params = lora.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
+    learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
+    assert p.params == _device_bytes(learner.params)
+    assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 10
+    assert p.opt_state == _device_bytes(learner.opt_state)
+    assert p.shapes["gradient_bytes"] == 2 * p.reference
+    full = small[2]  # the same config without adapters (float32)
+    assert p.peak == p.params + p.reference + p.opt_state + max(p.phases.values()) < full.peak
+
+
+def test_shipped_lora_pod_config_fits(capsys):
+    path = str(REPO / "configs" / "qwen2_5_7b_lora_v5e8.gin")
+    assert plan.main([f"--gin_file={path}", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["num_devices"], d["chip"]) == (8, "v5e") and d["fits"]
+    assert d["peak"] == d["params"] + d["reference"] + d["opt_state"] + max(d["phases"].values()) <= d["budget"]
+    # one bfloat16 base over 8 chips (+ float32 adapters), AdamW moments of the adapters alone
+    assert d["num_params"] * 2 / 8 < d["params"] < 1.1 * d["num_params"] * 2 / 8
+    assert d["opt_state"] == pytest.approx(2 * d["reference"], rel=1e-3) and d["reference"] < d["params"] / 10
+    assert plan.main([f"--gin_file={path}", "--gin_param=LoraConfig.rank = 0"]) == 1  # full fine-tuning does not

@@ -102,9 +102,10 @@ def load_qa_data(cfg: ExperimentConfig):
     """Questions and search backend of a QA run (``dataset`` ``"qa"`` / ``"hotpotqa"``).
 
     Training questions come from ``train_path`` (or ``data_path``), held-out ones from
-    ``eval_path`` (questions asked in both are dropped from training), else a seeded 20 % of the
-    training file (``qa_questions.split_questions``). The backend is ``backends.training_backend``
-    of ``corpus_path`` / ``retriever_url`` / ``pool_contexts`` over both files.
+    ``eval_path`` (questions asked in both are dropped from training), else a seeded
+    ``heldout_fraction`` (default 20 %) of the training file (``qa_questions.split_questions``). The
+    backend is ``backends.training_backend`` of ``corpus_path`` / ``retriever_url`` /
+    ``pool_contexts`` over both files.
 
     Returns:
       ``(train_questions, heldout_questions, documents, backend, note)``; ``documents`` is ``[]``
@@ -120,7 +121,7 @@ def load_qa_data(cfg: ExperimentConfig):
     check_qa_inputs(cfg)
     train = load_qa_questions(cfg.qa_train_path)
     held = load_qa_questions(cfg.eval_path) if cfg.eval_path else None
-    train_q, held_q, dropped = split_questions(train, held, cfg.seed)
+    train_q, held_q, dropped = split_questions(train, held, cfg.seed, cfg.heldout_fraction)
     backend, docs, note = training_backend(qa_paths(cfg), cfg.corpus_path, cfg.retriever_url, cfg.pool_contexts)
     if dropped:
         note += f"; {dropped} training question(s) also in {cfg.eval_path} left out"
@@ -469,10 +470,10 @@ def lora_policy_params(cfg: ExperimentConfig, model_cfg: ModelConfig, adapters, 
       ValueError: the rebuilt model is not ``model_cfg`` (the source checkpoint changed).
       FileNotFoundError: the source checkpoint folder is gone.
     """
-    from mempo_jax.core.sharding import mesh_or_local
+    from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
     from mempo_jax.model.placement import init_params
 
-    mesh = mesh_or_local(mesh)
+    mesh, rules = mesh_or_local(mesh), rules or DEFAULT_RULES
     base_cfg = base_config(model_cfg)
     if cfg.model.checkpoint:
         base_cfg, _, params, _ = load_checkpoint_policy(cfg.model, mesh, rules)
