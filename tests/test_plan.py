@@ -231,7 +231,7 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     _, graphdef, params = lora.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     assert p.params == _device_bytes(learner.params)
-    assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 10
+    assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 4
     assert p.opt_state == _device_bytes(learner.opt_state)
     assert p.shapes["gradient_bytes"] == 2 * p.reference
     full = small[2]  # the same config without adapters (float32)
