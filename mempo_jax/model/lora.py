@@ -9,8 +9,8 @@ head_dim, embed]``) gets ``A [*in_axes, r]`` and ``B [r, *out_axes]`` (``nnx.LoR
 (Hu et al. 2021, "LoRA", eq. 3; PEFT's ``Linear.forward`` with ``scaling = lora_alpha / r``).
 ``B`` starts at zero, so an adapted model starts as its base, exactly; ``A`` starts as PEFT's
 ``kaiming_uniform_(a=sqrt(5))``: uniform in ``±1 / sqrt(fan_in)``. The adapters live in the
-modules themselves (``ModelConfig.lora_rank`` / ``lora_targets``), so every path that runs a
-projection (``Decoder.__call__``, the slot engine's ``slot_forward``) applies them, and
+modules themselves (``ModelConfig.lora_rank`` / ``lora_targets``), so every call that runs a
+projection applies them, and
 ``abstract_model`` / ``param_shardings`` / checkpoints see them as ordinary parameters.
 
 Training: the trainable part of a parameter state is its ``nnx.LoRAParam`` leaves when it has any
