@@ -471,7 +471,7 @@ def rollout_plan(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     from mempo_jax.agent.engine import num_slots
     from mempo_jax.agent.slot_sampler import slot_cache_size
 
-    model_cfg = model_config(cfg)
+    model_cfg = cfg.lora.model_config(model_config(cfg))  # LoraConfig: the base dtype, float32 adapters
     host = chips_per_host(tpu)
     hosts = max(tpu.num_devices // host, 1)
     heads, kv = model_cfg.num_heads, model_cfg.num_kv_heads
@@ -479,7 +479,7 @@ def rollout_plan(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     questions = -(-cfg.rl.questions_per_step // hosts)
     ro = cfg.rl.rollout
     slots, size = num_slots(ro, questions * cfg.rl.group_size), slot_cache_size(ro.max_context_tokens)
-    p_bytes = model_cfg.num_params() * model_cfg.weight_dtype.itemsize
+    p_bytes = model_cfg.num_params() * model_cfg.weight_dtype.itemsize + model_cfg.num_lora_params() * 4
     c_bytes = 2 * model_cfg.num_layers * slots * kv * size * model_cfg.head_dim * model_cfg.activation_dtype.itemsize
     per_device = p_bytes // tensor + c_bytes // host
     return {"hosts": hosts, "chips_per_host": host, "mesh": {"data": host // tensor, "fsdp": 1, "tensor": tensor},

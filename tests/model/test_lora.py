@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mempo_jax.agent.sampler import Sampler, SamplerConfig
+from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.model import lora
 from mempo_jax.model.config import LORA_TARGETS, ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
@@ -64,11 +64,12 @@ def test_adapted_forward_equals_the_merged_weights(targets):
     got = make_logits_fn(graphdef)(params, ids, valid)
     want = make_logits_fn(graphdef_m)(jax.tree.map(jnp.asarray, merged), ids, valid)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    # the KV-cache sampler (prefill + decode) runs the adapters too: greedy tokens of the merged model
-    cfg_s = SamplerConfig(max_new_tokens=10, temperature=0.0)
-    out = Sampler(graphdef, cfg, stop_ids=[], pad_id=0)(params, ids, valid, jax.random.key(0), cfg_s)
-    ref = Sampler(graphdef_m, base_cfg, stop_ids=[], pad_id=0)(jax.tree.map(jnp.asarray, merged), ids, valid,
-                                                               jax.random.key(0), cfg_s)
+    # the rollout engine (prefill + decode on its KV cache) runs the adapters too: the merged model's greedy tokens
+    out = RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=0)(params, ids, valid, jax.random.key(0),
+                                                              max_new_tokens=10, temperature=0.0)
+    ref = RolloutEngine(graphdef_m, base_cfg, stop_ids=[], pad_id=0)(jax.tree.map(jnp.asarray, merged), ids, valid,
+                                                                     jax.random.key(0), max_new_tokens=10,
+                                                                     temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
 

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 
 from safetensors import safe_open  # noqa: E402
 
-from mempo_jax.agent.sampler import Sampler, SamplerConfig  # noqa: E402
+from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 from mempo_jax.model import lora  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
@@ -71,9 +71,9 @@ def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     trainable = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), trainable)
     params = lora.join(trainable, frozen)
     ids, mask = _prompts()
-    ours = np.asarray(Sampler(graphdef, cfg, stop_ids=[], pad_id=0)(
-        params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), jax.random.key(0),
-        SamplerConfig(max_new_tokens=NEW, temperature=0.0)).tokens)
+    ours = np.asarray(RolloutEngine(graphdef, cfg, stop_ids=[], pad_id=0)(
+        params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), jax.random.key(0), max_new_tokens=NEW,
+        temperature=0.0).tokens)
     plain = _hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), ids, mask)
     assert (ours != plain).any()  # the adapters change the continuations
 
