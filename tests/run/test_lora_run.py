@@ -18,15 +18,17 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS, compare_runs, train_command  # noqa: E402
 from conftest import SPM_CACHE, one_device_env  # noqa: E402
+from fault_train import fault_command  # noqa: E402
 
 LORA = ("LoraConfig.rank=4", "LoraConfig.alpha=8.0", "LoraConfig.target_modules=('q_proj', 'v_proj', 'up_proj')",
         "SFTConfig.steps=4", "RLConfig.steps=4", "SFTConfig.optim=@OptimConfig()", "OptimConfig.learning_rate=0.01")
 
 
-def _train(run_dir, env_extra=None, args=()):
+def _train(run_dir, faults=None, args=()):
     cmd = train_command(run_dir, LORA, SPM_CACHE) + list(args)
-    return subprocess.run(cmd, env=one_device_env(**(env_extra or {})), cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+    if faults:  # through tests/fault_train.py (train.main with FaultHooks)
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
+    return subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_lora_checkpoints_hold_the_adapters_and_load_policy_rebuilds_the_policy(
 @pytest.mark.slow
 def test_lora_run_stopped_by_sigterm_resumes_bitwise(lora_run, tmp_path):
     run = tmp_path / "run"
-    proc = _train(run, env_extra={"MEMPO_TEST_SIGTERM_ROLLOUT_STEP": "3"})
+    proc = _train(run, faults={"sigterm_rollout_step": 3})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "preempted: checkpoint saved" in proc.stderr
     assert not (run / "summary.json").exists()
