@@ -235,15 +235,16 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     # The step exercised tools, memory scoring and the update.
     assert ref_metrics["tool_calls/mean"] > 0 and ref_metrics["mem/turns"] > 0
     assert sum(r["metrics"]["mem/turns"] for r in results) == ref_metrics["mem/turns"]
-    # PPO metrics are global. The gradient norm gets 1e-4: the two processes' rows are padded to
+    # PPO metrics are global. The gradient norm gets 3e-4: the two processes' rows are padded to
     # the global fixed mini-batch shape (rl_step.training_row_bound x processes), so its float32
-    # gradient sums run over other micro-batch groupings than one process's (measured 6.7e-5).
+    # gradient sums run over other micro-batch groupings than one process's (measured 1.7e-4 with
+    # the layers rematerialised as a scan and the LM head in chunks, 6.7e-5 before).
     # The KL term is ~1e-5 right after SFT (a cancellation), hence the 1e-7 absolute floor
     # (measured 1.5e-8).
-    for k, rel in (("actor/pg_loss", 1e-5), ("actor/grad_norm", 1e-4), ("actor/kl_loss", 1e-5)):
+    for k, rel in (("actor/pg_loss", 1e-5), ("actor/grad_norm", 3e-4), ("actor/kl_loss", 1e-5)):
         for r in results:
             assert r["metrics"][k] == np.float32(r["metrics"][k])
-            assert abs(r["metrics"][k] - ref_metrics[k]) <= rel * abs(ref_metrics[k]) + 1e-7, k
+            assert abs(r["metrics"][k] - ref_metrics[k]) <= rel * abs(ref_metrics[k]) + 1e-7, (k, r["metrics"][k], ref_metrics[k])
     got = np.load(tmp_path / "params.npz")
     got = [got[f"p{i}"].astype(np.float64) for i in range(len(got.files))]
     ref, old = _flat(ref_params), _flat(params)
