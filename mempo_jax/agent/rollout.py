@@ -19,7 +19,7 @@ from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFo
 from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.trajectory import FULL, Trajectory, parse_context_steps
 from mempo_jax.core.validation import check, require
-from mempo_jax.agent.turns import apply_tools, close_episodes, encode_observation, make_turn  # noqa: F401  (re-exported turn helpers)
+from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn
 
 
 class Engine(Protocol):

@@ -30,7 +30,7 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
 from mempo_jax.rl.interfaces import MemoryScorer, PolicyLearner
-from mempo_jax.rl.learner import TRAIN_MIN_LENGTH  # noqa: F401  (the training rows' smallest length bucket)
+from mempo_jax.rl.learner import TRAIN_MIN_LENGTH
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardConfig,
                                         memory_reward_values)
