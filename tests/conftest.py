@@ -47,6 +47,17 @@ FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pas
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_XLA}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Shape checks. Every function and dataclass of these packages is type-checked at each call while the
+# tests run (jaxtyping's import hook, beartype as the checker, ``int`` accepted for ``float`` as PEP 484
+# says): the array shapes of ``Float[Array, "rows length"]`` hints (dimension names:
+# ``mempo_jax.core.shapes``) must agree within a call. The hook is installed here, in the controller
+# and in every pytest-xdist worker, before the tests import ``mempo_jax``; a product run never
+# installs it, so it checks nothing there and costs nothing.
+SHAPE_CHECKED = ("mempo_jax.model", "mempo_jax.core", "mempo_jax.rl")
+from jaxtyping import install_import_hook  # noqa: E402
+
+install_import_hook(SHAPE_CHECKED, "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -115,6 +126,20 @@ def _write_rc(status: str) -> None:
     tmp = SMALL_RUN_RC.with_suffix(".tmp")
     tmp.write_text(status + "\n")
     os.replace(tmp, SMALL_RUN_RC)
+
+
+@contextlib.contextmanager
+def without_shape_checks():
+    """The product as a run sees it, without the suite's shape checks (``SHAPE_CHECKED``): for a test
+    of the product's own error on inconsistent shapes, which the checker would otherwise stop first
+    (with ``jaxtyping.TypeCheckError``)."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def pytest_configure(config):

@@ -10,7 +10,7 @@ appended to each trajectory; ``full_traj[t]`` / ``mem_traj[t]`` are views of tha
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from mempo_jax.core.validation import check, require
 from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What ``rollout`` runs on (``engine.RolloutEngine``; tests give it scripted engines)."""
 

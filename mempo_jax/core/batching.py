@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from jaxtyping import Bool, Int
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -39,11 +40,11 @@ def length_buckets(minimum: int, bound: int) -> list[int]:
 
 
 def pad_sequences(
-    seqs: Sequence[Sequence[int]],
+    seqs: Sequence[Sequence[int | np.integer]],
     pad_id: int,
     length: int | None = None,
     side: str = "right",
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[Int[np.ndarray, "rows length"], Bool[np.ndarray, "rows length"]]:
     """Stack variable-length id lists into one padded array.
 
     Args:

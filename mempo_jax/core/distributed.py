@@ -17,6 +17,8 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Float, Shaped
 
 # Environment variables read by ``maybe_initialize`` (explicit clusters, e.g. CPU tests or GPUs).
 ENV_COORDINATOR = "MEMPO_COORDINATOR"  # "host:port" of process 0
@@ -93,7 +95,7 @@ def process_slice(n: int, index: Optional[int] = None, count: Optional[int] = No
     return slice(start, start + base + (1 if index < extra else 0))
 
 
-def allgather(x: np.ndarray) -> np.ndarray:
+def allgather(x: Shaped[ArrayLike, "*shape"]) -> Shaped[np.ndarray, "processes *shape"]:
     """``[P, *x.shape]``: every process's ``x`` (same shape and dtype everywhere), stacked in
     process order. A collective: every process must call it. One process: ``x[None]``."""
     x = np.asarray(x)
@@ -104,8 +106,8 @@ def allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
-def gather_rows(arrays: Sequence[np.ndarray], counts: Sequence[int], width: int, pad_values: Sequence,
-                side: str = "right") -> list[np.ndarray]:
+def gather_rows(arrays: Sequence[Shaped[ArrayLike, "rows _"]], counts: Sequence[int], width: int, pad_values: Sequence,
+                side: str = "right") -> list[Shaped[np.ndarray, "_ _"]]:
     """Concatenate every process's ``[n_p, w_p]`` arrays into ``[sum n_p, width]`` (process order).
 
     Columns are padded to ``width`` on ``side`` with ``pad_values`` (one per array); rows are
@@ -153,7 +155,7 @@ def gather_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def concat_processes(values, sync=None) -> np.ndarray:
+def concat_processes(values, sync=None) -> Float[np.ndarray, "entries"]:
     """Every process's 1-D ``values`` (e.g. per-question EM), concatenated in process order.
 
     A collective. After a rollout outside the lockstep wrappers (evaluation), pass the run's

@@ -25,6 +25,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int, Shaped
 
 # ExecutionConfig.logit_chunk_tokens: sequence positions per LM-head chunk. At micro-batch 8 and
 # Qwen's 151,936-token vocabulary one chunk's float32 logits are 8 · 256 · 151,936 · 4 B = 1.2 GiB.
@@ -34,15 +37,16 @@ Project = Callable[[Any, jax.Array], jax.Array]
 """``project(weights, hidden [B, C, D]) -> logits [B, C, V]`` (the LM head)."""
 
 
-def identity_project(weights: Any, hidden: jax.Array) -> jax.Array:
+def identity_project(weights: Any, hidden: Float[Array, "*batch vocab"]) -> Float[Array, "*batch vocab"]:
     """The projection of callers that already hold logits: ``hidden`` is returned unchanged."""
     del weights
     return hidden
 
 
-def target_logprobs(hidden: jax.Array, targets: jax.Array, project: Project = identity_project, weights: Any = None,
-                    temperature: float = 1.0, chunk: int = DEFAULT_LOGIT_CHUNK,
-                    entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+def target_logprobs(hidden: Float[ArrayLike, "rows length embed"], targets: Int[ArrayLike, "rows length"],
+                    project: Project = identity_project, weights: Any = None, temperature: float = 1.0,
+                    chunk: int = DEFAULT_LOGIT_CHUNK, entropy: bool = False
+                    ) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"] | None]:
     """``log softmax(project(weights, hidden[:, t]) / T)[targets[:, t]]`` at every position, chunked.
 
     Args:
@@ -127,9 +131,10 @@ def _chunk_stats(project: Project, inv_t: float, entropy: bool):
     return one
 
 
-def shifted_logprobs(hidden: jax.Array, input_ids: jax.Array, project: Project = identity_project, weights: Any = None,
-                     temperature: float = 1.0, chunk: int = DEFAULT_LOGIT_CHUNK,
-                     entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+def shifted_logprobs(hidden: Float[ArrayLike, "rows length embed"], input_ids: Int[ArrayLike, "rows length"],
+                     project: Project = identity_project, weights: Any = None, temperature: float = 1.0,
+                     chunk: int = DEFAULT_LOGIT_CHUNK, entropy: bool = False
+                     ) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"] | None]:
     """Log-probability (and entropy) of each token given its prefix, from the hidden states.
 
     ``hidden[:, t]`` predicts token ``t + 1``; the result follows the module's convention.
@@ -148,8 +153,8 @@ def shifted_logprobs(hidden: jax.Array, input_ids: jax.Array, project: Project =
     return shift(logp), None if ent is None else shift(ent)
 
 
-def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float = 1.0,
-                   chunk: int = DEFAULT_LOGIT_CHUNK) -> jax.Array:
+def token_logprobs(logits: Float[ArrayLike, "rows length vocab"], input_ids: Int[ArrayLike, "rows length"],
+                   temperature: float = 1.0, chunk: int = DEFAULT_LOGIT_CHUNK) -> Float[Array, "rows length"]:
     """Log-probability of each token given its prefix, from logits.
 
     Args:
@@ -169,7 +174,8 @@ def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float =
     return shifted_logprobs(logits, input_ids, temperature=temperature, chunk=chunk)[0]
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0, chunk: int = DEFAULT_LOGIT_CHUNK) -> jax.Array:
+def token_entropy(logits: Float[ArrayLike, "rows length vocab"], temperature: float = 1.0,
+                  chunk: int = DEFAULT_LOGIT_CHUNK) -> Float[Array, "rows length"]:
     """Entropy (nats) of the distribution that produced each token, aligned like ``token_logprobs``.
 
     Args:
@@ -234,7 +240,8 @@ class PackedLogprobs:
                               temperature=self.temperature, grad=False)
         return jax.lax.stop_gradient(logp)
 
-    def __call__(self, params, input_ids, valid):
+    def __call__(self, params, input_ids: Int[ArrayLike, "rows length"],
+                 valid: Shaped[ArrayLike, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 log-probs of ``input_ids`` (``token_logprobs`` convention); 0 where
         the token or its predecessor is not a real token (nothing real predicts it).
 
@@ -243,8 +250,6 @@ class PackedLogprobs:
           input_ids: ``[R, L]`` int32.
           valid: ``[R, L]`` bool, True on real tokens (any padding layout).
         """
-        import numpy as np
-
         from mempo_jax.core.batching import bucket_length
         from mempo_jax.core.packing import pack, plan_packing
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import numpy as np
+from jaxtyping import Int, Shaped
 
 from mempo_jax.core.batching import bucket_length
 
 
-def first_fit_decreasing(sizes: Sequence[int], capacity: int, weights: Sequence[int] | None = None,
+def first_fit_decreasing(sizes: Sequence[int] | Int[np.ndarray, "rows"], capacity: int,
+                         weights: Sequence[int] | Int[np.ndarray, "rows"] | None = None,
                          weight_capacity: int | None = None) -> list[list[int]]:
     """Bins of row indices, each bin's ``sizes`` summing to at most ``capacity`` (and its
     ``weights`` to at most ``weight_capacity`` when given): rows longest first, each into the
@@ -68,14 +70,14 @@ class PackedRows(NamedTuple):
       col_of: ``[R, L]`` int32, the column in the source row (−1 on padding).
     """
 
-    input_ids: np.ndarray
-    segment_ids: np.ndarray
-    positions: np.ndarray
-    row_of: np.ndarray
-    col_of: np.ndarray
+    input_ids: Int[np.ndarray, "rows length"]
+    segment_ids: Int[np.ndarray, "rows length"]
+    positions: Int[np.ndarray, "rows length"]
+    row_of: Int[np.ndarray, "rows length"]
+    col_of: Int[np.ndarray, "rows length"]
 
 
-def pack(rows: Sequence[Sequence[int]], bins: Sequence[Sequence[int]], length: int, num_rows: int,
+def pack(rows: Sequence[Sequence[int] | Int[np.ndarray, "_"]], bins: Sequence[Sequence[int]], length: int, num_rows: int,
          pad_id: int) -> PackedRows:
     """Lay ``rows`` out as ``bins`` (from ``first_fit_decreasing``) in a ``[num_rows, length]`` batch.
 
@@ -111,8 +113,8 @@ def pack(rows: Sequence[Sequence[int]], bins: Sequence[Sequence[int]], length: i
     return PackedRows(ids, seg, pos, row_of, col_of)
 
 
-def plan_packing(sizes: Sequence[int], min_length: int, rows_per_call: int, min_rows: int = 1,
-                 weights: Sequence[int] | None = None, weight_fraction: int | None = None,
+def plan_packing(sizes: Sequence[int] | Int[np.ndarray, "rows"], min_length: int, rows_per_call: int, min_rows: int = 1,
+                 weights: Sequence[int] | Int[np.ndarray, "rows"] | None = None, weight_fraction: int | None = None,
                  max_doublings: int = 2) -> tuple[int, list[list[list[int]]]]:
     """Pick the packed length and the per-call bins that cost the fewest computed positions.
 
@@ -144,7 +146,8 @@ def plan_packing(sizes: Sequence[int], min_length: int, rows_per_call: int, min_
     return best[1], best[2]
 
 
-def pack_token_rows(rows: dict[str, np.ndarray], num_rows: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+def pack_token_rows(rows: dict[str, Shaped[np.ndarray, "rows length"]], num_rows: int,
+                    pad_id: int = 0) -> dict[str, Shaped[np.ndarray, "packed length"]]:
     """Right-padded training rows packed end to end into ``num_rows`` rows of the same length.
 
     The PPO update's layout (verl's ``use_remove_padding``): rows go into bins of ``L`` tokens by

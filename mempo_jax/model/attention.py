@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
 
 BLOCK_Q = 256  # query rows per tile (tokens)
 BLOCK_K = 256  # key columns per tile (tokens)
@@ -46,13 +48,14 @@ class AttentionMask(NamedTuple):
       kv_segments: optional ``[batch, S]`` int32 segment id of each key.
     """
 
-    q_index: jax.Array
-    kv_valid: Optional[jax.Array]
-    q_segments: Optional[jax.Array] = None
-    kv_segments: Optional[jax.Array] = None
+    q_index: Int[Array, "rows length"]
+    kv_valid: Optional[Bool[Array, "rows keys"]]
+    q_segments: Optional[Int[Array, "rows length"]] = None
+    kv_segments: Optional[Int[Array, "rows keys"]] = None
 
     @classmethod
-    def causal(cls, valid: jax.Array, segment_ids: jax.Array | None = None) -> "AttentionMask":
+    def causal(cls, valid: Bool[ArrayLike, "rows length"],
+               segment_ids: Int[ArrayLike, "rows length"] | None = None) -> "AttentionMask":
         """The mask of a forward pass without a cache over ``valid [batch, L]`` bool (keys are the
         queries themselves: ``q_index = arange(L)``), packed by ``segment_ids [batch, L]`` when given."""
         b, length = valid.shape
@@ -60,7 +63,7 @@ class AttentionMask(NamedTuple):
         return cls(q_index, valid.astype(bool), segment_ids, segment_ids)
 
     @classmethod
-    def cached(cls, positions: jax.Array) -> "AttentionMask":
+    def cached(cls, positions: Int[ArrayLike, "rows length"]) -> "AttentionMask":
         """The mask of new tokens at KV-cache ``positions [batch, T]`` int32: each attends to the
         cache positions ``<= `` its own (a slot holds one context from position 0)."""
         return cls(positions.astype(jnp.int32), None)
@@ -71,11 +74,11 @@ class AttentionMask(NamedTuple):
         s = None if self.kv_valid is None else self.kv_valid.shape[1]
         return (self.q_index.shape[0], self.q_index.shape[1], s)
 
-    def dense(self, s: int | None = None) -> jax.Array:
+    def dense(self, s: int | None = None) -> Bool[Array, "rows length keys"]:
         """The ``[batch, T, S]`` bool mask (``s``: the key count when ``kv_valid`` is None)."""
         return self.tile(0, 0, self.q_index.shape[1], self.kv_valid.shape[1] if s is None else s)
 
-    def tile(self, q0, k0, bq: int, bk: int) -> jax.Array:
+    def tile(self, q0, k0, bq: int, bk: int) -> Bool[Array, "rows {bq} {bk}"]:
         """``[batch, bq, bk]`` bool mask of queries ``[q0, q0 + bq)`` and keys ``[k0, k0 + bk)``
         (``q0``, ``k0`` may be traced; the arrays must already cover the ranges)."""
         qi = jax.lax.dynamic_slice_in_dim(self.q_index, q0, bq, axis=1)
@@ -105,7 +108,9 @@ def _grouped(q: jax.Array, kvh: int) -> jax.Array:
     return q.reshape(b, t, kvh, h // kvh, hd)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False) -> jax.Array:
+def dense_attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "rows _ _ head_dim"],
+                    v: Float[Array, "rows _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
+                    heads_major: bool = False) -> Float[Array, "rows length heads head_dim"]:
     """Masked softmax attention, scores materialised (HF ``eager_attention_forward`` with GQA).
 
     Args:
@@ -145,10 +150,11 @@ def _key_block(cache: jax.Array, layer, rows, start, block: int) -> jax.Array:
                                                     (1, 1, kvh, block, hd))[0, 0])(rows.astype(jnp.int32))
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False,
-                      layer: jax.Array | int | None = None, rows: jax.Array | None = None,
-                      kv_bound: jax.Array | None = None, block_q: int = BLOCK_Q,
-                      block_k: int = BLOCK_K) -> jax.Array:
+def blocked_attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "*cache _ _ head_dim"],
+                      v: Float[Array, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
+                      heads_major: bool = False, layer: Int[ArrayLike, ""] | None = None,
+                      rows: Int[Array, "rows"] | None = None, kv_bound: Int[ArrayLike, ""] | None = None,
+                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> Float[Array, "rows length heads head_dim"]:
     """``dense_attention`` computed tile by tile with an online softmax (FlashAttention, Alg. 1).
 
     Queries are processed ``block_q`` at a time (``lax.map``; each query block rematerialised in
@@ -268,9 +274,11 @@ def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     return t > min_len and s > min_len
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, heads_major: bool = False,
-              layer: jax.Array | int | None = None, rows: jax.Array | None = None,
-              kv_bound: jax.Array | None = None, block_k: int = BLOCK_K) -> jax.Array:
+def attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "*cache _ _ head_dim"],
+              v: Float[Array, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
+              layer: Int[ArrayLike, ""] | None = None, rows: Int[Array, "rows"] | None = None,
+              kv_bound: Int[ArrayLike, ""] | None = None,
+              block_k: int = BLOCK_K) -> Float[Array, "rows length heads head_dim"]:
     """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for long
     rows (``use_blocked``), ``dense_attention`` otherwise. Arguments and result as
     ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the output

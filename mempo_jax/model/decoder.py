@@ -17,6 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.attention import BLOCK_K, AttentionMask
@@ -31,8 +33,8 @@ class KVCache(NamedTuple):
       v: ``[num_layers, batch, num_kv_heads, size, head_dim]``.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: Float[Array, "layers slots kv_heads cache head_dim"]
+    v: Float[Array, "layers slots kv_heads cache head_dim"]
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
@@ -74,8 +76,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, layer: int = 0,
-                 write: _CacheWrite | None = None):
+    def __call__(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
+                 attn_mask: Bool[Array, "rows length keys"] | AttentionMask, cache: KVCache | None = None,
+                 layer: int = 0, write: _CacheWrite | None = None
+                 ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
         tokens are written at ``write`` (slot, position) before attention reads the cache."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
@@ -111,17 +115,17 @@ class Decoder(nnx.Module):
 
     def __call__(
         self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        attn_mask=None,
+        tokens: Int[ArrayLike, "rows length"],
+        positions: Int[ArrayLike, "rows length"],
+        attn_mask: Bool[Array, "rows length keys"] | AttentionMask | None = None,
         cache: KVCache | None = None,
         *,
-        rows: jax.Array | None = None,
-        write: jax.Array | None = None,
-        kv_bound: jax.Array | None = None,
+        rows: Int[Array, "rows"] | None = None,
+        write: Bool[Array, "rows length"] | None = None,
+        kv_bound: Int[ArrayLike, ""] | None = None,
         block_k: int = BLOCK_K,
-        logits_at: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
+    ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
 
@@ -172,17 +176,17 @@ class Decoder(nnx.Module):
 
     def hidden_states(
         self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        attn_mask=None,
+        tokens: Int[ArrayLike, "rows length"],
+        positions: Int[ArrayLike, "rows length"],
+        attn_mask: Bool[Array, "rows length keys"] | AttentionMask | None = None,
         cache: KVCache | None = None,
         *,
-        rows: jax.Array | None = None,
-        write: jax.Array | None = None,
-        kv_bound: jax.Array | None = None,
+        rows: Int[Array, "rows"] | None = None,
+        write: Bool[Array, "rows length"] | None = None,
+        kv_bound: Int[ArrayLike, ""] | None = None,
         block_k: int = BLOCK_K,
         remat: str = "none",
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """The final-normed hidden states that the LM head reads (``__call__`` without the head).
 
         Args:
@@ -239,7 +243,7 @@ class Decoder(nnx.Module):
                 x, cache = block(x, positions, attn_mask, cache, i, where)
         return self.final_norm(x), cache
 
-    def head_weight(self) -> jax.Array:
+    def head_weight(self) -> Float[Array, "embed vocab"]:
         """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""
         dt = self.cfg.activation_dtype
         return self.embed[...].astype(dt).T if self.cfg.tie_embeddings else self.lm_head[...].astype(dt)
@@ -261,7 +265,8 @@ def remat_policy(remat: str):
     return None if remat in ("none", "full") else getattr(jax.checkpoint_policies, remat)
 
 
-def project_logits(weight: jax.Array, hidden: jax.Array) -> jax.Array:
+def project_logits(weight: Float[Array, "embed vocab"],
+                   hidden: Float[Array, "rows length embed"]) -> Float[Array, "rows length vocab"]:
     """The LM head: ``hidden [B, T, embed] @ weight [embed, vocab]`` → float32 ``[B, T, vocab]``
     (float32 accumulation)."""
     return jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32).astype(jnp.float32)

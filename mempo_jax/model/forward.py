@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.model.attention import AttentionMask
@@ -51,7 +53,7 @@ def merge_model(graphdef: nnx.GraphDef, params: nnx.State) -> Decoder:
     return nnx.merge(graphdef, params)
 
 
-def positions_from_mask(valid_mask: jax.Array) -> jax.Array:
+def positions_from_mask(valid_mask: Bool[ArrayLike, "rows length"]) -> Int[Array, "rows length"]:
     """RoPE positions ``max(cumsum(valid) - 1, 0)``: ``[B, L]`` bool → ``[B, L]`` int32.
 
     Real tokens are numbered 0, 1, 2, … whatever padding sits left of or between them.
@@ -91,14 +93,16 @@ class LogitsFn:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
 
-    def __call__(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array) -> jax.Array:
+    def __call__(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
+                 valid_mask: Bool[ArrayLike, "rows length"]) -> Float[Array, "rows length vocab"]:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid))
         return logits
 
-    def packed(self, params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-               logits_at: jax.Array | None = None) -> jax.Array:
+    def packed(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
+               segment_ids: Int[ArrayLike, "rows length"], positions: Int[ArrayLike, "rows length"],
+               logits_at: Int[ArrayLike, "rows positions"] | None = None) -> Float[Array, "rows _ vocab"]:
         """The forward pass over sequences packed end to end in each row.
 
         Args:
@@ -119,8 +123,8 @@ class LogitsFn:
                           logits_at=logits_at)
         return logits
 
-    def hidden(self, params: nnx.State, input_ids: jax.Array, valid_mask: jax.Array,
-               remat: str | None = None) -> jax.Array:
+    def hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
+               valid_mask: Bool[ArrayLike, "rows length"], remat: str | None = None) -> Float[Array, "rows length embed"]:
         """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input);
         ``remat`` overrides ``self.remat`` (``"none"`` for a pass that is not differentiated)."""
         model = nnx.merge(self.graphdef, params)
@@ -129,8 +133,9 @@ class LogitsFn:
                                    remat=self.remat if remat is None else remat)
         return x
 
-    def packed_hidden(self, params: nnx.State, input_ids: jax.Array, segment_ids: jax.Array,
-                      positions: jax.Array, remat: str | None = None) -> jax.Array:
+    def packed_hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
+                      segment_ids: Int[ArrayLike, "rows length"], positions: Int[ArrayLike, "rows length"],
+                      remat: str | None = None) -> Float[Array, "rows length embed"]:
         """``[B, L, embed]`` final hidden states of ``packed``'s rows (``remat`` as ``hidden``)."""
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
@@ -138,12 +143,13 @@ class LogitsFn:
                                    AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat)
         return x
 
-    def head(self, params: nnx.State) -> jax.Array:
+    def head(self, params: nnx.State) -> Float[Array, "embed vocab"]:
         """The LM head weight ``[embed, vocab]`` (``Decoder.head_weight``), ``project``'s weights."""
         return nnx.merge(self.graphdef, params).head_weight()
 
     @staticmethod
-    def project(weight: jax.Array, hidden: jax.Array) -> jax.Array:
+    def project(weight: Float[Array, "embed vocab"],
+                hidden: Float[Array, "rows chunk embed"]) -> Float[Array, "rows chunk vocab"]:
         """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]`` (``decoder.project_logits``)."""
         return project_logits(weight, hidden)
 
@@ -154,9 +160,12 @@ def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_C
     return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat)
 
 
-def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = None,
-                segment_ids: jax.Array | None = None, positions: jax.Array | None = None, temperature: float = 1.0,
-                entropy: bool = False, grad: bool = True) -> tuple[jax.Array, jax.Array | None]:
+def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
+                valid: Bool[ArrayLike, "rows length"] | None = None,
+                segment_ids: Int[ArrayLike, "rows length"] | None = None,
+                positions: Int[ArrayLike, "rows length"] | None = None, temperature: float = 1.0,
+                entropy: bool = False, grad: bool = True
+                ) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"] | None]:
     """Per-token log-probs (and entropies) of ``input_ids`` under ``fn``, shift-by-one convention of
     ``core.logprobs`` (column 0 is 0), without ``[B, L, vocab]`` logits.
 
@@ -185,7 +194,7 @@ def token_stats(fn, params, input_ids: jax.Array, *, valid: jax.Array | None = N
     return shifted_logprobs(hidden, ids, fn.project, fn.head(params), temperature, fn.logit_chunk, entropy)
 
 
-def packed_positions(segment_ids: np.ndarray) -> np.ndarray:
+def packed_positions(segment_ids: Int[ArrayLike, "rows length"]) -> Int[np.ndarray, "rows length"]:
     """RoPE positions that restart at 0 at the first token of every segment.
 
     Args:
@@ -207,10 +216,10 @@ def packed_positions(segment_ids: np.ndarray) -> np.ndarray:
 def sequence_logprobs(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    input_ids: jax.Array,
-    valid_mask: jax.Array,
+    input_ids: Int[ArrayLike, "rows length"],
+    valid_mask: Bool[ArrayLike, "rows length"],
     temperature: float = 1.0,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"]]:
     """Per-token log-probabilities and entropies of ``input_ids`` under the model.
 
     Args:

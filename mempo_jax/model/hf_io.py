@@ -263,7 +263,7 @@ def _check_tied_head(key_file: dict) -> None:
 # ------------------------------------------------------------------------------------- export
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def _host(x: jax.Array | np.ndarray) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils

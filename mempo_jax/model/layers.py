@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
 
-from mempo_jax.model.attention import attention
+from mempo_jax.model.attention import AttentionMask, attention
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.lora import adapter_params, lora_delta
 
@@ -34,7 +36,7 @@ def add_lora(module: nnx.Module, cfg: ModelConfig, kind: str, rngs: nnx.Rngs, n_
         setattr(module, f"{w}_lora_b", b)
 
 
-def project(module: nnx.Module, eq: str, x: jax.Array, w: str, n_in: int) -> jax.Array:
+def project(module: nnx.Module, eq: str, x: Float[Array, "..."], w: str, n_in: int) -> Float[Array, "..."]:
     """``einsum(eq, x, W)`` for weight ``w`` of ``module``, plus its LoRA term when it has one
     (``lora.lora_delta`` with ``scale = lora_alpha / lora_rank``); in ``x.dtype``."""
     y = jnp.einsum(eq, x, getattr(module, w)[...].astype(x.dtype))
@@ -80,7 +82,7 @@ def _inv_freq_cached(head_dim: int, theta: float, scaling: tuple | None) -> np.n
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig) -> Float[np.ndarray, "half_head_dim"]:
     """RoPE inverse frequencies ``[head_dim // 2]`` float32 (radians per position).
 
     ``1 / theta ** (2i / head_dim)``, then Llama-3 scaling when ``cfg.rope_scaling`` is set:
@@ -92,7 +94,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return _inv_freq_cached(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
+def apply_rope(x: Float[ArrayLike, "rows length heads head_dim"], positions: Int[ArrayLike, "rows length"],
+               inv_freq: Float[ArrayLike, "half_head_dim"]) -> Float[Array, "rows length heads head_dim"]:
     """Rotate ``x`` by position (rotate-half convention of HF ``apply_rotary_pos_emb``).
 
     Args:
@@ -121,7 +124,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.weight = logical_param(None, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
         """``[..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
@@ -151,7 +154,9 @@ class Attention(nnx.Module):
         self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
         add_lora(self, cfg, "attn", rngs, {"q": 1, "k": 1, "v": 1, "o": 2})
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"]
+            ) -> tuple[Float[Array, "rows length heads head_dim"], Float[Array, "rows length kv_heads head_dim"],
+                       Float[Array, "rows length kv_heads head_dim"]]:
         """Project and rotate.
 
         Args:
@@ -172,7 +177,8 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, attn_mask, **cache) -> jax.Array:
+    def attend(self, q: Float[Array, "rows length heads head_dim"], k: Float[Array, "..."], v: Float[Array, "..."],
+               attn_mask: Bool[Array, "rows length keys"] | AttentionMask, **cache) -> Float[Array, "rows length embed"]:
         """Masked softmax attention with kv heads shared by ``num_heads // num_kv_heads`` query
         heads, then the output projection.
 
@@ -190,7 +196,7 @@ class Attention(nnx.Module):
         """
         return self.project_out(attention(q, k, v, attn_mask, **cache))
 
-    def project_out(self, out: jax.Array) -> jax.Array:
+    def project_out(self, out: Float[Array, "rows length heads head_dim"]) -> Float[Array, "rows length embed"]:
         """The output projection (with its adapter): ``[batch, T, heads, head_dim]`` → ``[batch, T, embed]``."""
         return project(self, "bthk,hkd->btd", out, "o", 2)
 
@@ -207,7 +213,7 @@ class MLP(nnx.Module):
         self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
         add_lora(self, cfg, "mlp", rngs, {"gate": 1, "up": 1, "down": 1})
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Float[Array, "rows length embed"]) -> Float[Array, "rows length embed"]:
         """``[batch, seq, embed]`` → ``[batch, seq, embed]`` in ``x.dtype``."""
         g = project(self, "btd,df->btf", x, "gate", 1)
         u = project(self, "btd,df->btf", x, "up", 1)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float
 
 from mempo_jax.core.validation import check
 from mempo_jax.model.config import LORA_TARGETS, ModelConfig
@@ -117,7 +118,8 @@ def adapter_params(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, n_in: in
             nnx.LoRAParam(b, out_sharding=(None,) + tuple(axes[n_in:]), eager_sharding=False))
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, n_in: int, scale: float) -> jax.Array:
+def lora_delta(x: Float[Array, "..."], a: Float[Array, "... rank"], b: Float[Array, "rank ..."], n_in: int,
+               scale: float) -> Float[Array, "..."]:
     """``scale · (x · A) · B`` in ``x.dtype``.
 
     Args:
@@ -259,7 +261,7 @@ _HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
-def peft_state_dict(model_cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+def peft_state_dict(model_cfg: ModelConfig, params) -> dict[str, Float[np.ndarray, "_ _"]]:
     """The adapters under PEFT's saved key names: ``base_model.model.model.layers.{i}.{module}.
     lora_A.weight [r, in]`` and ``.lora_B.weight [out, r]`` (float32)."""
     out = {}

@@ -13,6 +13,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int, Real, Shaped
 
 from mempo_jax.core.registry import Registry
 
@@ -32,12 +34,12 @@ def _group_centred(values, group_ids, num_groups: int, valid):
 
 
 def group_normalize(
-    values: jax.Array,
-    group_ids: jax.Array,
+    values: Real[ArrayLike, "entries"],
+    group_ids: Int[ArrayLike, "entries"],
     num_groups: int,
-    valid: jax.Array | None = None,
+    valid: Bool[ArrayLike, "entries"] | None = None,
     eps: float = 1e-6,
-) -> jax.Array:
+) -> Float[Array, "entries"]:
     """Per-group z-score ``(v - mean_g) / (std_g + eps)`` with segment ops (docs/algorithm.md §4, GRPO).
 
     ``std_g`` is the unbiased standard deviation (divisor ``N_g - 1``) over the group's valid
@@ -72,7 +74,8 @@ def group_normalize(
     return jnp.where(valid, out, 0.0)
 
 
-def outcome_advantage(rewards: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+def outcome_advantage(rewards: Real[ArrayLike, "trajectories"], group_ids: Int[ArrayLike, "trajectories"],
+                      num_groups: int) -> Float[Array, "trajectories"]:
     """Outcome advantage A_T: GRPO group normalisation of R_T (docs/algorithm.md §4).
 
     Args:
@@ -103,12 +106,12 @@ def _center(mem_rewards, mem_group_ids, num_groups: int, valid) -> jax.Array:
 
 
 def memory_advantage(
-    mem_rewards: jax.Array,
-    mem_group_ids: jax.Array,
+    mem_rewards: Real[ArrayLike, "turns"],
+    mem_group_ids: Int[ArrayLike, "turns"],
     num_groups: int,
-    valid: jax.Array,
+    valid: Bool[ArrayLike, "turns"],
     norm: str = "zscore",
-) -> jax.Array:
+) -> Float[Array, "turns"]:
     """Memory advantage A_M per ``<mem>`` turn (docs/algorithm.md §4).
 
     One mean/std per segment (a question group: pooled over *every turn of every trajectory* of
@@ -133,13 +136,13 @@ def memory_advantage(
 
 
 def scatter_span_values(
-    values: jax.Array,
-    rows: jax.Array,
-    starts: jax.Array,
-    ends: jax.Array,
-    valid: jax.Array,
+    values: Real[ArrayLike, "turns"],
+    rows: Int[ArrayLike, "turns"],
+    starts: Int[ArrayLike, "turns"],
+    ends: Int[ArrayLike, "turns"],
+    valid: Bool[ArrayLike, "turns"],
     shape: tuple[int, int],
-) -> jax.Array:
+) -> Float[Array, "{shape[0]} {shape[1]}"]:
     """Write ``values[m]`` on tokens ``[starts[m], ends[m])`` of row ``rows[m]``, zero elsewhere.
 
     Built from an integer difference array (span index ``m + 1`` added at ``start``, subtracted at
@@ -174,10 +177,10 @@ def scatter_span_values(
 
 
 def token_advantages(
-    outcome_adv: jax.Array,
-    mem_token_adv: jax.Array,
-    loss_mask: jax.Array,
-) -> jax.Array:
+    outcome_adv: Real[ArrayLike, "rows"],
+    mem_token_adv: Real[ArrayLike, "rows length"],
+    loss_mask: Shaped[ArrayLike, "rows length"],
+) -> Float[Array, "rows length"]:
     """Final per-token advantage ``A = (A_T[:, None] + A_M) * loss_mask`` (docs/algorithm.md §4).
 
     Args:

@@ -7,9 +7,10 @@ The rollout engine the step samples with is ``agent.rollout.Engine``. ``rl.learn
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
+from jaxtyping import Bool, Float, Int
 
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardOutput
@@ -17,6 +18,7 @@ from mempo_jax.rl.memory_reward import MemoryRewardOutput
 T = TypeVar("T")
 
 
+@runtime_checkable
 class MemoryScorer(Protocol):
     """Scores P(Z | full_traj[t]) and P(Z | mem_traj[t]) of M turns (docs/algorithm.md §3)."""
 
@@ -31,13 +33,15 @@ class MemoryScorer(Protocol):
         """Compile the scoring programs at ``lengths`` ahead of time; return their count."""
 
 
+@runtime_checkable
 class PolicyLearner(Protocol):
     """The policy's parameters, optimizer state and the passes the RL step runs on them."""
 
     params: Any
     micro_batch_rows: int
 
-    def detached_logprobs(self, params: Any, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    def detached_logprobs(self, params: Any, input_ids: Int[np.ndarray, "rows length"],
+                          valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 per-token log-probs of ``params`` (no gradient), at the sampler's temperature."""
 
     def packed_logprobs(self) -> Any:

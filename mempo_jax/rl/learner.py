@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jaxtyping import Bool, Float, Int
 
 from mempo_jax.core.batching import bucket_length
 from mempo_jax.core.packing import pack_token_rows
@@ -200,7 +201,8 @@ class Learner:
     def _logprobs_impl(self, params, ids, valid):
         return token_stats(self.logits_fn, params, ids, valid=valid, temperature=self.temperature, grad=False)[0]
 
-    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
+    def logprobs(self, params, input_ids: Int[np.ndarray, "rows length"], valid: Bool[np.ndarray, "rows length"],
+                 chunk_rows: int | None = None) -> Float[np.ndarray, "rows length"]:
         """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
 
         Every device call is ``[chunk_rows, L]`` (``chunk_rows`` rounded up to a multiple of the
@@ -414,7 +416,8 @@ class Learner:
         return {k: float(np.mean(v)) for k, v in out.items()}
 
     # ---- the RL step's detached passes and its ahead-of-time programs ------------------------
-    def on_global_rows(self, fn, params, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    def on_global_rows(self, fn, params, input_ids: Int[np.ndarray, "rows length"],
+                       valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``fn(params, input_ids, valid)``: on one process over its own rows
         (``run.lockstep.DistributedLearner`` runs it over every process's rows)."""
         return fn(params, input_ids, valid)
@@ -433,7 +436,8 @@ class Learner:
                 param_shardings=self.param_shardings, batch_sharding=self.batch_sharding)
         return self._packed_logprobs
 
-    def detached_logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    def detached_logprobs(self, params, input_ids: Int[np.ndarray, "rows length"],
+                          valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 per-token log-probs of ``params`` over ``input_ids [R, L]`` (no
         gradient), at the learner's temperature: one packed pass (``packed_logprobs``) where it
         applies, else the padded ``logprobs``; over the global rows on several processes."""

@@ -17,6 +17,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Float, Int, Shaped
 
 from mempo_jax.core.registry import Registry
 from mempo_jax.core.validation import check
@@ -87,7 +89,7 @@ def _kl_k3(logp: Array, ref_logp: Array) -> Array:
     return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
 
 
-def kl_penalty(logp: Array, ref_logp: Array, kind: str) -> Array:
+def kl_penalty(logp: Float[ArrayLike, "*batch"], ref_logp: Float[ArrayLike, "*batch"], kind: str) -> Float[Array, "*batch"]:
     """Per-token KL estimate between the policy and the reference (verl ``kl_penalty``).
 
     * ``"k1"``/``"kl"``: ``logp - ref_logp``;
@@ -127,12 +129,12 @@ def _policy_terms(logp, old_logp, advantages, loss_mask, cfg: LossConfig):
 
 
 def policy_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    loss_mask: Array,
+    logp: Float[ArrayLike, "rows length"],
+    old_logp: Float[ArrayLike, "rows length"],
+    advantages: Float[ArrayLike, "rows length"],
+    loss_mask: Shaped[ArrayLike, "rows length"],
     cfg: LossConfig,
-) -> tuple[Array, Array, Array]:
+) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"], Float[Array, "rows length"]]:
     """Per-token clipped PPO surrogate with dual clip (verl ``compute_policy_loss``).
 
     ``ratio = exp(clip(logp - old_logp, ±20))``;
@@ -154,7 +156,7 @@ def policy_loss(
     return pg, clipped, ppo_kl
 
 
-def _row_sums(x: Array, segment_ids: Array | None) -> Array:
+def _row_sums(x: Float[Array, "rows length"], segment_ids: Int[ArrayLike, "rows length"] | None) -> Float[Array, "rows _"]:
     """Per-sequence sums of ``x [B, T]``: ``[B, 1]`` (each row one sequence) without
     ``segment_ids``; with them ``[B, T + 1]``, column k the sum over the row's k-th packed
     sequence (column 0: padding)."""
@@ -164,7 +166,7 @@ def _row_sums(x: Array, segment_ids: Array | None) -> Array:
     return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=t + 1))(x, jnp.asarray(segment_ids, jnp.int32))
 
 
-def _num_sequences(mask: Array, segment_ids: Array | None) -> Array:
+def _num_sequences(mask: Float[Array, "rows length"], segment_ids: Int[ArrayLike, "rows length"] | None) -> Float[Array, ""]:
     """Sequences with at least one loss token (float32 scalar)."""
     return jnp.sum((_row_sums(mask, segment_ids) > 0).astype(jnp.float32))
 
@@ -193,7 +195,8 @@ def _agg_seq_mean_token_sum_norm(values, mask, norm_length=None, segment_ids=Non
     return total, _num_sequences(mask, segment_ids)
 
 
-def loss_denominator(mask: Array, mode: str, segment_ids: Array | None = None) -> Array:
+def loss_denominator(mask: Shaped[ArrayLike, "rows length"], mode: str,
+                     segment_ids: Int[ArrayLike, "rows length"] | None = None) -> Float[Array, ""]:
     """The denominator of a whole mini-batch for ``mode`` (float32 scalar): the registered mode's
     own denominator (``aggregate_loss``) over the mini-batch — its loss tokens for
     ``"token-mean"``, else its sequences with at least one loss token (rows, or the packed
@@ -207,12 +210,12 @@ def loss_denominator(mask: Array, mode: str, segment_ids: Array | None = None) -
 
 
 def aggregate_loss(
-    values: Array,
-    mask: Array,
+    values: Float[ArrayLike, "rows length"],
+    mask: Shaped[ArrayLike, "rows length"],
     mode: str,
     norm_length: int | None = None,
-    segment_ids: Array | None = None,
-) -> tuple[Array, Array]:
+    segment_ids: Int[ArrayLike, "rows length"] | None = None,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """Masked aggregation as a ``(sum, denominator)`` pair (verl ``agg_loss``, summable form).
 
     The loss is ``Σ_micro sum / Σ_micro denominator`` over the whole mini-batch (see
@@ -248,21 +251,21 @@ def aggregate_loss(
     return fn(values, mask, norm_length, segment_ids)
 
 
-def safe_divide(total: Array, denominator: Array) -> Array:
+def safe_divide(total: Float[ArrayLike, "*batch"], denominator: Float[ArrayLike, "*batch"]) -> Float[Array, "*batch"]:
     """``total / max(denominator, 1)``: the loss (or metric mean) from accumulated sums."""
     return total / jnp.maximum(denominator, 1.0)
 
 
 def mempo_loss(
-    logp: Array,
-    old_logp: Array,
-    ref_logp: Array | None,
-    advantages: Array,
-    loss_mask: Array,
+    logp: Float[ArrayLike, "rows length"],
+    old_logp: Float[ArrayLike, "rows length"],
+    ref_logp: Float[ArrayLike, "rows length"] | None,
+    advantages: Float[ArrayLike, "rows length"],
+    loss_mask: Shaped[ArrayLike, "rows length"],
     cfg: LossConfig,
-    entropy: Array | None = None,
-    segment_ids: Array | None = None,
-) -> tuple[Array, Array, dict[str, Array]]:
+    entropy: Float[ArrayLike, "rows length"] | None = None,
+    segment_ids: Int[ArrayLike, "rows length"] | None = None,
+) -> tuple[Float[Array, ""], Float[Array, ""], dict[str, Float[Array, ""]]]:
     """MemPO actor loss of one micro-batch as summable parts (docs/algorithm.md §5).
 
     Per token: ``pg + kl_coef · kl_penalty(logp, ref_logp, kl_type) - entropy_coef · entropy``,

@@ -25,6 +25,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
 
 from mempo_jax.agent.trajectory import FULL
 from mempo_jax.core.registry import Registry
@@ -35,7 +37,8 @@ from mempo_jax.core.logprobs import target_logprobs
 from mempo_jax.core.packing import pack, plan_packing
 
 
-def answer_likelihood(logp: jax.Array, answer_mask: jax.Array) -> jax.Array:
+def answer_likelihood(logp: Float[ArrayLike, "rows length"],
+                      answer_mask: Bool[ArrayLike, "rows length"]) -> Float[Array, "rows"]:
     """Length-normalised likelihood ``P(Z | c) = exp(Σ_t logp·m / Σ_t m)`` (docs/algorithm.md §3).
 
     The geometric mean of Z's token probabilities.
@@ -64,7 +67,7 @@ def build_scoring_batch(
     pad_rows_to_bucket: bool = False,
     min_rows: int = 1,
     full_prefix: Sequence[int] = (),
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[Int[np.ndarray, "rows length"], Bool[np.ndarray, "rows length"], Bool[np.ndarray, "rows length"]]:
     """Stack ``[full_i + full_prefix + prefix + Z_i]`` then ``[mem_i + prefix + Z_i]`` into one padded batch.
 
     Row ``i < M`` is ``full_contexts[i] + full_prefix + answer_prefix + answers[i]``, row
@@ -138,9 +141,9 @@ ANSWER_FRACTION = 4  # a packed row of L columns scores at most L // 4 answer to
 class MemoryRewardOutput(NamedTuple):
     """Per-turn memory reward (docs/algorithm.md §3); ``[M]`` float32 numpy arrays, probability units."""
 
-    r_mem: np.ndarray  # p_mem − p_full
-    p_full: np.ndarray  # P(Z | full_traj[t])
-    p_mem: np.ndarray  # P(Z | mem_traj[t])
+    r_mem: Float[np.ndarray, "turns"]  # p_mem − p_full
+    p_full: Float[np.ndarray, "turns"]  # P(Z | full_traj[t])
+    p_mem: Float[np.ndarray, "turns"]  # P(Z | mem_traj[t])
 
 
 LOG_FLOOR = 1e-30  # P below this counts as this in the ``"log"`` scale (P = 0: no Z token)
@@ -169,7 +172,7 @@ def _log_scale(out: MemoryRewardOutput) -> np.ndarray:
     return (lp_mem - lp_full).astype(np.float32)
 
 
-def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> np.ndarray:
+def memory_reward_values(out: MemoryRewardOutput, scale: str = "prob") -> Float[np.ndarray, "turns"]:
     """R_M of each scored turn in the chosen units (``MemoryRewardConfig.scale``).
 
     ``"prob"`` (docs/algorithm.md §3): ``P_mem − P_full``, in [−1, 1]. ``"log"``: ``log P_mem − log

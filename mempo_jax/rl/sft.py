@@ -64,7 +64,7 @@ def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: flo
     return out
 
 
-def iterate_sft_batches(rows: Sequence[tuple[list[int], list[float]]], batch_rows: int, pad_id: int,
+def iterate_sft_batches(rows: Sequence[tuple[Sequence[int | np.integer], Sequence[float]]], batch_rows: int, pad_id: int,
                         rng: np.random.Generator):
     """Endless shuffled batches; rows of similar length share a batch (sorted within a window)
     so padding stays small. Yields ``{"input_ids", "valid", "loss_mask"}`` ``[batch_rows, L]``."""

@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Bool, Float, Real
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.text.protocol import ANSWER, MEM
@@ -289,14 +291,14 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
                                loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
 
 
-def detached_logprobs(learner: PolicyLearner, params, rows: TrainingRows) -> np.ndarray:
+def detached_logprobs(learner: PolicyLearner, params, rows: TrainingRows) -> Float[np.ndarray, "rows length"]:
     """``[R, L]`` float32 per-token log-probs of ``params`` over the step's rows (no gradient),
     at the learner's temperature (``Learner.detached_logprobs``: one packed pass where it applies,
     else the padded ``learner.logprobs``). The reference and the PPO "old" log-probs both come from here."""
     return learner.detached_logprobs(params, rows.input_ids, rows.valid)
 
 
-def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[np.ndarray, dict[str, float]]:
+def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[Float[np.ndarray, "rows length"], dict[str, float]]:
     """The PPO "old" log-probs recomputed by the policy before the update, and the sampler/trainer gap.
 
     One detached pass of ``learner.params`` (the policy that sampled the step) over the
@@ -331,7 +333,7 @@ def ppo_old_logprobs(learner, rows: TrainingRows, source: str) -> tuple[np.ndarr
     return rows.old_logprobs, {}
 
 
-def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> np.ndarray:
+def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> Float[np.ndarray, "trajectories"]:
     """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (docs/algorithm.md §3)."""
     return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
@@ -343,10 +345,12 @@ def mem_group_count(cfg: RLConfig) -> int:
     return MEMORY_GROUPINGS.get(cfg.memory_reward.group)(none, none, cfg.questions_per_step, cfg.rollout.max_turns)[1]
 
 
-def compute_advantages(trajs, rows, rewards: np.ndarray, r_mem: np.ndarray, num_groups: int, memory_coef: float,
-                       *, max_rows: int | None = None, max_mem: int | None = None,
-                       mem_valid: np.ndarray | None = None, memory_norm: str = "zscore",
-                       memory_group: str = "question", max_turns: int | None = None):
+def compute_advantages(trajs, rows, rewards: Real[ArrayLike, "trajectories"], r_mem: Real[ArrayLike, "turns"],
+                       num_groups: int, memory_coef: float, *, max_rows: int | None = None,
+                       max_mem: int | None = None, mem_valid: Bool[ArrayLike, "turns"] | None = None,
+                       memory_norm: str = "zscore", memory_group: str = "question", max_turns: int | None = None
+                       ) -> tuple[Float[np.ndarray, "rows length"], Float[np.ndarray, "trajectories"],
+                                  Float[np.ndarray, "turns"]]:
     """Token advantages ``[rows, seq]`` and their parts (docs/algorithm.md §4).
 
     One jitted program (``_advantages``). With config bounds ``max_rows`` on the training rows
