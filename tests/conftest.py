@@ -47,16 +47,28 @@ FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pas
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_XLA}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# Shape checks. Every function and dataclass of these packages is type-checked at each call while the
-# tests run (jaxtyping's import hook, beartype as the checker, ``int`` accepted for ``float`` as PEP 484
-# says): the array shapes of ``Float[Array, "rows length"]`` hints (dimension names:
-# ``mempo_jax.core.shapes``) must agree within a call. The hook is installed here, in the controller
-# and in every pytest-xdist worker, before the tests import ``mempo_jax``; a product run never
-# installs it, so it checks nothing there and costs nothing.
+# Shape checks. Every function of these packages is type-checked at each call while the tests run
+# (jaxtyping's import hook with ``shape_typechecker``): the array shapes of ``Float[Array, "rows
+# length"]`` hints (dimension names: ``mempo_jax.core.shapes``) must agree within a call. The hook is
+# installed here, in the controller and in every pytest-xdist worker, before the tests import
+# ``mempo_jax``; a product run never installs it, so it checks nothing there and costs nothing.
 SHAPE_CHECKED = ("mempo_jax.model", "mempo_jax.core", "mempo_jax.rl")
+
+
+def shape_typechecker(fn):
+    """beartype, with ``int`` accepted for ``float`` (PEP 484), on every function but constructors:
+    the config dataclasses validate their own fields (``core.validation.check``) with the message a
+    user sees, which a check of the generated ``__init__`` would pre-empt."""
+    import beartype
+
+    if fn.__name__ == "__init__":
+        return fn
+    return beartype.beartype(fn, conf=beartype.BeartypeConf(is_pep484_tower=True))
+
+
 from jaxtyping import install_import_hook  # noqa: E402
 
-install_import_hook(SHAPE_CHECKED, "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+install_import_hook(SHAPE_CHECKED, "conftest.shape_typechecker")
 
 import pytest  # noqa: E402
 

@@ -36,3 +36,4 @@ Names:
 ``entries``        values of a group statistic (``trajectories`` or ``turns``)
 ``processes``      JAX processes of a multi-host run
 =================  ============================================================================
+"""

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -110,7 +110,7 @@ def logical_to_spec(
 
 def logical_to_sharding(
     logical_axes: Sequence[str | None],
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     rules: Rules = DEFAULT_RULES,
     shape: Sequence[int] | None = None,
 ) -> NamedSharding:
@@ -126,7 +126,7 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def param_shardings(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+def param_shardings(params: nnx.State, mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
     """Shardings of every parameter, from its NNX ``out_sharding`` logical-axis metadata.
 
     Args:
@@ -158,7 +158,7 @@ def shard_params(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
     return jax.device_put(params, param_shardings(params, mesh, rules))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+def batch_sharding(mesh: Mesh | AbstractMesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of a ``[batch, seq, ...]`` array: batch over the ``batch`` rule's axes
     (data × fsdp by default), the rest replicated. The batch must divide by that product."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
@@ -166,12 +166,12 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> N
 
 # ------------------------------------------------------------ optimizer state, KV cache, helpers
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """``NamedSharding(mesh, PartitionSpec())``: a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+def batch_shards(mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES) -> int:
     """How many ways the ``batch`` rule splits rows on ``mesh`` (``data * fsdp`` by default).
 
     A batch whose row count divides by this number is sharded evenly; ``Learner`` and the
@@ -183,7 +183,7 @@ def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
     return int(math.prod(mesh.shape[a] for a in axes))
 
 
-def opt_state_shardings(optimizer, params, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+def opt_state_shardings(optimizer, params, mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES):
     """Shardings of ``optimizer.init(params)``: every per-parameter leaf (Adam ``mu``/``nu``, …)
     gets its parameter's sharding, every other leaf (step counts, schedule state) is replicated.
 
@@ -218,6 +218,6 @@ def local_mesh() -> Mesh:
     return make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
 
 
-def mesh_or_local(mesh: Mesh | None) -> Mesh:
+def mesh_or_local(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
     """``mesh``, or ``local_mesh()`` when it is ``None`` (the default of every mesh argument)."""
     return local_mesh() if mesh is None else mesh

@@ -102,14 +102,15 @@ class AttentionMask(NamedTuple):
         return AttentionMask(p(self.q_index, t, -1), kv, qs, ks)
 
 
-def _grouped(q: jax.Array, kvh: int) -> jax.Array:
+def _grouped(q: Float[ArrayLike, "rows length heads head_dim"],
+             kvh: int) -> Float[ArrayLike, "rows length {kvh} _ head_dim"]:
     """``[B, T, H, hd]`` → ``[B, T, kv_heads, groups, hd]`` (query head j uses kv head j // groups, HF repeat_kv)."""
     b, t, h, hd = q.shape
     return q.reshape(b, t, kvh, h // kvh, hd)
 
 
-def dense_attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "rows _ _ head_dim"],
-                    v: Float[Array, "rows _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
+def dense_attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayLike, "rows _ _ head_dim"],
+                    v: Float[ArrayLike, "rows _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
                     heads_major: bool = False) -> Float[Array, "rows length heads head_dim"]:
     """Masked softmax attention, scores materialised (HF ``eager_attention_forward`` with GQA).
 
@@ -137,7 +138,8 @@ def dense_attention(q: Float[Array, "rows length heads head_dim"], k: Float[Arra
     return jnp.einsum(f"bkgts,{kv_spec}->btkgh", probs, v.astype(q.dtype)).reshape(b, t, h, hd)
 
 
-def _key_block(cache: jax.Array, layer, rows, start, block: int) -> jax.Array:
+def _key_block(cache: Float[ArrayLike, "layers slots kv_heads cache head_dim"], layer, rows, start,
+               block: int) -> Float[Array, "_ kv_heads {block} head_dim"]:
     """``[B, kv_heads, block, head_dim]``: positions ``[start, start + block)`` of layer ``layer``
     of slots ``rows`` (``None``: every slot) of a ``[layers, slots, kv_heads, S, head_dim]`` cache,
     sliced in place (neither the layer nor the rows' slots are copied first)."""
@@ -150,8 +152,8 @@ def _key_block(cache: jax.Array, layer, rows, start, block: int) -> jax.Array:
                                                     (1, 1, kvh, block, hd))[0, 0])(rows.astype(jnp.int32))
 
 
-def blocked_attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "*cache _ _ head_dim"],
-                      v: Float[Array, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
+def blocked_attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayLike, "*cache _ _ head_dim"],
+                      v: Float[ArrayLike, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *,
                       heads_major: bool = False, layer: Int[ArrayLike, ""] | None = None,
                       rows: Int[Array, "rows"] | None = None, kv_bound: Int[ArrayLike, ""] | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> Float[Array, "rows length heads head_dim"]:
@@ -274,8 +276,8 @@ def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     return t > min_len and s > min_len
 
 
-def attention(q: Float[Array, "rows length heads head_dim"], k: Float[Array, "*cache _ _ head_dim"],
-              v: Float[Array, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
+def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayLike, "*cache _ _ head_dim"],
+              v: Float[ArrayLike, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
               layer: Int[ArrayLike, ""] | None = None, rows: Int[Array, "rows"] | None = None,
               kv_bound: Int[ArrayLike, ""] | None = None,
               block_k: int = BLOCK_K) -> Float[Array, "rows length heads head_dim"]:

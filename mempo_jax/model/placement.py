@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache
@@ -37,7 +37,7 @@ def init_sharded_params(cfg: ModelConfig, seed: int, mesh: Mesh,
     return graphdef, params
 
 
-def cache_shardings(cfg: ModelConfig, batch: int, size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> KVCache:
+def cache_shardings(cfg: ModelConfig, batch: int, size: int, mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES) -> KVCache:
     """Shardings of ``init_cache(cfg, batch, size)``: ``KVCache`` of two ``NamedSharding``.
 
     Cache arrays are ``[layers, batch, kv_heads, size, head_dim]`` (heads-major) with logical axes

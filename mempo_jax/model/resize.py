@@ -33,6 +33,8 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Float
 
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
@@ -75,7 +77,8 @@ def protocol_tag_rows(tokenizer, embedding_rows: int, mesh=None, rules: Rules = 
     return rows if rows <= embedding_rows else padded_rows(rows, vocab_row_multiple(mesh, rules))
 
 
-def mean_resized_rows(old: np.ndarray, new_rows: int, seed: int = 0) -> np.ndarray:
+def mean_resized_rows(old: Float[ArrayLike, "vocab embed"], new_rows: int,
+                      seed: int = 0) -> Float[np.ndarray, "{new_rows} embed"]:
     """``[new_rows, D]``: the ``[V, D]`` rows of ``old`` followed by ``new_rows - V`` rows drawn from
     ``N(μ, 1e-9 Σ)`` (or exactly ``μ`` when that covariance is not positive definite).
 
