@@ -6,8 +6,9 @@ Array arguments and results carry jaxtyping hints, e.g. ``Float[Array, "rows len
 {0, 1} floats), ``np.ndarray`` in place of ``Array`` for host arrays, ``ArrayLike`` where either is
 accepted. A name stands for one size throughout a call: ``logits: Float[Array, "rows length
 vocab"]`` with ``input_ids: Int[Array, "rows length"]`` states that both have the same rows and
-length. ``*batch`` is any number of leading dimensions, ``#name`` a size that may also be 1
-(broadcast), a number a fixed size.
+length. ``*batch`` is any number of dimensions (the same ones throughout the call), ``...`` any
+number not compared, ``_`` one dimension not compared, ``{block}`` the value of the argument
+``block``.
 
 The hints are checked at each call (shapes, dtypes and every other hint) while the tests run
 (``tests/conftest.py`` installs jaxtyping's import hook with beartype); a product run does not check
