@@ -45,13 +45,18 @@ from typing import Optional, Sequence
 from mempo_jax.cli import command_name
 
 GIB = 2**30
-# Calibration of the activation estimate (bytes per attention-score element; float32 logits
-# copies per phase), set so that XLA's own temp allocation for each phase's program, compiled on
-# CPU for a small model (tests/test_plan.py), stays below the estimate: prefill logits and their
-# log-softmax and the sampling step's scaled copy; logits, log-softmax, softmax, entropy terms; logits and log-softmax; and in the
-# update the logits, log-softmax, softmax, the ratio terms and the logits' gradient.
-ATTENTION_BYTES = 16
-LOGIT_COPIES = {"sampling": 3, "logprobs": 4, "scoring": 2, "update": 5}
+# Calibration of the activation estimate against XLA's own ``compiled.memory_analysis()`` of each
+# phase's program (tests/test_plan.py: SmolLM2- and Qwen2.5-0.5B-shaped models on an emulated
+# 8-device fsdp mesh, plan within [1, 1.3] x XLA). Bytes per attention-score element live in one
+# layer's forward (scores, masked, exponentials, probabilities: four float32 buffers) and kept for
+# its backward (probabilities and the scores' gradient); float32 logits blocks live per phase (the
+# sampler's prefill logits, log-softmax and scaled copy; one LM-head chunk or the scorer's answer
+# columns elsewhere); and the embedding / LM-head matrices the update holds whole per device (the
+# gathered table, the head's and the lookup's gradients and their sum) when fsdp shards them.
+ATTENTION_BYTES = 8
+SAVED_ATTENTION_BYTES = 8
+LOGIT_COPIES = {"sampling": 3, "logprobs": 1, "scoring": 1, "update": 1}
+EMBEDDING_COPIES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,26 @@ def _sharded_bytes(tree) -> int:
     return total
 
 
+def _gathered_bytes(abstract, shardings, mesh, rules) -> int:
+    """Bytes per device of the parameters that the ``fsdp`` (or ``data``) axis shards at rest,
+    gathered over it (still split over ``tensor``): what a matmul of each needs whole."""
+    import jax
+
+    from mempo_jax.core.sharding import param_shardings
+
+    def kept(target):
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        return tuple(a for a in axes if a not in ("fsdp", "data")) or None
+
+    gathered = param_shardings(abstract, mesh, tuple((name, kept(target)) for name, target in rules))
+    total = 0
+    for leaf, at_rest, whole in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), jax.tree.leaves(gathered)):
+        n = math.prod(whole.shard_shape(leaf.shape))
+        if n > math.prod(at_rest.shard_shape(leaf.shape)):
+            total += n * leaf.dtype.itemsize
+    return total
+
+
 def step_shapes(cfg, plan_cfg) -> dict:
     """Row and length sizes of one step, as the rollout, ``build_training_rows`` and the scorer
     bucket them (powers of two), worst case over the step.
@@ -255,7 +280,7 @@ class _Act:
                      + 3 * self.heads(rows, length, "kv_heads", c.num_kv_heads)
                      + 4 * self.width(rows, length, "mlp", c.mlp_dim))
                 + 8 * self.width(rows, length, "embed", c.embed_dim)
-                + ATTENTION_BYTES * self.scores(rows, length, length))
+                + SAVED_ATTENTION_BYTES * self.scores(rows, length, length))
 
 
 def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
@@ -307,23 +332,29 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * t_bytes  # accumulator + one micro-batch's gradient (trainable parameters' dtype)
     chunk = shapes["logit_chunk"]
-    # weights gathered whole for a matmul (fsdp shards them at rest): the embedding / LM head,
-    # gathered for the lookup and again for the head, in the activation dtype, split over tensor only
-    gathered = 2 * act.act * act.elems((None, "vocab", None), (1, model_cfg.vocab_size, model_cfg.embed_dim))
+    # Weights an fsdp mesh shards at rest are gathered (split over tensor only) for their matmuls:
+    # the forward-only programs (layers unrolled) hold every layer's at once on XLA; the update
+    # (layers scanned) one layer's, and the embedding / LM head whole (EMBEDDING_COPIES).
+    gathered_all = _gathered_bytes(abstract, ps, mesh, rules)
+    embedding = model_cfg.weight_dtype.itemsize * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
+                                                                                    model_cfg.embed_dim))
+    embedding_copies = EMBEDDING_COPIES if gathered_all else 2  # unsharded: the two gradients only
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
-    else:  # each layer's input, the stacked layer parameters, two layers' saved activations
+    else:  # each layer's input, the stacked layer parameters, the recomputed layer's saved activations
         layer_params = p_bytes * n_layers // max(n_layers + 1, 1)
         saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
-                 + 2 * act.layer_saved(micro, train_len))
+                 + act.layer_saved(micro, train_len))
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
         + act.layer_forward(rows, prompt, size),
-        "logprobs": gathered + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
+        "logprobs": gathered_all + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": gathered + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
+        # the scorer applies the head to its answer columns in one block
+        "scoring": gathered_all + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len // ANSWER_FRACTION)
         + act.layer_forward(s_rows, s_len, s_len),
-        "update": gradient_bytes + gathered + saved + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
+        "update": gradient_bytes + embedding_copies * embedding + saved
+        + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
     }
     shapes["gradient_bytes"] = gradient_bytes
     # the reference copies the trainable part (float32; bfloat16 with ExecutionConfig.reference_dtype); LoRA shares the base
@@ -358,6 +389,7 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     from mempo_jax.rl.learner import Learner, make_optimizer
     from mempo_jax.rl.losses import LossConfig
     from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
+    from mempo_jax.model.lora import split_trainable
 
     n = tpu.num_devices
     if len(jax.devices()) < n:
@@ -368,7 +400,7 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     model_cfg = model_config(cfg, mesh, rules)
     graphdef, abstract = split_model(abstract_model(model_cfg))
     ex = cfg.execution
-    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat)
+    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules)
     learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
                       rules=rules)
     s = step_shapes(cfg, plan_cfg)
@@ -378,7 +410,8 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     batch = {k: sds(micro, length, jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
     batch["valid"] = sds(micro, length, jnp.bool_)
     batch.update({k: sds(micro, length, jnp.float32) for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
-    programs = {"update": learner._ppo_step.lower(learner.params, learner.opt_state, batch, 1, LossConfig())}
+    programs = {"update": learner._ppo_step.lower(*split_trainable(learner.params), learner.opt_state, batch, 1,
+                                                  LossConfig())}
     lp = PackedLogprobs(fn, 1.0, rows_per_call=s["logprob_rows"], param_shardings=learner.param_shardings,
                         batch_sharding=bs)
     programs["logprobs"] = lp._call.lower(learner.params, *[sds(s["logprob_rows"], length, jnp.int32)] * 3)

@@ -248,3 +248,23 @@ def test_shipped_lora_pod_config_fits(capsys):
     assert d["num_params"] * 2 / 8 < d["params"] < 1.1 * d["num_params"] * 2 / 8
     assert d["opt_state"] == pytest.approx(2 * d["reference"], rel=1e-3) and d["reference"] < d["params"] / 10
     assert plan.main([f"--gin_file={path}", "--gin_param=LoraConfig.rank = 0"]) == 1  # full fine-tuning does not
+
+
+@pytest.mark.parametrize("recipe", ["smollm2_hotpotqa", "qwen2_5_0_5b_v5e8"])
+def test_plan_is_within_band_of_xlas_own_figure(recipe, request):
+    """For every phase program (update, log-probs, scoring) of the SmolLM2 recipe and the Qwen2.5-0.5B
+    pod recipe (full depth, their own shapes: micro-batch 8 x 1,024 tokens; Qwen's 151,936-row
+    vocabulary), compiled with abstract parameters on the emulated 8-device fsdp mesh of a v5e-8,
+    the plan's bytes per device are at or above XLA's ``compiled.memory_analysis()`` (arguments +
+    temporaries + outputs - aliased) and within 1.3x of it."""
+    bindings = ['TPUConfig.accelerator_type="v5litepod-8"']
+    if recipe == "smollm2_hotpotqa":
+        bindings.append(f'ModelOptions.checkpoint="{request.getfixturevalue("smollm2_dir")}"')
+    mesh_config.register()
+    cfg = config_lib.load_config([str(REPO / "configs" / f"{recipe}.gin")], bindings)
+    pod = mesh_config.from_gin()
+    ours = plan.phase_totals(plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan))
+    xla = plan.xla_phases(cfg, pod.mesh, pod.tpu, pod.plan)
+    ratios = {phase: ours[phase] / xla[phase]["total"] for phase in xla}
+    assert set(ratios) == {"update", "logprobs", "scoring"}
+    assert all(1.0 <= r <= 1.3 for r in ratios.values()), ratios

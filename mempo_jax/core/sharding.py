@@ -8,9 +8,11 @@ Parameters carry logical axis names (``vocab``, ``embed``, ``heads``, ...) as NN
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -221,3 +223,46 @@ def local_mesh() -> Mesh:
 def mesh_or_local(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
     """``mesh``, or ``local_mesh()`` when it is ``None`` (the default of every mesh argument)."""
     return local_mesh() if mesh is None else mesh
+
+
+# ---- activation sharding --------------------------------------------------------------------------
+# The (mesh, rules) whose logical axes ``constrain`` pins activations to while a model function is
+# traced (``activation_sharding``); ``None``: no constraint (one device, or a caller without a mesh).
+_ACTIVATIONS: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("activations", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """Within the block, ``constrain`` pins arrays to ``logical_to_sharding(axes, mesh, rules)``.
+
+    Enter it inside the function being traced (``model.forward.LogitsFn`` does, in each call), so a
+    jitted program and the backward pass of a ``custom_vjp`` traced later see it too. Without it,
+    or on a one-device mesh, ``constrain`` returns its input: XLA's sharding propagation alone
+    places the activations, which on an fsdp mesh (parameters sharded on ``embed``) can choose to
+    gather the rows of every attention output rather than the layer's weights.
+    """
+    token = _ACTIVATIONS.set(None if mesh is None or mesh.size == 1 else (mesh, tuple(rules)))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``x`` pinned to its logical axes under the active ``activation_sharding`` (the MaxText
+    activation layout: rows over ``data`` and ``fsdp``, heads / mlp / vocab over ``tensor``, so
+    fsdp gathers weights, not activations); ``x`` itself outside one.
+
+    Args:
+      x: an array (traced) with ``len(logical_axes)`` dimensions.
+      logical_axes: one logical name (or None) per dimension, names of the rules.
+
+    Raises:
+      ValueError: as ``logical_to_spec`` (an unknown name, a rank mismatch).
+    """
+    active = _ACTIVATIONS.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh.shape,
+                                                                                   x.shape)))

@@ -20,9 +20,10 @@ from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
+from mempo_jax.core.sharding import constrain
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.attention import BLOCK_K, AttentionMask
-from mempo_jax.model.layers import MLP, Attention, RMSNorm, logical_param
+from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
 
 class KVCache(NamedTuple):
@@ -225,7 +226,7 @@ class Decoder(nnx.Module):
                                 min(int(block_k), size))
             attn_mask = AttentionMask.cached(positions)
         dt = self.cfg.activation_dtype
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(dt), EMBED_AXES)
         policy = remat_policy(remat)
         if cache is None and remat != "none":
             # A scan over the layers' stacked parameters: its backward pass keeps each layer's input
@@ -241,7 +242,7 @@ class Decoder(nnx.Module):
         else:
             for i, block in enumerate(self.layers):
                 x, cache = block(x, positions, attn_mask, cache, i, where)
-        return self.final_norm(x), cache
+        return constrain(self.final_norm(x), EMBED_AXES), cache
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
         """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""
@@ -269,4 +270,5 @@ def project_logits(weight: Float[Array, "embed vocab"],
                    hidden: Float[Array, "rows length embed"]) -> Float[Array, "rows length vocab"]:
     """The LM head: ``hidden [B, T, embed] @ weight [embed, vocab]`` → float32 ``[B, T, vocab]``
     (float32 accumulation)."""
-    return jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32).astype(jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32).astype(jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))

@@ -6,14 +6,18 @@ callers can ``jax.jit`` / ``jax.grad`` them with explicit shardings (tunix-style
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
+from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding
 from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
@@ -61,6 +65,16 @@ def positions_from_mask(valid_mask: Bool[ArrayLike, "rows length"]) -> Int[Array
     return jnp.maximum(jnp.cumsum(valid_mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
 
 
+def _under_mesh(method):
+    """``method`` traced under its ``LogitsFn``'s ``activation_sharding`` (entered in the call
+    itself, so a backward pass traced later enters it again)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with activation_sharding(self.mesh, self.rules):
+            return method(self, *args, **kwargs)
+    return call
+
+
 class LogitsFn:
     """The model's pure calls over ``(params, arrays)``: logits, hidden states and the LM head.
 
@@ -82,17 +96,24 @@ class LogitsFn:
       logit_chunk: positions per LM-head chunk of ``token_stats`` (``ExecutionConfig.logit_chunk_tokens``).
       remat: decoder-layer rematerialisation of the hidden-state calls (``Decoder.hidden_states``;
         ``ExecutionConfig.remat``).
+      mesh, rules: the mesh the calls run on and its logical-axis rules: every call pins the
+        activations to their logical axes there (``core.sharding.activation_sharding``: rows over
+        ``data`` x ``fsdp``, so an fsdp mesh gathers each layer's weights and keeps the rows
+        sharded). ``None``: no constraint (XLA places the activations).
 
     Raises:
       ValueError: an unknown ``remat`` or ``logit_chunk < 1``.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none"):
+    def __init__(self, graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
+                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
         remat_policy(remat)
         if logit_chunk < 1:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
+        self.mesh, self.rules = mesh, tuple(rules)
 
+    @_under_mesh
     def __call__(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                  valid_mask: Bool[ArrayLike, "rows length"]) -> Float[Array, "rows length vocab"]:
         model = nnx.merge(self.graphdef, params)
@@ -100,6 +121,7 @@ class LogitsFn:
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid))
         return logits
 
+    @_under_mesh
     def packed(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                segment_ids: Int[ArrayLike, "rows length"], positions: Int[ArrayLike, "rows length"],
                logits_at: Int[ArrayLike, "rows positions"] | None = None) -> Float[Array, "rows _ vocab"]:
@@ -123,6 +145,7 @@ class LogitsFn:
                           logits_at=logits_at)
         return logits
 
+    @_under_mesh
     def hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                valid_mask: Bool[ArrayLike, "rows length"], remat: str | None = None) -> Float[Array, "rows length embed"]:
         """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input);
@@ -133,6 +156,7 @@ class LogitsFn:
                                    remat=self.remat if remat is None else remat)
         return x
 
+    @_under_mesh
     def packed_hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                       segment_ids: Int[ArrayLike, "rows length"], positions: Int[ArrayLike, "rows length"],
                       remat: str | None = None) -> Float[Array, "rows length embed"]:
@@ -143,21 +167,23 @@ class LogitsFn:
                                    AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat)
         return x
 
+    @_under_mesh
     def head(self, params: nnx.State) -> Float[Array, "embed vocab"]:
         """The LM head weight ``[embed, vocab]`` (``Decoder.head_weight``), ``project``'s weights."""
         return nnx.merge(self.graphdef, params).head_weight()
 
-    @staticmethod
-    def project(weight: Float[Array, "embed vocab"],
+    @_under_mesh
+    def project(self, weight: Float[Array, "embed vocab"],
                 hidden: Float[Array, "rows chunk embed"]) -> Float[Array, "rows chunk vocab"]:
         """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]`` (``decoder.project_logits``)."""
         return project_logits(weight, hidden)
 
 
-def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none") -> LogitsFn:
-    """``LogitsFn(graphdef, logit_chunk=..., remat=...)``: the uniform model contract of the trainer,
-    the scorers and the evaluation."""
-    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat)
+def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
+                   mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES) -> LogitsFn:
+    """``LogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=...)``: the uniform model
+    contract of the trainer, the scorers and the evaluation."""
+    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules)
 
 
 def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,

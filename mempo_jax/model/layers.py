@@ -19,9 +19,12 @@ from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
+from mempo_jax.core.sharding import constrain
 from mempo_jax.model.attention import AttentionMask, attention
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.lora import adapter_params, lora_delta
+
+EMBED_AXES = ("batch", "seq", "embed")  # the residual stream's logical axes (core.sharding.constrain)
 
 
 
@@ -175,7 +178,9 @@ class Attention(nnx.Module):
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
         inv_freq = rope_inv_freq(self.cfg)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+        return (constrain(apply_rope(q, positions, inv_freq), heads), constrain(apply_rope(k, positions, inv_freq), kv_heads),
+                constrain(v, kv_heads))
 
     def attend(self, q: Float[Array, "rows length heads head_dim"], k: Float[Array, "..."], v: Float[Array, "..."],
                attn_mask: Bool[Array, "rows length keys"] | AttentionMask, **cache) -> Float[Array, "rows length embed"]:
@@ -198,7 +203,7 @@ class Attention(nnx.Module):
 
     def project_out(self, out: Float[Array, "rows length heads head_dim"]) -> Float[Array, "rows length embed"]:
         """The output projection (with its adapter): ``[batch, T, heads, head_dim]`` → ``[batch, T, embed]``."""
-        return project(self, "bthk,hkd->btd", out, "o", 2)
+        return constrain(project(self, "bthk,hkd->btd", out, "o", 2), EMBED_AXES)
 
 
 class MLP(nnx.Module):
@@ -217,4 +222,5 @@ class MLP(nnx.Module):
         """``[batch, seq, embed]`` → ``[batch, seq, embed]`` in ``x.dtype``."""
         g = project(self, "btd,df->btf", x, "gate", 1)
         u = project(self, "btd,df->btf", x, "up", 1)
-        return project(self, "btf,fd->btd", jax.nn.silu(g) * u, "down", 1)
+        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
+        return constrain(project(self, "btf,fd->btd", h, "down", 1), EMBED_AXES)

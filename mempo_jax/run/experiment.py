@@ -374,7 +374,8 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     params = sharding.shard_params(params, mesh, rules)
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
     return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules),
-                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat), mesh, rules)
+                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules),
+                  mesh, rules)
 
 
 def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
