@@ -48,14 +48,15 @@ GIB = 2**30
 # Calibration of the activation estimate against XLA's own ``compiled.memory_analysis()`` of each
 # phase's program (tests/test_plan.py: SmolLM2- and Qwen2.5-0.5B-shaped models on an emulated
 # 8-device fsdp mesh, plan within [1, 1.3] x XLA). Bytes per attention-score element live in one
-# layer's forward (scores, masked, exponentials, probabilities: four float32 buffers) and kept for
+# layer's forward (one float32 buffer: XLA fuses the mask, exponentials and normalisation) and kept for
 # its backward (probabilities and the scores' gradient); float32 logits blocks live per phase (the
 # sampler's prefill logits, log-softmax and scaled copy; one LM-head chunk or the scorer's answer
 # columns elsewhere); and the embedding / LM-head matrices the update holds whole per device (the
 # gathered table, the head's and the lookup's gradients and their sum) when fsdp shards them.
-ATTENTION_BYTES = 8
+ATTENTION_BYTES = 4
+SAMPLER_ATTENTION_BYTES = 16  # the sampler's prefill over the cache: scores, masked, exponentials, probabilities
 SAVED_ATTENTION_BYTES = 8
-LOGIT_COPIES = {"sampling": 3, "logprobs": 1, "scoring": 1, "update": 1}
+LOGIT_COPIES = {"sampling": 3, "logprobs": 1, "scoring": 1, "update": 2}
 EMBEDDING_COPIES = 4
 
 
@@ -259,16 +260,16 @@ class _Act:
     def logits(self, rows, length) -> int:
         return self.elems(("batch", "seq", "vocab"), (rows, length, self.c.vocab_size))
 
-    def layer_forward(self, rows, length, slots) -> int:
-        """Live bytes of one layer's forward (nothing kept for a backward pass): four float32
-        ``[rows, heads, length, slots]`` attention buffers (scores, masked, exponentials,
-        probabilities) and the layer's projections."""
+    def layer_forward(self, rows, length, slots, attention_bytes: int = ATTENTION_BYTES) -> int:
+        """Live bytes of one layer's forward (nothing kept for a backward pass): the layer's
+        projections and ``attention_bytes`` per element of the ``[rows, heads, length, slots]``
+        attention scores."""
         c, a = self.c, self.act
         return (a * (4 * self.width(rows, length, "embed", c.embed_dim)
                      + 3 * self.heads(rows, length, "heads", c.num_heads)
                      + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads)
                      + 3 * self.width(rows, length, "mlp", c.mlp_dim))
-                + ATTENTION_BYTES * self.scores(rows, length, slots))
+                + attention_bytes * self.scores(rows, length, slots))
 
     def layer_saved(self, rows, length) -> int:
         """Bytes one layer keeps for the backward pass: residual and normalised inputs (and their
@@ -332,12 +333,15 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * t_bytes  # accumulator + one micro-batch's gradient (trainable parameters' dtype)
     chunk = shapes["logit_chunk"]
-    # Weights an fsdp mesh shards at rest are gathered (split over tensor only) for their matmuls:
-    # the forward-only programs (layers unrolled) hold every layer's at once on XLA; the update
-    # (layers scanned) one layer's, and the embedding / LM head whole (EMBEDDING_COPIES).
+    # Weights an fsdp mesh shards at rest are gathered (split over tensor only) for their matmuls,
+    # one layer at a time: every pass then scans the stacked layers (a sharded copy of them,
+    # model.forward.LogitsFn.forward_remat), and the embedding / LM head are held whole (the update
+    # also their gradients: EMBEDDING_COPIES).
     gathered_all = _gathered_bytes(abstract, ps, mesh, rules)
     embedding = model_cfg.weight_dtype.itemsize * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
                                                                                     model_cfg.embed_dim))
+    heads = embedding * (1 if model_cfg.tie_embeddings else 2)
+    forward_gathered = p_bytes + (gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0
     embedding_copies = EMBEDDING_COPIES if gathered_all else 2  # unsharded: the two gradients only
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
@@ -347,11 +351,10 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
                  + act.layer_saved(micro, train_len))
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
-        + act.layer_forward(rows, prompt, size),
-        "logprobs": gathered_all + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
+        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES),
+        "logprobs": forward_gathered + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
-        # the scorer applies the head to its answer columns in one block
-        "scoring": gathered_all + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, s_len // ANSWER_FRACTION)
+        "scoring": forward_gathered + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
         + act.layer_forward(s_rows, s_len, s_len),
         "update": gradient_bytes + embedding_copies * embedding + saved
         + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),

@@ -126,6 +126,7 @@ class Decoder(nnx.Module):
         kv_bound: Int[ArrayLike, ""] | None = None,
         block_k: int = BLOCK_K,
         logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
+        remat: str = "none",
     ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
@@ -157,6 +158,7 @@ class Decoder(nnx.Module):
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
+          remat: the layer loop without a cache (``hidden_states``).
 
         Returns:
           ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` /
@@ -166,7 +168,7 @@ class Decoder(nnx.Module):
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
-                                      block_k=block_k)
+                                      block_k=block_k, remat=remat)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:

@@ -65,6 +65,19 @@ def positions_from_mask(valid_mask: Bool[ArrayLike, "rows length"]) -> Int[Array
     return jnp.maximum(jnp.cumsum(valid_mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
 
 
+def _gathers_weights(mesh: Mesh | None, rules: Rules) -> bool:
+    """True when ``rules`` shard a weight dimension over a mesh axis other than ``tensor`` with
+    more than one device (the axes an fsdp layout gathers for each matmul)."""
+    if mesh is None:
+        return False
+    weight_axes = ("vocab", "embed", "heads", "kv_heads", "mlp", "head_dim")
+    for name, target in rules:
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        if name in weight_axes and any(a != "tensor" and mesh.shape.get(a, 1) > 1 for a in axes):
+            return True
+    return False
+
+
 def _under_mesh(method):
     """``method`` traced under its ``LogitsFn``'s ``activation_sharding`` (entered in the call
     itself, so a backward pass traced later enters it again)."""
@@ -112,13 +125,18 @@ class LogitsFn:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
         self.mesh, self.rules = mesh, tuple(rules)
+        # The layer loop of a pass that is not differentiated: unrolled, unless the mesh shards the
+        # weights over an axis their matmuls gather them on (fsdp), where a scan over the stacked
+        # layers gathers one layer at a time (unrolled, XLA gathers every layer up front).
+        self.forward_remat = "full" if _gathers_weights(mesh, self.rules) else "none"
 
     @_under_mesh
     def __call__(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                  valid_mask: Bool[ArrayLike, "rows length"]) -> Float[Array, "rows length vocab"]:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
-        logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid))
+        logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
+                          remat=self.forward_remat)
         return logits
 
     @_under_mesh
@@ -142,7 +160,7 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), AttentionMask.causal(seg > 0, seg),
-                          logits_at=logits_at)
+                          logits_at=logits_at, remat=self.forward_remat)
         return logits
 
     @_under_mesh
@@ -214,7 +232,7 @@ def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
     if not isinstance(fn, LogitsFn):
         logits = fn(params, ids, valid) if segment_ids is None else fn.packed(params, ids, segment_ids, positions)
         return shifted_logprobs(logits, ids, temperature=temperature, entropy=entropy)
-    remat = None if grad else "none"
+    remat = None if grad else fn.forward_remat
     hidden = (fn.hidden(params, ids, valid, remat) if segment_ids is None
               else fn.packed_hidden(params, ids, segment_ids, positions, remat))
     return shifted_logprobs(hidden, ids, fn.project, fn.head(params), temperature, fn.logit_chunk, entropy)
