@@ -31,8 +31,10 @@ import os
 import sys
 import tempfile
 import time
+from typing import Protocol, Sequence
 
-from common import REPO, CompileCounter, alternate, have_transformers, median, parser, setup_platform, table, write_json
+from common import (REPO, CompileCounter, alternate, have_transformers, median, parser, setup_platform, table,
+                    tunix_same_weights, write_json)
 
 GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
 
@@ -124,21 +126,24 @@ def useful_positions(trajs) -> int:
                for tr in trajs)
 
 
-# ---------------------------------------------------------------------------------- transformers
+# --------------------------------------------------------------------- generate-per-turn peers
 
 
-def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Positions):
-    """``rollout.rollout`` with ``generate`` once per turn on the whole contexts (left-padded),
-    stop ids as ``eos_token_id`` and, in text mode, the closing tags as ``stop_strings``; each row
-    is cut at ``fmt.codec.first_stop`` (the sampler's stop rule)."""
-    import numpy as np
-    import torch
+class Generate(Protocol):
+    """One turn of a generate-per-turn engine: the whole contexts in, one row per context out."""
 
-    from mempo_jax.text.protocol import STOP_TAGS
+    def __call__(self, contexts: list[list[int]]) -> tuple[list[Sequence[int]], int]:
+        """``(rows, computed)``: each row holds the generated ids at least up to its first stop
+        (``fmt.codec.first_stop``) or ``max_new_tokens`` ids; ``computed`` is the token positions
+        the call ran (padding included)."""
+
+
+def turn_loop(generate: Generate, trajs, fmt, tool_env, cfg, counter: Positions, program: str):
+    """``rollout.rollout`` with ``generate`` once per turn on the whole contexts; each row is cut
+    at ``fmt.codec.first_stop`` (the sampler's stop rule) and the same ``apply_tools`` runs.
+    ``generate``'s seconds add to ``counter.device_s[program]``, its positions to ``computed``."""
     from mempo_jax.agent.turns import apply_tools, close_episodes, make_turn
 
-    pad = fmt.tokenizer.pad_id
-    kw = {"stop_strings": list(STOP_TAGS), "tokenizer": hf_tokenizer} if fmt.codec.mode == "text" else {}
     for _ in range(cfg.max_turns):
         runnable, contexts = [], []
         for tr in trajs:
@@ -148,30 +153,106 @@ def hf_rollout(model, hf_tokenizer, trajs, fmt, tool_env, cfg, counter: Position
             if len(ctx) + cfg.max_new_tokens > cfg.max_context_tokens:
                 tr.done, tr.end_reason = True, "budget"
                 continue
-            runnable.append(tr), contexts.append(ctx)
+            runnable.append(tr), contexts.append(list(ctx))
         if not runnable:
             break
-        length = max(len(c) for c in contexts)
-        ids = np.full((len(contexts), length), pad, np.int64)
-        mask = np.zeros((len(contexts), length), np.int64)
-        for i, c in enumerate(contexts):
-            ids[i, length - len(c):], mask[i, length - len(c):] = c, 1
         t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
-                                 max_new_tokens=cfg.max_new_tokens, eos_token_id=list(fmt.codec.stop_ids),
-                                 pad_token_id=pad, use_cache=True, **kw)
-        counter.generate_s = getattr(counter, "generate_s", 0.0) + time.perf_counter() - t0
-        gen = out[:, length:].numpy()
-        counter.computed += len(contexts) * (length + gen.shape[1] - 1)
+        rows, computed = generate(contexts)
+        counter.device_s[program] = counter.device_s.get(program, 0.0) + time.perf_counter() - t0
+        counter.computed += computed
         turns = []
-        for tr, ctx, row in zip(runnable, contexts, gen):
+        for tr, ctx, row in zip(runnable, contexts, rows):
             cut = fmt.codec.first_stop(list(row))
             turn = make_turn(fmt, row[: cut or len(row)], None, cut is not None)
             turn.context_len = len(ctx)
             turns.append(turn)
         apply_tools(fmt, tool_env, runnable, turns, cfg)
     return close_episodes(trajs)
+
+
+def hf_generate(model, hf_tokenizer, fmt, cfg) -> Generate:
+    """transformers ``generate(do_sample=False)`` on the left-padded contexts, stop ids as
+    ``eos_token_id`` and, in text mode, the closing tags as ``stop_strings``."""
+    import numpy as np
+    import torch
+
+    from mempo_jax.text.protocol import STOP_TAGS
+
+    pad = fmt.tokenizer.pad_id
+    kw = {"stop_strings": list(STOP_TAGS), "tokenizer": hf_tokenizer} if fmt.codec.mode == "text" else {}
+
+    def generate(contexts):
+        length = max(len(c) for c in contexts)
+        ids = np.full((len(contexts), length), pad, np.int64)
+        mask = np.zeros((len(contexts), length), np.int64)
+        for i, c in enumerate(contexts):
+            ids[i, length - len(c):], mask[i, length - len(c):] = c, 1
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                                 max_new_tokens=cfg.max_new_tokens, eos_token_id=list(fmt.codec.stop_ids),
+                                 pad_token_id=pad, use_cache=True, **kw)
+        gen = out[:, length:].numpy()
+        return list(gen), len(contexts) * (length + gen.shape[1] - 1)
+
+    return generate
+
+
+class IdTokenizer:
+    """tunix's tokenizer protocol over token ids: ``encode`` passes a context's ids through,
+    ``decode`` returns ``""`` (the loop reads ids), no BOS is added."""
+
+    def __init__(self, eos: int, pad: int):
+        self.eos, self.pad = eos, pad
+
+    def encode(self, ids, **kw) -> list[int]:
+        return list(ids)
+
+    def decode(self, ids, **kw) -> str:
+        return ""
+
+    def bos_id(self) -> None:
+        return None
+
+    def eos_id(self) -> int:
+        return self.eos
+
+    def pad_id(self) -> int:
+        return self.pad
+
+
+def tunix_generate(model, sampler_lib, fmt, cfg, pad: int) -> Generate:
+    """tunix's ``Sampler.__call__`` greedy (temperature 0) on the contexts; its KV cache holds
+    ``max_context_tokens + max_new_tokens`` positions; prompts are left-padded to its power-of-2
+    bucket. tunix stops a row at its ``eos_tokens`` only (no stop strings) and drops that token:
+    ``eos_tokens`` is the tokenizer's EOS alone, appended back to rows shorter than
+    ``max_new_tokens``; other stops (closing tags, other stop ids) are found by the loop's cut.
+    tunix masks every position whose id is ``pad`` (prompt and generated).
+
+    Raises:
+      ValueError: a context holds ``pad``.
+    """
+    import numpy as np
+
+    eos = fmt.tokenizer.eos_id
+    sampler = sampler_lib.Sampler(model, IdTokenizer(eos, pad), sampler_lib.CacheConfig(
+        cache_size=cfg.max_context_tokens + cfg.max_new_tokens, num_layers=model.config.num_layers,
+        num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim))
+
+    def generate(contexts):
+        if any(pad in c for c in contexts):
+            raise ValueError(f"a context holds the tunix pad id {pad}; tunix would mask it")
+        out = sampler(contexts, max_generation_steps=cfg.max_new_tokens, eos_tokens=[eos], temperature=0.0)
+        rows = [np.append(t, eos) if len(t) < cfg.max_new_tokens else np.asarray(t) for t in out.tokens]
+        bucket = out.padded_prompt_tokens.shape[1]
+        return rows, len(contexts) * (bucket + max(len(r) for r in rows) - 1)
+
+    return generate
+
+
+def unused_id(fmt, contexts) -> int:
+    """The smallest id in none of ``contexts`` and not a stop id (tunix's pad)."""
+    seen = set(fmt.codec.stop_ids).union(*map(set, contexts))
+    return next(i for i in range(len(seen) + 1) if i not in seen)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -218,6 +299,11 @@ def main(argv=None) -> dict:
     engines = args.engines.split(",")
     hf = hf_tok = None
     tmp = tempfile.TemporaryDirectory()
+    hf_folder = folder or tmp.name
+    if folder is None:
+        from mempo_jax.model.hf_io import save_hf_checkpoint
+
+        save_hf_checkpoint(hf_folder, model_cfg, params)
     if "transformers" in engines:
         if not have_transformers():
             print("[bench_rollout] torch/transformers not installed: no transformers loop")
@@ -226,17 +312,24 @@ def main(argv=None) -> dict:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            from common import hf_same_weights
-
-            if folder is None:
-                hf = hf_same_weights(model_cfg, params, tmp.name)
-            else:
-                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-                hf_tok = AutoTokenizer.from_pretrained(folder)
+            hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+            hf_tok = None if folder is None else AutoTokenizer.from_pretrained(folder)
     base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
                          max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
                          temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
                          decode_chunk=args.decode_chunk or (4 if small else 16), prefill_chunk=32)
+    peers = {}  # generate-per-turn engines: name -> (Generate, device program name)
+    if hf is not None:
+        peers["transformers"] = (hf_generate(hf, hf_tok, fmt, base), "generate")
+    if "tunix" in engines:
+        try:
+            model, sampler_lib = tunix_same_weights(model_cfg, params, hf_folder)
+        except (ImportError, ValueError) as e:
+            print(f"[bench_rollout] no tunix sampler: {e}")
+            engines.remove("tunix")
+        else:
+            pad = unused_id(fmt, [tr.prompt_ids for tr in new_trajectories(fmt, questions, 1)])
+            peers["tunix"] = (tunix_generate(model, sampler_lib, fmt, base, pad), "sampler")
     rows = []
     for mode in [] if args.decode_only else args.modes.split(","):
         cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))
@@ -246,9 +339,8 @@ def main(argv=None) -> dict:
             pos = Positions()
             mark, restore = counter.count, None
             t0 = time.perf_counter()
-            if engine == "transformers":
-                hf_rollout(hf, hf_tok, trajs, fmt, env, cfg, pos)
-                pos.device_s = {"generate": pos.generate_s}
+            if engine in peers:
+                turn_loop(*peers[engine][:1], trajs, fmt, env, cfg, pos, peers[engine][1])
             else:
                 restore = pos.patch_cached()
                 try:
@@ -271,17 +363,21 @@ def main(argv=None) -> dict:
             print(f"[bench_rollout] {mode} {engine}: {gen} tokens in {wall:.1f} s (compile {compile_s:.1f} s; {split}; "
                   f"host {row['host_s']:.1f} s) -> {row['tok_s_steady']:.1f} tok/s steady, useful "
                   f"{row['useful_fraction']:.2f}", flush=True)
-        ref = done.get("transformers")
-        for row in rows:
-            if row["mode"] == mode and ref is not None:
-                row["same_as_transformers"] = _same(done[row["engine"]], ref)
         by = {r["engine"]: r for r in rows if r["mode"] == mode}
-        if "cached" in by and "transformers" in by:
-            by["cached"]["speedup_vs_transformers"] = by["cached"]["tok_s_steady"] / by["transformers"]["tok_s_steady"]
+        for peer in ("transformers", "tunix"):
+            if peer not in done:
+                continue
+            for engine, row in by.items():
+                row[f"same_as_{peer}"] = _same(done[engine], done[peer])
+                if engine != peer:
+                    row[f"speedup_vs_{peer}"] = row["tok_s_steady"] / by[peer]["tok_s_steady"]
     print(table("Multi-turn rollout, greedy (generated tokens/s with JAX compile time subtracted)",
-                ["mode", "engine", "tok/s", "traj/s", "useful", "same as transformers", "compile s", "turns"],
-                [[r["mode"], r["engine"], r["tok_s_steady"], r["traj_s_steady"], r["useful_fraction"],
-                  r.get("same_as_transformers", "-"), r["compile_s"], r["turns_mean"]] for r in rows]))
+                ["mode", "engine", "tok/s", "x transformers", "x tunix", "traj/s", "useful", "same as transformers",
+                 "same as tunix", "compile s", "turns"],
+                [[r["mode"], r["engine"], r["tok_s_steady"], r.get("speedup_vs_transformers", "-"),
+                  r.get("speedup_vs_tunix", "-"), r["traj_s_steady"], r["useful_fraction"],
+                  r.get("same_as_transformers", "-"), r.get("same_as_tunix", "-"), r["compile_s"], r["turns_mean"]]
+                 for r in rows]))
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
     results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode}
     tmp.cleanup()
@@ -291,12 +387,14 @@ def main(argv=None) -> dict:
 
 
 def rollout_summary(rows) -> dict:
-    """Target ratio per mode: cached / transformers (>= 3 in full mode)."""
+    """Target ratios per mode: cached / transformers (>= 3) and cached / tunix (>= 2)."""
     out = {}
     for r in rows:
         if r["engine"] == "cached":
-            out[r["mode"]] = {k: r[k] for k in ("speedup_vs_transformers",) if k in r}
-    out["targets_full"] = {"vs_transformers_ge_3": out.get("full", {}).get("speedup_vs_transformers", 0) >= 3}
+            out[r["mode"]] = {k: r[k] for k in ("speedup_vs_transformers", "speedup_vs_tunix") if k in r}
+    full = out.get("full", {})
+    out["targets_full"] = {"vs_transformers_ge_3": full.get("speedup_vs_transformers", 0) >= 3,
+                           "vs_tunix_ge_2": full.get("speedup_vs_tunix", 0) >= 2}
     return out
 
 

@@ -120,6 +120,71 @@ def have_transformers() -> bool:
     return True
 
 
+TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7"
+
+
+def import_tunix():
+    """tunix's sampler and Llama3 modules, imported without running ``tunix/__init__.py`` (which
+    imports every trainer and their extra dependencies): a bare ``tunix`` package whose
+    ``__path__`` is the installed one stands in ``sys.modules`` first.
+
+    Returns:
+      ``(tunix.generate.sampler, tunix.models.llama3.model, tunix.models.llama3.params)``.
+
+    Raises:
+      ImportError: tunix is not installed (``TUNIX_INSTALL``) or a module it needs is missing.
+    """
+    import importlib
+    import importlib.util
+    import types
+
+    if "tunix" not in sys.modules:
+        spec = importlib.util.find_spec("tunix")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"tunix is not installed ({TUNIX_INSTALL})")
+        package = types.ModuleType("tunix")
+        package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["tunix"] = package
+    return tuple(importlib.import_module(f"tunix.{name}")
+                 for name in ("generate.sampler", "models.llama3.model", "models.llama3.params"))
+
+
+def tunix_same_weights(cfg, params, folder: str | os.PathLike):
+    """The same weights in tunix's ``Llama3`` (float32), read from the transformers folder
+    ``folder`` (``save_hf_checkpoint`` output or the converted SmolLM2) by tunix's safetensors
+    loader. tunix 0.1.7's attention calls ``apply_rope`` without ``ModelConfig.rope_theta`` (its
+    default 1e6 whatever the config says); its module's ``apply_rope`` is replaced with one bound
+    to ``cfg.rope_theta`` (process-wide).
+
+    Returns:
+      ``(model, sampler module)``.
+
+    Raises:
+      ImportError: as ``import_tunix``.
+      ValueError: ``cfg`` has RoPE scaling or non-zero q/k/v biases (tunix's Llama3 has neither).
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sampler_lib, model_lib, params_lib = import_tunix()
+    if cfg.rope_scaling is not None:
+        raise ValueError(f"{folder}: RoPE scaling {cfg.rope_scaling} has no tunix Llama3 equivalent")
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if "bias" in jax.tree_util.keystr(path) and np.any(np.asarray(x)):
+            raise ValueError(f"{folder}: non-zero {jax.tree_util.keystr(path)}; tunix's Llama3 has no q/k/v biases")
+    rope = getattr(model_lib.apply_rope, "func", model_lib.apply_rope)
+    model_lib.apply_rope = functools.partial(rope, rope_theta=cfg.rope_theta)
+    tcfg = model_lib.ModelConfig(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.embed_dim,
+                                 hidden_dim=cfg.mlp_dim, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                                 num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta, norm_eps=cfg.rms_norm_eps,
+                                 weight_tying=cfg.tie_embeddings)
+    model = params_lib.create_model_from_safe_tensors(str(folder), tcfg, dtype=jnp.float32)
+    return model, sampler_lib
+
+
 def param_count(params) -> int:
     """Number of scalars in a parameter pytree."""
     import jax
