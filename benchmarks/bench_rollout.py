@@ -1,4 +1,4 @@
-"""Section 7: multi-turn rollout — the engine vs a transformers loop.
+"""Section 7: multi-turn rollout — the engine vs generate-per-turn loops (transformers, tunix).
 
 The same episodes three ways, greedy, float32, the same host tools (BM25 over the pooled HotpotQA
 paragraphs): 64 trajectories (16 held-out HotpotQA dev questions x 4) of at most ``--turns`` turns
@@ -9,19 +9,30 @@ on SmolLM2-135M-Instruct (text tags, its ChatML template and the short search pr
   stopped rows refilled, attention over live cache blocks;
 * (b) ``transformers`` — ``generate(do_sample=False)`` once per turn on the whole left-padded
   contexts with the closing action tags as ``stop_strings`` and the same ``apply_tools`` (the
-  Search-R1-style agent loop), each row cut at its first stop as ours.
+  Search-R1-style agent loop), each row cut at its first stop as ours;
+* (c) ``tunix`` — google-tunix's ``Sampler`` (JAX; its ``Llama3`` with the same weights, read from
+  the same transformers folder) in the same loop (``turn_loop``): re-prefilled every turn, greedy;
+  it has no stop strings, so rows run to EOS or ``max_new_tokens`` and are cut as (b)'s. Its
+  attention's RoPE is bound to the model's ``rope_theta`` (``common.tunix_same_weights``).
 
 Per engine: generated tokens/s, trajectories/s, the fraction of computed token positions that
 were useful (useful = every distinct token of the finished records — prompt, turns, tool results
 — processed once; computed = prefill rows x length + decode steps x rows, padding included; above
-1 when an engine computes a group's shared prompt once, as the cached engine does), and
-the share of trajectories identical to (b)'s. JAX compile seconds (backend compiles seen by the
-``CompileCounter``) are reported and subtracted (``*_steady``); transformers compiles nothing.
-Then decode at batch 64 (prompt 128, 128 new tokens, no stops): the engine's slot decode and
-``generate``.
+1 when an engine computes a group's shared prompt once, as the cached engine does), the share of
+trajectories identical to (b)'s and to (c)'s, and the ratios to (b) and (c). JAX compile seconds
+(backend compiles seen by the ``CompileCounter``, tunix's included) are reported and subtracted
+(``*_steady``); transformers compiles nothing. Seconds inside each engine's device programs
+(``device_s``: the cached engine's ``extend`` / ``decode``, the peers' whole generate call) and the
+rest (``host_s``: prompts, cuts, tools) are printed per run. Then decode at batch 64 (prompt 128,
+128 new tokens, no stops): the engine's slot decode and ``generate``.
 
-Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small]`` (``--small``: the toy world
-of ``tests/toy_agent.py`` and a 1-layer random model exported to transformers; seconds).
+Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small] [--engines cached,transformers,tunix]``
+(``--small``: the toy world of ``tests/toy_agent.py`` and a 1-layer random model exported to
+transformers; seconds). Requirements beyond the project's: (b) torch and transformers
+(``requirements-test.txt``); (c) ``pip install --no-deps google-tunix==0.1.7 jaxtyping`` (its
+sampler and Llama3 need jaxtyping and pillow beside the project's dependencies;
+``tunix/__init__.py``, which needs the trainers' extras, is not run). An engine whose packages do
+not import is skipped with a printed reason.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def have_transformers() -> bool:
     return True
 
 
-TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7"
+TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7 jaxtyping"
 
 
 def import_tunix():

@@ -261,3 +261,23 @@ def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
     # the programs return the slots exactly as init_state placed them: before, the cache came back as
     # P(None, ('data', 'fsdp'), 'tensor'), the same layout spelled otherwise, i.e. another jit key
     assert state.cache.k.sharding == placed and state.cache.v.sharding == placed
+
+
+@pytest.mark.slow  # tunix compiles a prefill and a decode program per batch shape
+def test_bench_rollout_tunix_loop_gives_the_cached_engines_episodes(tmp_path, shared_data):
+    """tunix's Sampler in the benchmark's turn loop (rows run to EOS, cut at the first stop)
+    on the toy world: greedy float32, so the same trajectories as the cached engine."""
+    import json
+
+    import bench_rollout
+    from common import import_tunix
+
+    try:
+        import_tunix()
+    except ImportError as e:  # tunix is not a project dependency (bench_rollout's docstring)
+        pytest.skip(str(e))
+    bench_rollout.main(["--small", "--modes", "full", "--no_decode", "--questions", "2", "--engines", "cached,tunix",
+                        "--json", str(tmp_path / "r.json")])
+    rows = {r["engine"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]["rows"]}
+    assert rows["tunix"]["generated_tokens"] > 0 and rows["tunix"]["computed_positions"] > 0
+    assert rows["cached"]["same_as_tunix"] == 1.0
