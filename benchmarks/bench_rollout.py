@@ -37,8 +37,10 @@ not import is skipped with a printed reason.
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -292,6 +294,8 @@ def main(argv=None) -> dict:
     p.add_argument("--decode_prompt", type=int, default=None, help="decode table: prompt tokens (default 128)")
     p.add_argument("--rows_bucket", type=int, default=None,
                    help="RolloutConfig.min_rows_bucket (default 64: today's default; the SmolLM2 recipe binds 16)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="print cProfile's top N functions by own time per engine run (slows Python code)")
     p.add_argument("--decode_chunk", type=int, default=None,
                    help="RolloutConfig.decode_chunk of the cached engine (default 16; small: 4)")
     args = p.parse_args(argv)
@@ -348,10 +352,14 @@ def main(argv=None) -> dict:
         for engine in engines:
             trajs = new_trajectories(fmt, questions, args.group)
             pos = Positions()
-            mark, restore = counter.count, None
+            mark = counter.count
+            profile = cProfile.Profile() if args.profile else None
             t0 = time.perf_counter()
+            if profile:
+                profile.enable()
             if engine in peers:
-                turn_loop(*peers[engine][:1], trajs, fmt, env, cfg, pos, peers[engine][1])
+                generate, program = peers[engine]
+                turn_loop(generate, trajs, fmt, env, cfg, pos, program)
             else:
                 restore = pos.patch_cached()
                 try:
@@ -359,6 +367,10 @@ def main(argv=None) -> dict:
                 finally:
                     restore()
             wall = time.perf_counter() - t0
+            if profile:
+                profile.disable()
+                print(f"[bench_rollout] {mode} {engine}: cProfile, top {args.profile} by own time")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
             compile_s = sum(d for _, d in counter.events[mark:])
             gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
             steady = max(wall - compile_s, 1e-9)
