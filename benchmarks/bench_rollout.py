@@ -394,8 +394,8 @@ def main(argv=None) -> dict:
                 row[f"same_as_{peer}"] = _same(done[engine], done[peer])
                 if engine != peer:
                     row[f"speedup_vs_{peer}"] = row["tok_s_steady"] / by[peer]["tok_s_steady"]
-                print(f"[bench_rollout] {mode} {engine}: same trajectories as {peer} {row[f'same_as_{peer}']:.2f}"
-                      + (f", {row[f'speedup_vs_{peer}']:.2f}x its tok/s" if engine != peer else ""), flush=True)
+                    print(f"[bench_rollout] {mode} {engine}: same trajectories as {peer} {row[f'same_as_{peer}']:.2f}, "
+                          f"{row[f'speedup_vs_{peer}']:.2f}x its tok/s", flush=True)
     print(table("Multi-turn rollout, greedy (generated tokens/s with JAX compile time subtracted)",
                 ["mode", "engine", "tok/s", "x transformers", "x tunix", "traj/s", "useful", "same as transformers",
                  "same as tunix", "compile s", "turns"],
