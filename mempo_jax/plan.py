@@ -174,11 +174,10 @@ def _gathered_bytes(abstract, shardings, mesh, rules) -> int:
     gathered over it (still split over ``tensor``): what a matmul of each needs whole."""
     import jax
 
-    from mempo_jax.core.sharding import param_shardings
+    from mempo_jax.core.sharding import param_shardings, rule_axes
 
     def kept(target):
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        return tuple(a for a in axes if a not in ("fsdp", "data")) or None
+        return tuple(a for a in rule_axes(target) if a not in ("fsdp", "data")) or None
 
     gathered = param_shardings(abstract, mesh, tuple((name, kept(target)) for name, target in rules))
     total = 0

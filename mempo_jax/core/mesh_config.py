@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import gin
 
-from mempo_jax.core.sharding import DEFAULT_RULES, MESH_AXES
+from mempo_jax.core.sharding import DEFAULT_RULES, MESH_AXES, rule_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class MeshConfig:
             raise ValueError(f"MeshConfig.rollout_tensor must be an int >= 0, got {self.rollout_tensor!r}")
         rules = tuple((str(name), _axes(target)) for name, target in self.rules)
         for name, target in rules:
-            for axis in () if target is None else ((target,) if isinstance(target, str) else target):
+            for axis in rule_axes(target):
                 if axis not in MESH_AXES:
                     raise ValueError(f"MeshConfig.rules: {name!r} maps to unknown mesh axis {axis!r} "
                                      f"(axes: {MESH_AXES})")

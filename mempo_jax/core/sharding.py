@@ -61,6 +61,14 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices: Sequence[jax.Device] |
     return Mesh(np.asarray(available[:need]).reshape(shape), MESH_AXES, axis_types=auto)
 
 
+def rule_axes(target: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one rule's target: ``None`` → ``()``, ``"fsdp"`` → ``("fsdp",)``, a
+    sequence → its tuple."""
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
 def logical_to_spec(
     logical_axes: Sequence[str | None],
     rules: Rules = DEFAULT_RULES,
@@ -95,7 +103,7 @@ def logical_to_spec(
         if name not in table:
             raise ValueError(f"logical axis {name!r} has no sharding rule (known: {sorted(table)})")
         target = table[name]
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = rule_axes(target)
         kept = []
         for axis in axes:
             if axis in used:
@@ -180,9 +188,7 @@ def batch_shards(mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES) -> int
     samplers pad or check row counts against it.
     """
     spec = logical_to_spec(("batch",), rules)
-    axes = spec[0] if spec else None
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    return int(math.prod(mesh.shape[a] for a in axes))
+    return int(math.prod(mesh.shape[a] for a in rule_axes(spec[0] if spec else None)))
 
 
 def opt_state_shardings(optimizer, params, mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES):

@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
-from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding, rule_axes
 from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
@@ -72,8 +72,7 @@ def _gathers_weights(mesh: Mesh | None, rules: Rules) -> bool:
         return False
     weight_axes = ("vocab", "embed", "heads", "kv_heads", "mlp", "head_dim")
     for name, target in rules:
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        if name in weight_axes and any(a != "tensor" and mesh.shape.get(a, 1) > 1 for a in axes):
+        if name in weight_axes and any(a != "tensor" and mesh.shape.get(a, 1) > 1 for a in rule_axes(target)):
             return True
     return False
 
@@ -167,7 +166,7 @@ class LogitsFn:
     def hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                valid_mask: Bool[ArrayLike, "rows length"], remat: str | None = None) -> Float[Array, "rows length embed"]:
         """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input);
-        ``remat`` overrides ``self.remat`` (``"none"`` for a pass that is not differentiated)."""
+        ``remat`` overrides ``self.remat`` (``self.forward_remat`` for a pass that is not differentiated)."""
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
@@ -223,7 +222,7 @@ def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
       temperature: softmax temperature (> 0).
       entropy: also return entropies.
       grad: the result is differentiated (the decoder layers then follow ``fn.remat``; ``False``:
-        no rematerialisation, whose stacked layer copy a forward-only pass does not need).
+        ``fn.forward_remat``, the unrolled layers unless the mesh gathers weights per layer).
 
     Returns:
       ``(logp [B, L], entropy [B, L] or None)`` float32.

@@ -39,7 +39,7 @@ from jaxtyping import Float
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
 from mempo_jax.model.hf_io import path_key
-from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings, rule_axes
 
 DEFAULT_ROW_MULTIPLE = 64  # transformers' pad_to_multiple_of guidance (tensor cores); also TPU-friendly
 MEAN_RESIZING_EPSILON = 1e-9  # transformers: covariance_matrix = epsilon * covariance
@@ -61,9 +61,7 @@ def vocab_row_multiple(mesh=None, rules: Rules = DEFAULT_RULES, base: int = DEFA
     shards over)`` (``tensor`` under ``DEFAULT_RULES``), so every shard holds equal rows (the
     default mesh, ``sharding.local_mesh()``, has one device: ``base``)."""
     mesh = mesh_or_local(mesh)
-    axes = dict(rules).get("vocab")
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    shards = math.prod(int(mesh.shape[a]) for a in axes if a in mesh.shape)
+    shards = math.prod(int(mesh.shape[a]) for a in rule_axes(dict(rules).get("vocab")) if a in mesh.shape)
     return math.lcm(int(base), max(shards, 1))
 
 
