@@ -202,6 +202,13 @@ class ExecutionConfig:
       reference_dtype: dtype of the frozen reference policy's weights (``"float32"`` or
         ``"bfloat16"``: half the reference's memory; its log-probs then carry bfloat16 weight
         rounding). The policy's master weights and optimizer state stay float32.
+      rollout_dtype: dtype of the rollout engine's weights (``"float32"``: the trainer's arrays as
+        they are, no copy; ``"bfloat16"``: the weight sync casts every floating parameter once per step, so decode
+        reads half the weight bytes and a pod's all-gather moves half as many). The sampled
+        tokens' own log-probs then carry bfloat16 weight rounding; the PPO old log-probs are the
+        trainer's float32 ones (``RLConfig.old_logprobs = "trainer"``), and
+        ``rollout/logprob_diff/*`` reports the gap. On one process the cast is an extra
+        half-size copy while the rollout runs.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -214,6 +221,13 @@ class ExecutionConfig:
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK
     remat: str = "full"
     reference_dtype: str = "float32"
+    rollout_dtype: str = "float32"
+
+    @property
+    def rollout_param_dtype(self):
+        """The dtype the weight sync casts to: ``None`` for ``"float32"`` (the trainer's own arrays,
+        no copy), else ``rollout_dtype``."""
+        return None if self.rollout_dtype == "float32" else self.rollout_dtype
 
     def __post_init__(self):
         from mempo_jax.model.decoder import REMAT_CHOICES
@@ -225,6 +239,7 @@ class ExecutionConfig:
         check(self, "logit_chunk_tokens", int, lo=1)
         check(self, "remat", str, choices=REMAT_CHOICES)
         check(self, "reference_dtype", str, choices=("float32", "bfloat16"))
+        check(self, "rollout_dtype", str, choices=("float32", "bfloat16"))
         n = self.scoring_chunk_rows
         require(n & (n - 1) == 0, f"ExecutionConfig.scoring_chunk_rows must be 0 or a power of two, got {n}")
 

@@ -348,9 +348,12 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         layer_params = p_bytes * n_layers // max(n_layers + 1, 1)
         saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
                  + act.layer_saved(micro, train_len))
+    # ExecutionConfig.rollout_dtype = "bfloat16": the weight sync's cast copy, held while the rollout runs
+    w_size = model_cfg.weight_dtype.itemsize
+    rollout_copy = p_bytes * 2 // w_size if cfg.execution.rollout_dtype == "bfloat16" and w_size != 2 else 0
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
-        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES),
+        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES) + rollout_copy,
         "logprobs": forward_gathered + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
         "scoring": forward_gathered + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
@@ -514,7 +517,9 @@ def rollout_plan(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     questions = -(-cfg.rl.questions_per_step // hosts)
     ro = cfg.rl.rollout
     slots, size = num_slots(ro, questions * cfg.rl.group_size), slot_cache_size(ro.max_context_tokens)
-    p_bytes = model_cfg.num_params() * model_cfg.weight_dtype.itemsize + model_cfg.num_lora_params() * 4
+    bf16 = cfg.execution.rollout_dtype == "bfloat16"  # the weight sync casts every floating parameter
+    p_bytes = (model_cfg.num_params() * (2 if bf16 else model_cfg.weight_dtype.itemsize)
+               + model_cfg.num_lora_params() * (2 if bf16 else 4))
     c_bytes = 2 * model_cfg.num_layers * slots * kv * size * model_cfg.head_dim * model_cfg.activation_dtype.itemsize
     per_device = p_bytes // tensor + c_bytes // host
     return {"hosts": hosts, "chips_per_host": host, "mesh": {"data": host // tensor, "fsdp": 1, "tensor": tensor},

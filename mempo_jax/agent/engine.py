@@ -266,12 +266,13 @@ class RolloutEngine:
       mesh, rules: the rollout mesh (this process's devices, ``core.rollout_mesh``) and rules;
         ``None``: one device, ``DEFAULT_RULES``.
       block: key-block length of the cache attention (tokens).
+      param_dtype: the rollout copy's dtype (``ExecutionConfig.rollout_dtype``; ``None``: the trainer's).
     """
 
     def __init__(self, graphdef, model_cfg, stop_ids: Sequence[int], pad_id: int, *, stop_automaton=None,
-                 mesh=None, rules=None, block: int = DEFAULT_BLOCK):
+                 mesh=None, rules=None, block: int = DEFAULT_BLOCK, param_dtype=None):
         self.sampler = SlotSampler(graphdef, model_cfg, stop_ids, pad_id, stop_automaton=stop_automaton, block=block,
-                                   mesh=mesh, rules=rules)
+                                   mesh=mesh, rules=rules, param_dtype=param_dtype)
 
     @property
     def mesh(self):

@@ -130,14 +130,17 @@ class SlotSampler:
         ``core.rollout_mesh``): the cache is put on ``placement.cache_shardings`` (slots over the
         batch rule), the parameters on ``param_shardings`` (``place``); ``None``: the one-device
         mesh (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
+      param_dtype: dtype ``place`` casts the floating parameters to (``ExecutionConfig.rollout_dtype``;
+        ``None``: as the trainer holds them).
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
     with equal (graphdef, model_cfg, stops, pad, automaton shape, block, state placement).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int, *,
-                 stop_automaton=None, block: int = DEFAULT_BLOCK, mesh=None, rules=None):
+                 stop_automaton=None, block: int = DEFAULT_BLOCK, mesh=None, rules=None, param_dtype=None):
         self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
         self.block = int(block)
@@ -155,8 +158,9 @@ class SlotSampler:
     def place(self, params):
         """The policy's parameters on this sampler's mesh (``rollout_mesh.weight_sync``: one
         all-gather over the training mesh when it spans processes, else a ``device_put`` that
-        copies nothing already in place). A collective on several processes: call it on each."""
-        return weight_sync(params, self.param_shardings)
+        copies nothing already in place), cast to ``param_dtype``. A collective on several
+        processes: call it on each."""
+        return weight_sync(params, self.param_shardings, self.param_dtype)
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""

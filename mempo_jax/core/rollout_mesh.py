@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mempo_jax.core.sharding import make_mesh
@@ -77,9 +78,26 @@ def _gather(mesh: Mesh):
     return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def weight_sync(params, shardings):
+def cast_floating(params, dtype):
+    """``params`` with every floating leaf not already ``dtype`` cast to it (integer leaves and
+    ``dtype=None`` leave them as they are). Jitted where the leaves live, so a parameter sharded
+    over several processes is cast in place of its shards."""
+    if dtype is None:
+        return params
+    return _caster(jnp.dtype(dtype))(params)
+
+
+@functools.lru_cache(maxsize=4)
+def _caster(dtype):
+    """Jitted ``cast_floating`` to ``dtype`` (outputs keep their inputs' shardings)."""
+    return jax.jit(lambda tree: jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x, tree))
+
+
+def weight_sync(params, shardings, dtype=None):
     """``params`` (any placement, possibly on a mesh spanning processes) placed by ``shardings``
-    (a pytree of ``NamedSharding`` on one host-local rollout mesh).
+    (a pytree of ``NamedSharding`` on one host-local rollout mesh), cast to ``dtype`` first
+    (``cast_floating``; ``None``: as they are), so a bfloat16 rollout copy gathers half the bytes.
 
     One process: ``jax.device_put`` (no copy where a parameter already sits so). Several processes:
     one all-gather of every parameter over its training mesh (a collective: every process calls
@@ -89,6 +107,7 @@ def weight_sync(params, shardings):
     Returns:
       The parameters as arrays of the rollout mesh (fully addressable by this process).
     """
+    params = cast_floating(params, dtype)
     leaves = jax.tree.leaves(params)
     if all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return jax.device_put(params, shardings)
@@ -103,4 +122,4 @@ def weight_sync(params, shardings):
     return jax.device_put(jax.tree.map(mine, full), shardings)
 
 
-__all__ = ["check_fits", "rollout_mesh", "weight_sync"]
+__all__ = ["cast_floating", "check_fits", "rollout_mesh", "weight_sync"]

@@ -297,7 +297,7 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
 
 
-def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None) -> RolloutEngine:
+def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None, param_dtype=None) -> RolloutEngine:
     """The policy's ``RolloutEngine``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids
     and, in tokens mode, the closing action tags) and, in text mode, at the first closing action
     tag of each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding
@@ -308,12 +308,13 @@ def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None) -> RolloutEn
       graphdef, model_cfg: the policy model.
       fmt: its ``AgentFormat``.
       mesh, rules: the rollout mesh (default ``sharding.local_mesh()``) and ``DEFAULT_RULES``.
+      param_dtype: the rollout copy's dtype (``ExecutionConfig.rollout_dtype``; ``None``: the trainer's).
     """
     from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 
     return RolloutEngine(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
                          stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
-                         rules=rules or DEFAULT_RULES)
+                         rules=rules or DEFAULT_RULES, param_dtype=param_dtype)
 
 
 def _train_tokenizer(texts, cache_dir, vocab_size: int):
@@ -364,7 +365,7 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
       mesh, rules: default ``sharding.local_mesh()`` and ``DEFAULT_RULES``.
       rollout_tensor: ``MeshConfig.rollout_tensor`` (0: the rollout mesh's default).
       execution: the ``ExecutionConfig`` whose ``logit_chunk_tokens`` and ``remat`` the logits
-        function takes (default ``ExecutionConfig()``).
+        function takes and whose ``rollout_dtype`` the engine's weight copy (default ``ExecutionConfig()``).
     """
     from mempo_jax.core import sharding
     from mempo_jax.core.rollout_mesh import rollout_mesh
@@ -373,7 +374,8 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     ex = execution or ExecutionConfig()
     params = sharding.shard_params(params, mesh, rules)
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
-    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules),
+    return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules,
+                                                                            param_dtype=ex.rollout_param_dtype),
                   make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules),
                   mesh, rules)
 

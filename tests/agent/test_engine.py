@@ -281,3 +281,27 @@ def test_bench_rollout_tunix_loop_gives_the_cached_engines_episodes(tmp_path, sh
     rows = {r["engine"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]["rows"]}
     assert rows["tunix"]["generated_tokens"] > 0 and rows["tunix"]["computed_positions"] > 0
     assert rows["cached"]["same_as_tunix"] == 1.0
+
+
+def test_bfloat16_rollout_weights_are_the_trainers_rounded_to_bfloat16(world):
+    """``ExecutionConfig.rollout_dtype = "bfloat16"``: the weight sync casts every floating parameter,
+    and the engine's turns are those of float32 weights rounded through bfloat16 (the layers upcast
+    a weight to the activation dtype), not the float32 policy's own."""
+    import jax.numpy as jnp
+
+    fmt, env, questions, params, engine = world
+    ss = engine.sampler
+    bf16 = RolloutEngine(ss.graphdef, ss.model_cfg, ss.stop_ids, ss.pad_id, param_dtype="bfloat16")
+    floating = [x for x in jax.tree.leaves(bf16.place(params)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floating and {x.dtype for x in floating} == {jnp.dtype(jnp.bfloat16)}
+    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                           else x, params)
+    cfg = dataclasses.replace(BASE, temperature=1.0)
+    got, want = new_trajectories(fmt, questions, 2), new_trajectories(fmt, questions, 2)
+    rollout(bf16, params, got, fmt, env, cfg, jax.random.PRNGKey(5))
+    rollout(engine, rounded, want, fmt, env, cfg, jax.random.PRNGKey(5))
+    _assert_same(want, got, logprob_atol=1e-6)
+    own = new_trajectories(fmt, questions, 2)
+    rollout(engine, params, own, fmt, env, cfg, jax.random.PRNGKey(5))
+    first = lambda trajs: np.asarray(trajs[0].turns[0].output_logprobs[:1])  # noqa: E731 (same first token)
+    assert np.abs(first(own) - first(got)).max() > 0  # the rounding is visible: the test sees the cast

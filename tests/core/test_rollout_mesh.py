@@ -52,4 +52,22 @@ def test_plan_gives_each_host_its_rollout_mesh(recipe, hosts, mesh):
     r = plan.rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     assert (r["hosts"], r["mesh"], r["fits"]) == (hosts, mesh, True)
     model = plan.model_config(cfg)
-    assert r["sync_bytes"] == model.num_params() * model.weight_dtype.itemsize  # the whole model into each chip
+    size = 2 if cfg.execution.rollout_dtype == "bfloat16" else model.weight_dtype.itemsize
+    assert r["sync_bytes"] == model.num_params() * size  # the whole model into each chip
+
+
+def test_a_bfloat16_rollout_copy_halves_the_weight_sync():
+    from mempo_jax import config as config_lib
+    from mempo_jax import plan
+    from mempo_jax.core import mesh_config
+
+    mesh_config.register()
+    recipe = [str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")]
+    cfg = config_lib.load_config(recipe)
+    pod = mesh_config.from_gin()
+    f32 = plan.rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    bf16 = plan.rollout_plan(config_lib.load_config(recipe, ['ExecutionConfig.rollout_dtype="bfloat16"']),
+                             pod.mesh, pod.tpu, pod.plan)
+    model = plan.model_config(cfg)
+    assert bf16["sync_bytes"] == model.num_params() * 2
+    assert f32["sync_bytes"] == model.num_params() * model.weight_dtype.itemsize
