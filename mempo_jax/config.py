@@ -255,6 +255,11 @@ class EvalConfig:
       bootstrap_samples: resamples for the EM-gain confidence interval.
       zero_shot: also evaluate the initial policy (a checkpoint before SFT) as stage ``base``
         (``eval_base.json``), so the summary gives the SFT gain over it too.
+      num_slots: KV-cache slots of an evaluation rollout (0: ``RolloutConfig.num_slots``, by default
+        one per question). The held-out questions then run through that many slots, a finished
+        question's slot refilled with the next; the cache (slots x context x layers, the largest
+        buffer of an evaluation of many questions) shrinks in proportion, the answers do not
+        change (a question's tokens do not depend on the slot layout).
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range or a context mode that is not
@@ -266,6 +271,7 @@ class EvalConfig:
     context_modes: tuple = (1, "full")
     bootstrap_samples: int = 2000
     zero_shot: bool = False
+    num_slots: int = 0
 
     def __post_init__(self):
         from mempo_jax.agent.trajectory import parse_context_steps
@@ -282,6 +288,7 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.context_modes[{i}]: {e}") from None
         check(self, "bootstrap_samples", int, lo=1)
         check(self, "zero_shot", bool)
+        check(self, "num_slots", int, lo=0)
 
 
 @dataclasses.dataclass(frozen=True)

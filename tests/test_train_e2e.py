@@ -8,6 +8,7 @@ retrieved passages inside <information>.
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -114,3 +115,17 @@ def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):
     q = questions[0]
     res = env.execute(parse_turn(render_turn(" none", " search", "search", " " + q.hops[0][0])))
     assert res.ok and q.hops[0][0] in res.observation
+
+
+def test_evaluation_through_fewer_slots_gives_the_same_answers(small_run, tmp_path):
+    """``EvalConfig.num_slots = 2``: the trainer re-evaluates the small run's RL policy through two
+    KV-cache slots refilled question after question; every held-out question's EM and F1 equal
+    those of the run's own evaluation (one slot per question)."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run, ignore=shutil.ignore_patterns("eval_rl.json", "summary.json", "hf_export"))
+    _train(run, [*SMALL_PARAMS, "EvalConfig.num_slots=2"])
+    assert "EvalConfig.num_slots = 2" in (run / "config.gin").read_text().splitlines()
+    want = json.loads((small_run / "eval_rl.json").read_text())
+    got = json.loads((run / "eval_rl.json").read_text())
+    assert len(want["per_question_em"]["k1"]) > 2  # more questions than slots
+    assert got["per_question_em"] == want["per_question_em"] and got["per_question_f1"] == want["per_question_f1"]

@@ -52,10 +52,13 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
     held, held_mine = heldout(ctx)
     first = distributed.process_slice(len(held)).start if ctx.multi else 0
     params = place_params(ctx.engine, learner.params)  # onto the rollout mesh, once (a collective)
+    rollout_cfg = cfg.rl.rollout
+    if cfg.eval.num_slots:
+        rollout_cfg = dataclasses.replace(rollout_cfg, num_slots=cfg.eval.num_slots)
     out, per_q, per_f1 = {}, {}, {}
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
-        res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, cfg.rl.rollout,
+        res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, rollout_cfg,
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
                               first=first)
         bar.close()
