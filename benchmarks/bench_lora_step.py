@@ -17,6 +17,7 @@ Run: ``python benchmarks/bench_lora_step.py [--checkpoint DIR] [--rows 8] [--len
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8, help="rows per step (default 8: the recipe's micro-batch)")
     p.add_argument("--length", type=int, default=512, help="tokens per row (default 512: the recipe's packed rows)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode after the compiling one")
-    p.add_argument("--mode", choices=MODES, help=argparse_hidden())
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     setup_platform(a.device)
     if a.small:
@@ -103,12 +104,6 @@ def main(argv=None) -> int:
     write_json(a.json, "lora_step", {"rows": a.rows, "length": a.length, "steps": a.steps,
                                       "checkpoint": a.checkpoint}, results)
     return 0
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
