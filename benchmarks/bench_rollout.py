@@ -26,7 +26,15 @@ trajectories identical to (b)'s and to (c)'s, and the ratios to (b) and (c). JAX
 rest (``host_s``: prompts, cuts, tools) are printed per run. Then decode at batch 64 (prompt 128,
 128 new tokens, no stops): the engine's slot decode and ``generate``.
 
-Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small] [--engines cached,transformers,tunix]``
+``--processes N`` (N > 1) then runs the cached engine again as N processes of ``--local_devices``
+emulated CPU devices each (``jax.distributed`` on a loopback port), as the trainer does on a pod:
+the parameters laid out over all N x local devices (``fsdp``), synced once to each process's own
+rollout mesh (``core.rollout_mesh``; ``timing/weight_sync_s``, first and warm call), then each
+process rolls out its share of the questions with no cross-process collective; per process and
+together: tokens/s (compile subtracted; together = all tokens / the slowest process), and the share
+of trajectories equal to the one-process run.
+
+Run: ``python benchmarks/bench_rollout.py [--json out.json] [--small] [--engines cached,transformers,tunix] [--processes 2]``
 (``--small``: the toy world of ``tests/toy_agent.py`` and a 1-layer random model exported to
 transformers; seconds). Requirements beyond the project's: (b) torch and transformers
 (``requirements-test.txt``); (c) ``pip install --no-deps google-tunix==0.1.7 jaxtyping`` (its
@@ -37,10 +45,13 @@ not import is skipped with a printed reason.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import dataclasses
+import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
@@ -271,12 +282,149 @@ def unused_id(fmt, contexts) -> int:
 # ------------------------------------------------------------------------------------------ main
 
 
+def traj_key(tr) -> list:
+    """A trajectory's ids turn by turn, ``[[output ids, tool-result ids], ...]`` (JSON-ready)."""
+    return [[list(map(int, t.output_ids)), list(map(int, t.observation_ids))] for t in tr.turns]
+
+
 def _same(a, b) -> float:
-    """Share of trajectories with the same ids turn by turn (outputs and tool results)."""
+    """Share of trajectories with the same ids turn by turn (outputs and tool results); ``a`` and
+    ``b`` hold trajectories or their ``traj_key``s."""
     def key(tr):
-        return [(list(map(int, t.output_ids)), list(t.observation_ids)) for t in tr.turns]
+        return tr if isinstance(tr, list) else traj_key(tr)
 
     return sum(key(x) == key(y) for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def rollout_config(args):
+    """The benchmark's ``RolloutConfig`` (greedy; ``--small``: the toy world's sizes)."""
+    from mempo_jax.agent.rollout import RolloutConfig
+
+    small = args.small
+    return RolloutConfig(max_turns=args.turns or 4, max_new_tokens=args.new or (10 if small else 64),
+                         max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
+                         temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
+                         decode_chunk=args.decode_chunk or (4 if small else 16), prefill_chunk=32)
+
+
+def bench_questions(args, questions) -> list:
+    """The first ``--questions`` held-out questions (default 16; ``--small`` 4), cycled if fewer."""
+    n_q = args.questions or (4 if args.small else 16)
+    return [questions[i % len(questions)] for i in range(n_q)]
+
+
+def child_main(args) -> dict:
+    """One process of ``--processes``: the cached engine on this process's own devices.
+
+    The parameters are laid out over every device of every process (``fsdp``), synced to this
+    process's rollout mesh twice (the first call compiles the all-gather), then this process rolls
+    out its ``process_slice`` of the questions (trajectory keys offset as in the trainer). Writes
+    ``{"process", "rollout_mesh", "modes": {mode: {wall_s, compile_s, generated_tokens,
+    weight_sync_s: [first, warm], trajectories: [traj_key]}}}`` to ``args.child``.
+    """
+    from mempo_jax.core.distributed import maybe_initialize, process_slice
+
+    maybe_initialize()  # before anything touches a device
+    import jax
+    from jax.experimental import multihost_utils
+
+    from mempo_jax.agent.rollout import new_trajectories, rollout
+    from mempo_jax.agent.trajectory import parse_context_steps
+    from mempo_jax.core import sharding
+    from mempo_jax.core.rollout_mesh import rollout_mesh
+    from mempo_jax.run.experiment import make_engine
+
+    counter = CompileCounter()
+    fmt, env, questions, model_cfg, graphdef, params, _, _ = setup_small() if args.small else setup_smollm2()
+    questions = bench_questions(args, questions)
+    mesh = sharding.make_mesh(1, jax.device_count(), 1)
+    params = sharding.shard_params(params, mesh)
+    engine = make_engine(graphdef, model_cfg, fmt, mesh=rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads))
+    mine = process_slice(len(questions))
+    out = {"process": jax.process_index(), "rollout_mesh": dict(engine.mesh.shape), "modes": {}}
+    for mode in args.modes.split(","):
+        cfg = dataclasses.replace(rollout_config(args), context_steps=parse_context_steps(mode))
+        syncs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            local = jax.block_until_ready(engine.place(params))
+            syncs.append(time.perf_counter() - t0)
+        trajs = new_trajectories(fmt, questions[mine], args.group)
+        multihost_utils.sync_global_devices(f"bench_rollout {mode}")  # every process starts its rollout together
+        mark = counter.count
+        t0 = time.perf_counter()
+        rollout(engine, local, trajs, fmt, env, cfg, jax.random.PRNGKey(0), traj_offset=mine.start * args.group)
+        wall = time.perf_counter() - t0
+        gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
+        out["modes"][mode] = {"wall_s": wall, "compile_s": sum(d for _, d in counter.events[mark:]),
+                              "generated_tokens": gen, "weight_sync_s": syncs,
+                              "trajectories": [traj_key(tr) for tr in trajs]}
+        print(f"[bench_rollout] process {out['process']} {mode}: {len(trajs)} trajectories, {gen} tokens in {wall:.1f} s "
+              f"on {out['rollout_mesh']}; weight sync {syncs[0]:.2f} s first, {syncs[1]:.2f} s warm", flush=True)
+    multihost_utils.sync_global_devices("bench_rollout done")
+    with open(args.child, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def multiprocess_rows(args, trajs_by_mode: dict) -> list:
+    """``--processes`` children of this script (``child_main``), run at once; one row per mode:
+    all processes' tokens over the slowest one's steady seconds, weight-sync seconds (the slowest
+    process's first and warm call) and the share of trajectories equal to the one-process cached
+    run (``trajs_by_mode[mode]``, when it ran)."""
+    n, port = args.processes, _free_port()
+    flags = ["--group", str(args.group), "--modes", args.modes] + (["--small"] if args.small else [])
+    for name in ("turns", "new", "questions", "rows_bucket", "decode_chunk"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name}", str(getattr(args, name))]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"process{i}.json") for i in range(n)]
+        xla = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.local_devices}".strip()
+        procs = [subprocess.Popen([sys.executable, __file__, *flags, "--child", outs[i]],
+                                  env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla,
+                                           MEMPO_COORDINATOR=f"127.0.0.1:{port}", MEMPO_NUM_PROCESSES=str(n),
+                                           MEMPO_PROCESS_ID=str(i)))
+                 for i in range(n)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"[bench_rollout] --processes {n}: a process exited with {codes}")
+        results = []
+        for path in outs:
+            with open(path) as f:
+                results.append(json.load(f))
+    rows = []
+    for mode in args.modes.split(","):
+        per = [r["modes"][mode] for r in results]
+        gen = sum(p["generated_tokens"] for p in per)
+        steady = max(max(p["wall_s"] - p["compile_s"] for p in per), 1e-9)
+        trajs = [t for p in per for t in p["trajectories"]]
+        row = {"mode": mode, "engine": f"cached, {n} processes x {args.local_devices} devices", "processes": n,
+               "rollout_mesh": results[0]["rollout_mesh"], "generated_tokens": gen, "trajectories": len(trajs),
+               "wall_s": max(p["wall_s"] for p in per), "compile_s": max(p["compile_s"] for p in per),
+               "tok_s_steady": gen / steady, "traj_s_steady": len(trajs) / steady,
+               "per_process_tok_s_steady": [p["generated_tokens"] / max(p["wall_s"] - p["compile_s"], 1e-9) for p in per],
+               "weight_sync_s": max(p["weight_sync_s"][0] for p in per),
+               "weight_sync_warm_s": max(p["weight_sync_s"][1] for p in per)}
+        if mode in trajs_by_mode:
+            row["same_as_one_process"] = _same(trajs, trajs_by_mode[mode])
+        rows.append(row)
+    print(table(f"Cached engine on {n} processes x {args.local_devices} emulated CPU devices (rollout on each "
+                f"process's own devices; tokens/s with compile subtracted)",
+                ["mode", "rollout mesh", "tok/s", "per process tok/s", "weight sync s (first / warm)",
+                 "same as 1 process", "compile s"],
+                [[r["mode"], " x ".join(f"{k} {v}" for k, v in r["rollout_mesh"].items()), r["tok_s_steady"],
+                  " / ".join(f"{x:.1f}" for x in r["per_process_tok_s_steady"]),
+                  f"{r['weight_sync_s']:.2f} / {r['weight_sync_warm_s']:.2f}", r.get("same_as_one_process", "-"),
+                  r["compile_s"]] for r in rows]))
+    return rows
 
 
 def main(argv=None) -> dict:
@@ -298,19 +446,26 @@ def main(argv=None) -> dict:
                    help="print cProfile's top N functions by own time per engine run (slows Python code)")
     p.add_argument("--decode_chunk", type=int, default=None,
                    help="RolloutConfig.decode_chunk of the cached engine (default 16; small: 4)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="also run the cached engine as this many processes (jax.distributed on loopback), each on "
+                        "its own --local_devices emulated CPU devices")
+    p.add_argument("--local_devices", type=int, default=4, help="emulated CPU devices per process of --processes")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one process of --processes: its JSON path
     args = p.parse_args(argv)
     setup_platform(args.device)
+    if args.child is not None:
+        return child_main(args)
     import jax
     import numpy as np
 
-    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+    from mempo_jax.agent.rollout import new_trajectories, rollout
     from mempo_jax.agent.trajectory import parse_context_steps
 
     small = args.small
     counter = CompileCounter()
     fmt, env, questions, model_cfg, graphdef, params, engine_obj, folder = setup_small() if small else setup_smollm2()
-    n_q = args.questions or (4 if small else 16)
-    questions = [questions[i % len(questions)] for i in range(n_q)]
+    questions = bench_questions(args, questions)
+    n_q = len(questions)
     engines = args.engines.split(",")
     hf = hf_tok = None
     tmp = tempfile.TemporaryDirectory()
@@ -329,10 +484,7 @@ def main(argv=None) -> dict:
 
             hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
             hf_tok = None if folder is None else AutoTokenizer.from_pretrained(folder)
-    base = RolloutConfig(max_turns=args.turns or (4 if small else 4), max_new_tokens=args.new or (10 if small else 64),
-                         max_context_tokens=128 if small else 1024, max_observation_tokens=8 if small else 64,
-                         temperature=0.0, min_rows_bucket=args.rows_bucket or (4 if small else 64),
-                         decode_chunk=args.decode_chunk or (4 if small else 16), prefill_chunk=32)
+    base = rollout_config(args)
     peers = {}  # generate-per-turn engines: name -> (Generate, device program name)
     if hf is not None:
         peers["transformers"] = (hf_generate(hf, hf_tok, fmt, base), "generate")
@@ -345,7 +497,7 @@ def main(argv=None) -> dict:
         else:
             pad = unused_id(fmt, [tr.prompt_ids for tr in new_trajectories(fmt, questions, 1)])
             peers["tunix"] = (tunix_generate(model, sampler_lib, fmt, base, pad), "sampler")
-    rows = []
+    rows, one_process = [], {}  # one_process: mode -> the cached engine's trajectories
     for mode in [] if args.decode_only else args.modes.split(","):
         cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode))
         done = {}
@@ -375,6 +527,8 @@ def main(argv=None) -> dict:
             gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
             steady = max(wall - compile_s, 1e-9)
             done[engine] = trajs
+            if engine == "cached":
+                one_process[mode] = trajs
             row = {"mode": mode, "engine": engine, "wall_s": wall, "compile_s": compile_s,
                    "generated_tokens": gen, "trajectories": len(trajs),
                    "turns_mean": float(np.mean([len(tr.turns) for tr in trajs])),
@@ -404,10 +558,12 @@ def main(argv=None) -> dict:
                   r.get("same_as_transformers", "-"), r.get("same_as_tunix", "-"), r["compile_s"], r["turns_mean"]]
                  for r in rows]))
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
-    results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode}
+    multi = multiprocess_rows(args, one_process) if args.processes > 1 and not args.decode_only else []
+    results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode, "multiprocess": multi}
     tmp.cleanup()
     config = {"small": small, "min_rows_bucket": base.min_rows_bucket, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,
-              "trajectories": n_q * args.group, "group": args.group, "checkpoint": folder, "dtype": "float32"}
+              "trajectories": n_q * args.group, "group": args.group, "checkpoint": folder, "dtype": "float32",
+              "processes": args.processes, "local_devices": args.local_devices}
     return write_json(args.json, "rollout", config, results)
 
 
