@@ -17,7 +17,9 @@ cache is updated in place, never copied):
   stop string (``stop_strings``) or its token budget, and then idles until the host refills it.
 
 The forward pass is the ``Decoder``'s own with a cache; its attention reads the live cache blocks
-only (``mempo_jax.model.attention.blocked_attention`` with ``kv_bound``).
+only (``mempo_jax.model.attention.blocked_attention`` with ``kv_bound``). Both programs are traced
+under the rollout mesh's ``activation_sharding`` (rows over ``data``, heads over ``tensor``: the
+cache's layout), as the trainer's are under the training mesh's.
 Sampling (``agent.decoding``): ``log softmax(logits / temperature)`` log-probs — what the trainer
 computes for the same ids at the same temperature (docs/algorithm.md) — top-p, argmax when greedy.
 The PRNG key of step j of turn u of trajectory i is ``fold_in(fold_in(fold_in(key, u), j), i)`` — a
@@ -41,7 +43,7 @@ from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
 from mempo_jax.core.rollout_mesh import weight_sync
-from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local, param_shardings
+from mempo_jax.core.sharding import DEFAULT_RULES, activation_sharding, mesh_or_local, param_shardings
 from mempo_jax.model.forward import abstract_model, split_model
 from mempo_jax.agent.decoding import is_stop as _is_stop, pick as _pick
 
@@ -183,7 +185,7 @@ class SlotSampler:
         """The jitted ``which`` program for ``state``'s shapes (``_compiled``)."""
         s, size = state.cache.k.shape[1], state.cache.k.shape[3]
         return _compiled(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.block,
-                         self._tables is not None, which, self.state_shardings(s, size))
+                         self._tables is not None, which, self.state_shardings(s, size), tuple(self.rules))
 
     def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
         """Empty slots: zero cache of ``size`` positions, nothing generating, placed by ``state_shardings``."""
@@ -302,16 +304,26 @@ class SlotSampler:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_shardings):
+def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_shardings, rules):
     """The jitted ``extend``, ``decode`` or ``copy`` program, state donated and returned on
-    ``state_shardings`` (``SlotSampler.state_shardings``). ``fsm``: the stop-automaton tables come
-    as the last positional argument (part of the cache key only)."""
+    ``state_shardings`` (``SlotSampler.state_shardings``), the model's activations pinned to
+    ``rules`` on that mesh (``activation_sharding``). ``fsm``: the stop-automaton tables come as
+    the last positional argument (part of the cache key only)."""
     del model_cfg, fsm  # cache key: the graphdef carries the model, the call the tables
     if which == "copy":
         return jax.jit(_copy_impl, donate_argnums=(0,), out_shardings=state_shardings)
     impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block)
+    mesh = state_shardings.cache.k.mesh
+
+    @functools.wraps(impl)
+    def traced(*args, **kwargs):
+        with activation_sharding(mesh, rules):
+            return impl(*args, **kwargs)
+
+    traced.__name__ = f"slot_{which}"  # the program's name in profiles and compile logs
+
     statics = ("greedy", "use_top_p") + (("steps",) if which == "decode" else ())
-    return jax.jit(impl, static_argnames=statics, donate_argnums=(1,), out_shardings=state_shardings)
+    return jax.jit(traced, static_argnames=statics, donate_argnums=(1,), out_shardings=state_shardings)
 
 
 def _copy_impl(state: SlotState, src, dst) -> SlotState:

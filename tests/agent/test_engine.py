@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -261,6 +262,11 @@ def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
     # the programs return the slots exactly as init_state placed them: before, the cache came back as
     # P(None, ('data', 'fsdp'), 'tensor'), the same layout spelled otherwise, i.e. another jit key
     assert state.cache.k.sharding == placed and state.cache.v.sharding == placed
+    # the decoder's activations are pinned on the rollout mesh (activation_sharding), not left to propagation
+    lowered = slots._program("decode", state).lower(shard_params(params, mesh), state, jax.random.PRNGKey(0),
+                                                    jnp.float32(1.0), jnp.float32(1.0), rows=None, steps=2,
+                                                    greedy=True, use_top_p=False)
+    assert lowered.as_text().count("sdy.sharding_constraint") >= ss.model_cfg.num_layers
 
 
 @pytest.mark.slow  # tunix compiles a prefill and a decode program per batch shape
