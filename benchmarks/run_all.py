@@ -3,8 +3,8 @@
 Sections: 1-2 ``bench_decode.py`` (decode and prefill vs transformers), 3 ``bench_scoring.py``
 (memory-reward scoring), 4 ``bench_rl_step.py`` (RL step split and compilations), 5
 ``bench_tokens.py`` (k = 1 vs full-history TT/PT/EM of a trained run), 6 ``bench_roofline.py``
-(achieved FLOP/s vs peak), 7 ``bench_rollout.py`` (multi-turn rollout: cached engine vs today's vs a
-transformers loop; decode at batch 64), 8 ``bench_attention.py`` (the decode step's attention vs torch
+(achieved FLOP/s vs peak), 7 ``bench_rollout.py`` (multi-turn rollout: the engine vs a transformers and a
+tunix generate-per-turn loop; decode at batch 64), 8 ``bench_attention.py`` (the decode step's attention vs torch
 SDPA). ``benchmarks/chaos_resume.py`` (the resume check) is not run here.
 
 Run: ``python benchmarks/run_all.py [--json bench.json] [--small] [--only decode,rl_step]``
@@ -103,7 +103,7 @@ def _print_targets(merged: dict) -> None:
     print("  target 0 compilations from step 3: " + ("not measured" if comp is None else
                                                      f"{comp} -> {'met' if comp == 0 else 'missed'}"))
     full = get("rollout", "rollout", "full") or {}
-    for other, target in (("transformers", 3.0), ("legacy", 2.0)):
+    for other, target in (("transformers", 3.0), ("tunix", 2.0)):
         r = full.get(f"speedup_vs_{other}")
         print(f"  target rollout (full) >= {target:g}x {other}: "
               + ("not measured" if r is None else f"{r:.2f}x -> {'met' if r >= target else 'missed'}"))

@@ -190,7 +190,7 @@ class ExecutionConfig:
         packed calls (``rl.step.detached_logprobs``), or ``Learner.logprobs`` where packing does
         not apply (default ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``,
-        a power of two); 0 = the scorer's ``scoring.DEFAULT_CHUNK_ROWS``.
+        a power of two); 0 = the scorer's ``memory_reward.DEFAULT_CHUNK_ROWS``.
       logit_chunk_tokens: sequence positions per LM-head chunk wherever log-probs are taken (the
         update, SFT, old / reference log-probs, scoring): the ``[rows, length, vocab]`` logits are
         never built, one ``[rows, logit_chunk_tokens, vocab]`` float32 block at a time is

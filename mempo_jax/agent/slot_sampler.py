@@ -126,7 +126,7 @@ class SlotSampler:
       model_cfg: its ``ModelConfig``.
       stop_ids: ids that end a turn (emitted and kept).
       pad_id: written after a turn's end.
-      stop_automaton: optional ``StopAutomaton`` (``Sampler``'s), over ``model_cfg.vocab_size`` ids.
+      stop_automaton: optional ``StopAutomaton`` (``TagCodec.stop_automaton``), over ``model_cfg.vocab_size`` ids.
       block: key-block length of the attention (tokens).
       mesh, rules: device mesh and logical-axis rules (one process's devices: the rollout mesh,
         ``core.rollout_mesh``): the cache is put on ``placement.cache_shardings`` (slots over the

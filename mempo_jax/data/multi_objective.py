@@ -1,8 +1,8 @@
 """Multi-objective QA: k questions joined into one prompt, one objective per sub-question.
 
-docs/algorithm.md §1 and §6: multi-objective questions (2–10 sub-questions, as MEM1 and MemPO evaluate
-them) put all answers into one ``<answer>``, separated by ``;``; the outcome reward is the mean
-over objectives (§3). The prompt numbers the sub-questions so that answer i belongs to
+docs/algorithm.md §1: multi-objective questions (MEM1 and MemPO evaluate 2–10 sub-questions;
+``benchmarks/objectives_sweep.py`` sweeps 1–8) put all answers into one ``<answer>``, separated
+by ``;``; the outcome reward is the mean over objectives (§3). The prompt numbers the sub-questions so that answer i belongs to
 question i::
 
     Question 1: Who wrote Hamlet?

@@ -260,7 +260,7 @@ def answer_all(questions: Sequence[str]) -> str:
 
 def compose_objectives(singles: Sequence[Question], k: int, num: int, seed: int) -> list[Question]:
     """``num`` questions of ``k`` objectives each, from single-hop questions, in the world's own
-    multi-objective layout (``answer_all``; MEM1's scaling experiment, docs/algorithm.md §6: 2–10 objectives).
+    multi-objective layout (``answer_all``; MEM1's scaling experiment, ``benchmarks/objectives_sweep.py``).
 
     Each composite draws ``k`` single-hop questions with distinct subjects (so every objective
     needs its own search, and its answer comes from its own turn); objective j's fact is

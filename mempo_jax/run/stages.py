@@ -128,7 +128,7 @@ def copy_rows_warning(cfg) -> str | None:
 
     Copy rows (``SFTConfig.copy_fraction``) and copy-only warm-up steps (``copy_warmup_fraction``)
     are random entity tokens for a model trained from scratch; on SmolLM2-135M they cost SFT EM
-    0.120 → 0.080 (docs/hf_checkpoints.md, known limits). A gin that includes
+    0.120 → 0.080 (docs/results.md, the SmolLM2 recipe). A gin that includes
     ``configs/tiny_world.gin`` inherits them.
 
     Args:
