@@ -326,6 +326,7 @@ def child_main(args) -> dict:
 
     maybe_initialize()  # before anything touches a device
     import jax
+    import numpy as np
     from jax.experimental import multihost_utils
 
     from mempo_jax.agent.rollout import new_trajectories, rollout
@@ -338,18 +339,21 @@ def child_main(args) -> dict:
     fmt, env, questions, model_cfg, graphdef, params, _, _ = setup_small() if args.small else setup_smollm2()
     questions = bench_questions(args, questions)
     mesh = sharding.make_mesh(1, jax.device_count(), 1)
-    params = sharding.shard_params(params, mesh)
+    # from host copies: every process holds the same values, placed into the global fsdp layout
+    params = sharding.shard_params(jax.tree.map(np.asarray, params), mesh)
     engine = make_engine(graphdef, model_cfg, fmt, mesh=rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads))
     mine = process_slice(len(questions))
     out = {"process": jax.process_index(), "rollout_mesh": dict(engine.mesh.shape), "modes": {}}
     for mode in args.modes.split(","):
-        cfg = dataclasses.replace(rollout_config(args), context_steps=parse_context_steps(mode))
+        trajs = new_trajectories(fmt, questions[mine], args.group)
+        base = rollout_config(args)  # the slots for this process's share, as the trainer sizes them
+        cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode),
+                                  min_rows_bucket=min(base.min_rows_bucket, len(trajs)))
         syncs = []
         for _ in range(2):
             t0 = time.perf_counter()
             local = jax.block_until_ready(engine.place(params))
             syncs.append(time.perf_counter() - t0)
-        trajs = new_trajectories(fmt, questions[mine], args.group)
         multihost_utils.sync_global_devices(f"bench_rollout {mode}")  # every process starts its rollout together
         mark = counter.count
         t0 = time.perf_counter()
@@ -362,6 +366,9 @@ def child_main(args) -> dict:
         print(f"[bench_rollout] process {out['process']} {mode}: {len(trajs)} trajectories, {gen} tokens in {wall:.1f} s "
               f"on {out['rollout_mesh']}; weight sync {syncs[0]:.2f} s first, {syncs[1]:.2f} s warm", flush=True)
     multihost_utils.sync_global_devices("bench_rollout done")
+    import resource
+
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
     with open(args.child, "w") as f:
         json.dump(out, f)
     return out
@@ -375,11 +382,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def multiprocess_rows(args, trajs_by_mode: dict) -> list:
-    """``--processes`` children of this script (``child_main``), run at once; one row per mode:
-    all processes' tokens over the slowest one's steady seconds, weight-sync seconds (the slowest
-    process's first and warm call) and the share of trajectories equal to the one-process cached
-    run (``trajs_by_mode[mode]``, when it ran)."""
+def multiprocess_runs(args) -> list[dict]:
+    """``--processes`` children of this script (``child_main``), run at once; their JSON documents
+    in process order."""
     n, port = args.processes, _free_port()
     flags = ["--group", str(args.group), "--modes", args.modes] + (["--small"] if args.small else [])
     for name in ("turns", "new", "questions", "rows_bucket", "decode_chunk"):
@@ -400,6 +405,15 @@ def multiprocess_rows(args, trajs_by_mode: dict) -> list:
         for path in outs:
             with open(path) as f:
                 results.append(json.load(f))
+    return results
+
+
+def multiprocess_rows(args, results: list[dict], trajs_by_mode: dict) -> list:
+    """One row per mode of ``multiprocess_runs``: all processes' tokens over the slowest one's
+    steady seconds, weight-sync seconds (the slowest process's first and warm call), each
+    process's peak RSS, and the share of trajectories equal to the one-process cached run
+    (``trajs_by_mode[mode]``, when it ran)."""
+    n = args.processes
     rows = []
     for mode in args.modes.split(","):
         per = [r["modes"][mode] for r in results]
@@ -412,18 +426,19 @@ def multiprocess_rows(args, trajs_by_mode: dict) -> list:
                "tok_s_steady": gen / steady, "traj_s_steady": len(trajs) / steady,
                "per_process_tok_s_steady": [p["generated_tokens"] / max(p["wall_s"] - p["compile_s"], 1e-9) for p in per],
                "weight_sync_s": max(p["weight_sync_s"][0] for p in per),
-               "weight_sync_warm_s": max(p["weight_sync_s"][1] for p in per)}
+               "weight_sync_warm_s": max(p["weight_sync_s"][1] for p in per),
+               "peak_rss_gib": [r["peak_rss_gib"] for r in results]}
         if mode in trajs_by_mode:
             row["same_as_one_process"] = _same(trajs, trajs_by_mode[mode])
         rows.append(row)
     print(table(f"Cached engine on {n} processes x {args.local_devices} emulated CPU devices (rollout on each "
                 f"process's own devices; tokens/s with compile subtracted)",
                 ["mode", "rollout mesh", "tok/s", "per process tok/s", "weight sync s (first / warm)",
-                 "same as 1 process", "compile s"],
+                 "same as 1 process", "compile s", "peak RSS GiB per process"],
                 [[r["mode"], " x ".join(f"{k} {v}" for k, v in r["rollout_mesh"].items()), r["tok_s_steady"],
                   " / ".join(f"{x:.1f}" for x in r["per_process_tok_s_steady"]),
                   f"{r['weight_sync_s']:.2f} / {r['weight_sync_warm_s']:.2f}", r.get("same_as_one_process", "-"),
-                  r["compile_s"]] for r in rows]))
+                  r["compile_s"], " / ".join(f"{x:.1f}" for x in r["peak_rss_gib"])] for r in rows]))
     return rows
 
 
@@ -462,6 +477,8 @@ def main(argv=None) -> dict:
     from mempo_jax.agent.trajectory import parse_context_steps
 
     small = args.small
+    # the processes run first, while this one holds no model (each child loads its own copy)
+    multi = multiprocess_runs(args) if args.processes > 1 and not args.decode_only else None
     counter = CompileCounter()
     fmt, env, questions, model_cfg, graphdef, params, engine_obj, folder = setup_small() if small else setup_smollm2()
     questions = bench_questions(args, questions)
@@ -558,7 +575,7 @@ def main(argv=None) -> dict:
                   r.get("same_as_transformers", "-"), r.get("same_as_tunix", "-"), r["compile_s"], r["turns_mean"]]
                  for r in rows]))
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
-    multi = multiprocess_rows(args, one_process) if args.processes > 1 and not args.decode_only else []
+    multi = [] if multi is None else multiprocess_rows(args, multi, one_process)
     results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode, "multiprocess": multi}
     tmp.cleanup()
     config = {"small": small, "min_rows_bucket": base.min_rows_bucket, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,
