@@ -282,6 +282,11 @@ def unused_id(fmt, contexts) -> int:
 # ------------------------------------------------------------------------------------------ main
 
 
+def generated_tokens(trajs) -> int:
+    """Tokens the policy generated over every turn of ``trajs``."""
+    return sum(len(t.output_ids) for tr in trajs for t in tr.turns)
+
+
 def traj_key(tr) -> list:
     """A trajectory's ids turn by turn, ``[[output ids, tool-result ids], ...]`` (JSON-ready)."""
     return [[list(map(int, t.output_ids)), list(map(int, t.observation_ids))] for t in tr.turns]
@@ -344,10 +349,10 @@ def child_main(args) -> dict:
     engine = make_engine(graphdef, model_cfg, fmt, mesh=rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads))
     mine = process_slice(len(questions))
     out = {"process": jax.process_index(), "rollout_mesh": dict(engine.mesh.shape), "modes": {}}
+    base = rollout_config(args)
     for mode in args.modes.split(","):
         trajs = new_trajectories(fmt, questions[mine], args.group)
-        base = rollout_config(args)  # the slots for this process's share, as the trainer sizes them
-        cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode),
+        cfg = dataclasses.replace(base, context_steps=parse_context_steps(mode),  # slots for this process's share
                                   min_rows_bucket=min(base.min_rows_bucket, len(trajs)))
         syncs = []
         for _ in range(2):
@@ -359,8 +364,8 @@ def child_main(args) -> dict:
         t0 = time.perf_counter()
         rollout(engine, local, trajs, fmt, env, cfg, jax.random.PRNGKey(0), traj_offset=mine.start * args.group)
         wall = time.perf_counter() - t0
-        gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
-        out["modes"][mode] = {"wall_s": wall, "compile_s": sum(d for _, d in counter.events[mark:]),
+        gen = generated_tokens(trajs)
+        out["modes"][mode] = {"wall_s": wall, "compile_s": counter.seconds_since(mark),
                               "generated_tokens": gen, "weight_sync_s": syncs,
                               "trajectories": [traj_key(tr) for tr in trajs]}
         print(f"[bench_rollout] process {out['process']} {mode}: {len(trajs)} trajectories, {gen} tokens in {wall:.1f} s "
@@ -478,7 +483,7 @@ def main(argv=None) -> dict:
 
     small = args.small
     # the processes run first, while this one holds no model (each child loads its own copy)
-    multi = multiprocess_runs(args) if args.processes > 1 and not args.decode_only else None
+    multi_runs = multiprocess_runs(args) if args.processes > 1 and not args.decode_only else None
     counter = CompileCounter()
     fmt, env, questions, model_cfg, graphdef, params, engine_obj, folder = setup_small() if small else setup_smollm2()
     questions = bench_questions(args, questions)
@@ -540,8 +545,8 @@ def main(argv=None) -> dict:
                 profile.disable()
                 print(f"[bench_rollout] {mode} {engine}: cProfile, top {args.profile} by own time")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
-            compile_s = sum(d for _, d in counter.events[mark:])
-            gen = sum(len(t.output_ids) for tr in trajs for t in tr.turns)
+            compile_s = counter.seconds_since(mark)
+            gen = generated_tokens(trajs)
             steady = max(wall - compile_s, 1e-9)
             done[engine] = trajs
             if engine == "cached":
@@ -575,7 +580,7 @@ def main(argv=None) -> dict:
                   r.get("same_as_transformers", "-"), r.get("same_as_tunix", "-"), r["compile_s"], r["turns_mean"]]
                  for r in rows]))
     decode = [] if args.no_decode else decode_table(model_cfg, graphdef, params, hf, small, args)
-    multi = [] if multi is None else multiprocess_rows(args, multi, one_process)
+    multi = [] if multi_runs is None else multiprocess_rows(args, multi_runs, one_process)
     results = {"rollout": rollout_summary(rows), "rows": rows, "decode": decode, "multiprocess": multi}
     tmp.cleanup()
     config = {"small": small, "min_rows_bucket": base.min_rows_bucket, "turns": base.max_turns, "max_new_tokens": base.max_new_tokens,

@@ -223,6 +223,10 @@ class CompileCounter:
         """Names of the functions compiled after ``count`` was ``mark``."""
         return [name for name, _ in self.events[mark:]]
 
+    def seconds_since(self, mark: int) -> float:
+        """Seconds spent compiling after ``count`` was ``mark``."""
+        return sum(d for _, d in self.events[mark:])
+
 
 # --------------------------------------------------------------------------------------- timing
 
