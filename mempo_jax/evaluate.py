@@ -309,12 +309,6 @@ def save_figure(fig, legend_axes, path: str | os.PathLike, title: str = "") -> N
     plt.close(fig)
 
 
-def _write_text_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog=command_name("mempo_jax.evaluate"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
@@ -428,25 +422,13 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
     return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
 
 
-def _prediction(spec, name: str, q, tr) -> dict:
-    """One ``predictions.jsonl`` line."""
-    from mempo_jax.rl.rewards import outcome_reward
-
-    tt, pt = tr.token_stats()
-    return {"dataset": spec.name, "mode": name, "id": q.id, "question": q.question,
-            "golds": [list(g) for g in q.golds], "answer": tr.answer,
-            "em": outcome_reward(tr.answer, tr.golds, "em"), "f1": outcome_reward(tr.answer, tr.golds, "f1"),
-            "turns": len(tr.turns), "tool_calls": tr.num_tool_calls,
-            "format_failures": tr.format_failures, "tt": tt, "pt": pt, "end": tr.end_reason}
-
-
 def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dict, list]:
     """Every dataset in every mode: ``({dataset: {mode: metrics}}, prediction records)``."""
     import jax
     from tqdm.auto import tqdm
 
     from mempo_jax.agent.trajectory import mode_name
-    from mempo_jax.run.evaluation import evaluate_policy
+    from mempo_jax.run.evaluation import evaluate_policy, prediction_record
     from mempo_jax.tools.search import ToolEnvironment
 
     results: dict[str, dict[str, Any]] = {}
@@ -472,7 +454,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
             m = dict(res.metrics)
             m["tool_calls"] = float(sum(t.num_tool_calls for t in res.trajectories) / len(res.trajectories))
             results[spec.name][name] = m
-            records += [_prediction(spec, name, q, tr) for q, tr in zip(qs, res.trajectories)]
+            records += [prediction_record(q, tr, name, spec.name) for q, tr in zip(qs, res.trajectories)]
     bar.close()
     return results, records
 
@@ -480,7 +462,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
 def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout, corpus_notes: dict,
                    vocab_size: int) -> pathlib.Path:
     """``eval.json``, ``eval_meta.json``, ``predictions.jsonl``, ``eval.md`` and ``eval.png`` under ``--out``."""
-    from mempo_jax.run.metrics import write_json_atomic
+    from mempo_jax.run.metrics import write_json_atomic, write_text_atomic
 
     out, hf_dir, run_dir, step = pathlib.Path(args.out), inputs.hf_dir, inputs.run_dir, inputs.step
     meta = {
@@ -496,7 +478,7 @@ def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout,
     }
     write_json_atomic(out / "eval.json", results)
     write_json_atomic(out / "eval_meta.json", meta)
-    _write_text_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_text_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     table = format_table(results)
     if hf_dir is not None:
         policy_name, chart_title = f"the Hugging Face checkpoint {hf_dir}", f"{hf_dir.name} (HF checkpoint, {args.dtype})"
@@ -505,7 +487,7 @@ def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout,
         policy_name = f"{run_dir} ({'SFT checkpoint' if sft else 'checkpoint'} {step})"
         chart_title = f"{run_dir.name} @ {'sft ' if sft else ''}{step}"
     corpus_lines = "\n".join(f"- {n}: {c}" for n, c in corpus_notes.items())
-    _write_text_atomic(out / "eval.md", (
+    write_text_atomic(out / "eval.md", (
         f"# Evaluation of {policy_name}\n\n{table}\n\n"
         f"EM/F1: SQuAD-normalised, max over gold aliases; TT: tokens processed per question (every "
         f"turn's context + output, summed); PT: the largest single context + output; format fail: share "

@@ -43,8 +43,10 @@ def _train(run_dir, params, gin_file="configs/tiny_world.gin"):
 
 def _check_main_job_outputs(run, stdout: str, params, modes, rl_steps: int):
     """What the main job writes: summary.json's schema (each stage, each evaluated mode), the
-    verl-named RL metrics, TensorBoard events, checkpoints and tokenizer, the printed table, and
-    per-kind EM (``eval/<kind>/em``) equal to the stored per-question EM over the held-out kinds."""
+    verl-named RL metrics, TensorBoard events, checkpoints and tokenizer, the printed table,
+    per-kind EM (``eval/<kind>/em``) equal to the stored per-question EM over the held-out kinds,
+    and each stage's predictions file: every held-out question once per mode, in order, its EM/F1
+    re-scored from its answer equal to the stored per-question values."""
     summary = json.loads((run / "summary.json").read_text())
     for stage in ("sft", "rl"):
         for mode in modes:
@@ -73,6 +75,17 @@ def _check_main_job_outputs(run, stdout: str, params, modes, rl_steps: int):
             want = [e for e, q in zip(em, held) if q.kind == kind]
             assert summary["eval"]["rl"][mode][f"eval/{kind}/em"] == pytest.approx(sum(want) / len(want))
             assert summary["eval"]["rl"][mode][f"eval/{kind}/n"] == len(want)
+    from mempo_jax.rl.rewards import outcome_reward
+
+    for stage in ("sft", "rl"):
+        stored = json.loads((run / f"eval_{stage}.json").read_text())
+        preds = [json.loads(l) for l in (run / f"eval_{stage}_predictions.jsonl").read_text().splitlines()]
+        assert [(p["mode"], p["id"]) for p in preds] == [(m, q.id) for m in modes for q in held]
+        for mode in modes:
+            rows = [p for p in preds if p["mode"] == mode]
+            for metric in ("em", "f1"):
+                rescored = [outcome_reward(p["answer"], [tuple(g) for g in p["golds"]], metric) for p in rows]
+                assert rescored == [p[metric] for p in rows] == stored[f"per_question_{metric}"][mode]
     assert "EM single" in stdout
 
 

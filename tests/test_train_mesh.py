@@ -178,6 +178,8 @@ def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
         a, b = (json.loads((r / name).read_text()) for r in (run, ref))
         _close(a["evals"], b["evals"], name)
         assert a["per_question_em"] == b["per_question_em"]
+        predictions = name.replace(".json", "_predictions.jsonl")
+        assert (run / predictions).read_text() == (ref / predictions).read_text() != ""
     assert (run / "config.gin").read_text().count("MeshConfig.data = 2") == 1
     for folder in ("sft_checkpoint", "checkpoints"):
         ref_step, theirs = read_checkpoint(ref / folder)

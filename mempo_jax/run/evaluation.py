@@ -100,6 +100,27 @@ def is_kind_metric(name: str) -> bool:
     return name.startswith(KIND_PREFIX)
 
 
+def prediction_record(question, trajectory, mode: str, dataset: str) -> dict:
+    """One line of a predictions file (``predictions.jsonl`` of ``mempo_jax.evaluate``,
+    ``eval_<stage>_predictions.jsonl`` of the main job): the question, its golds, the answer given,
+    its EM and F1 (``rl.rewards.outcome_reward``), turns, tool calls, format failures, TT / PT
+    (tokens, as ``summarize``) and how the episode ended.
+
+    Args:
+      question: an item with ``id``, ``question``, ``golds``.
+      trajectory: its finished ``Trajectory``.
+      mode: the context mode's name (``mode_name``).
+      dataset: the dataset's name.
+    """
+    tt, pt = trajectory.token_stats()
+    return {"dataset": dataset, "mode": mode, "id": question.id, "question": question.question,
+            "golds": [list(g) for g in question.golds], "answer": trajectory.answer,
+            "em": outcome_reward(trajectory.answer, trajectory.golds, "em"),
+            "f1": outcome_reward(trajectory.answer, trajectory.golds, "f1"),
+            "turns": len(trajectory.turns), "tool_calls": trajectory.num_tool_calls,
+            "format_failures": trajectory.format_failures, "tt": tt, "pt": pt, "end": trajectory.end_reason}
+
+
 def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: RolloutConfig,
                     context_steps: int, temperature: float, key: jax.Array, chunk: int = 128,
                     progress: Optional[Callable[[int], None]] = None, first: int = 0) -> EvalResult:
@@ -135,5 +156,5 @@ def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: Ro
     return EvalResult({**summarize(trajs), **kind_metrics(questions, em, f1)}, em, trajs, f1)
 
 
-__all__ = ["EvalResult", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "question_kind",
-           "summarize"]
+__all__ = ["EvalResult", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "prediction_record",
+           "question_kind", "summarize"]

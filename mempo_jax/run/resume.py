@@ -43,6 +43,7 @@ T = TypeVar("T")
 EVAL_SFT_FILE = "eval_sft.json"
 EVAL_RL_FILE = "eval_rl.json"
 EVAL_BASE_FILE = "eval_base.json"  # EvalConfig.zero_shot: the initial policy, evaluated once
+PREDICTIONS_FILE = "eval_{stage}_predictions.jsonl"  # each held-out question's answer, per stage and mode
 CORRUPT_DIR = "corrupt_checkpoints"  # where skipped (unreadable) checkpoints are kept
 
 
@@ -197,7 +198,8 @@ def truncate_log(path: str | os.PathLike, nbytes: int, source: str = "") -> byte
 
 # ---- the run folder -----------------------------------------------------------------------------
 _RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.gin", "tokenizer.model", "model_config.json", "summary.json",
-              EVAL_SFT_FILE, EVAL_RL_FILE, "sft_checkpoint", "checkpoints", "tb")
+              EVAL_SFT_FILE, EVAL_RL_FILE, *(PREDICTIONS_FILE.format(stage=s) for s in ("base", "sft", "rl")),
+              "sft_checkpoint", "checkpoints", "tb")
 
 
 def _existing_folder(path: pathlib.Path) -> pathlib.Path:

@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 
 from mempo_jax.core import distributed
 from mempo_jax.agent.trajectory import mode_name, parse_context_steps
-from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic
+from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
 from mempo_jax.run.preemption import Preempted
-from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, FaultCounter, check_sft_step
+from mempo_jax.run.resume import (EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, PREDICTIONS_FILE, FaultCounter,
+                                  check_sft_step)
 from mempo_jax.run.context import COPY_STREAM, REPLAY_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 
@@ -41,12 +42,14 @@ def heldout(ctx: RunContext) -> tuple[list, list]:
     return held, held[distributed.process_slice(len(held))] if ctx.multi else held
 
 
-def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
+def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, list]:
     """The policy of ``learner`` on the held-out questions in every ``EvalConfig.context_modes`` mode.
 
-    Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode)``."""
+    Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode, prediction
+    records)``: the records (``run.evaluation.prediction_record``) of every process's questions,
+    mode by mode, in the single-process order."""
     from mempo_jax.agent.rollout import place_params
-    from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics
+    from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_record
 
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
@@ -55,7 +58,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
     rollout_cfg = cfg.rl.rollout
     if cfg.eval.num_slots:
         rollout_cfg = dataclasses.replace(rollout_cfg, num_slots=cfg.eval.num_slots)
-    out, per_q, per_f1 = {}, {}, {}
+    out, per_q, per_f1, records = {}, {}, {}, []
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
         res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, rollout_cfg,
@@ -64,18 +67,20 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict]:
         bar.close()
         metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
         metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
+        mine = [prediction_record(q, tr, mode_name(mode), cfg.dataset) for q, tr in zip(held_mine, res.trajectories)]
         if ctx.multi:  # every process's questions, in the single-process order (collectives)
             em = distributed.concat_processes(em, ctx.sync).astype(np.float64)
             f1 = distributed.concat_processes(f1, ctx.sync).astype(np.float64)
             means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
                                              weight=float(len(held_mine)), sync=ctx.sync)
             metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
+        records += gather_records(mine, ctx.sync)  # after concat_processes' barrier
         metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
         out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
         ctx.logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
         ctx.say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
                 f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
-    return out, per_q, per_f1
+    return out, per_q, per_f1, records
 
 
 _EVAL_FILES = {"base": (EVAL_BASE_FILE, "base_step"), "sft": (EVAL_SFT_FILE, "sft_step"),
@@ -84,7 +89,8 @@ _EVAL_FILES = {"base": (EVAL_BASE_FILE, "base_step"), "sft": (EVAL_SFT_FILE, "sf
 
 def evaluate_stage(ctx: RunContext, stage: str, learner, stored, ckpt, step: int):
     """The stage's evaluation, or its stored result; stored (``eval_<stage>.json``) after the
-    stage's checkpoint ``ckpt`` is complete.
+    stage's checkpoint ``ckpt`` is complete, and after ``eval_<stage>_predictions.jsonl`` (each
+    held-out question's answer in each mode, ``run.evaluation.prediction_record``).
 
     Returns:
       ``(metrics by mode, {"em": {mode: [questions]}, "f1": {mode: [questions]}})``.
@@ -94,12 +100,14 @@ def evaluate_stage(ctx: RunContext, stage: str, learner, stored, ckpt, step: int
         return stored["evals"], {key: {k: np.asarray(v, np.float64) for k, v in stored.get(f"per_question_{key}", {}).items()}
                                  for key in ("em", "f1")}
     with ctx.interruptible():
-        out, per_q, per_f1 = _evaluate(ctx, stage, learner)
+        out, per_q, per_f1, records = _evaluate(ctx, stage, learner)
     if ckpt is not None:
         ckpt.wait()
     per = {"em": {k: np.asarray(v, np.float64) for k, v in per_q.items()},
            "f1": {k: np.asarray(v, np.float64) for k, v in per_f1.items()}}
     if ctx.primary:
+        write_text_atomic(ctx.run_dir / PREDICTIONS_FILE.format(stage=stage),
+                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         write_json_atomic(ctx.run_dir / name, {step_key: step, "evals": out,
                                                **{f"per_question_{key}": {k: v.tolist() for k, v in d.items()}
                                                   for key, d in per.items()},
@@ -257,14 +265,20 @@ def global_rl_metrics(m: dict, trajs, sync) -> dict:
     return {k: out[k] for k in m}  # the single-process key order
 
 
-def global_rollout_records(records: list, n: int, sync) -> list:
-    """The first ``n`` rollout records of the step over every process (a collective; identity on
-    one process): each process sends its first ``n``, concatenated in process order, so
-    ``rollouts.jsonl`` holds the records a single process would have written."""
+def gather_records(records: list, sync) -> list:
+    """Every process's JSON-able records, concatenated in process order (a collective; identity on
+    one process)."""
     if not sync.multiprocess:
         return records
-    blobs = distributed.gather_lists([list(json.dumps(r).encode("utf-8")) for r in records[:n]])
-    return [json.loads(bytes(b).decode("utf-8")) for b in blobs][:n]
+    blobs = distributed.gather_lists([list(json.dumps(r).encode("utf-8")) for r in records])
+    return [json.loads(bytes(b).decode("utf-8")) for b in blobs]
+
+
+def global_rollout_records(records: list, n: int, sync) -> list:
+    """The first ``n`` rollout records of the step over every process (a collective): each process
+    sends its first ``n``, concatenated in process order, so ``rollouts.jsonl`` holds the records a
+    single process would have written."""
+    return gather_records(records[:n], sync)[:n]
 
 
 def trajectory_record(tr, tokenizer, group_offset: int = 0) -> dict:
