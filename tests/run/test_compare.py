@@ -1,0 +1,102 @@
+"""``mempo-compare``: paired differences of two stored held-out evaluations, with bootstrap CIs.
+
+Golden values are computed by hand on small evaluations; on a real run folder of the main job the
+RL-vs-SFT comparison equals the ``rl_vs_sft`` gains the trainer wrote to ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import REPO
+from mempo_jax.run.compare import Evaluation, compare, format_comparison, load_evaluation, main
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from chaos_resume import SMALL_PARAMS  # noqa: E402
+
+
+def _write_eval(run, stage, em, f1, ids=None):
+    run.mkdir(parents=True, exist_ok=True)
+    (run / f"eval_{stage}.json").write_text(json.dumps({"per_question_em": em, "per_question_f1": f1}))
+    if ids is not None:
+        (run / f"eval_{stage}_predictions.jsonl").write_text(
+            "".join(json.dumps({"mode": m, "id": i}) + "\n" for m, qs in ids.items() for i in qs))
+
+
+def test_means_differences_and_counts_by_hand(tmp_path):
+    _write_eval(tmp_path / "a", "rl", {"k1": [1, 0, 1, 0], "full": [1, 1, 1, 1]},
+                {"k1": [1, 0.5, 1, 0], "full": [1, 1, 1, 1]})
+    _write_eval(tmp_path / "b", "sft", {"k1": [0, 0, 1, 1]}, {"k1": [0, 0, 1, 0.25]})
+    a, b = load_evaluation(str(tmp_path / "a")), load_evaluation(f"{tmp_path / 'b'}:sft")
+    r = compare(a, b)
+    assert list(r) == ["k1"]  # the only mode both evaluated
+    em, f1 = r["k1"]["em"], r["k1"]["f1"]
+    assert (em["a"], em["b"], em["diff"], em["above"], em["below"], em["n"]) == (0.5, 0.5, 0.0, 1, 1, 4)
+    assert f1["a"] == pytest.approx(0.625) and f1["b"] == pytest.approx(0.3125)
+    assert f1["diff"] == pytest.approx(0.3125) and (f1["above"], f1["below"]) == (2, 1)
+    assert em["lo"] <= 0.0 <= em["hi"] and -0.25 <= f1["lo"] <= f1["diff"] <= f1["hi"] <= 0.75
+    assert "| k1 | f1 | 0.625 | 0.312 | +0.312 [" in format_comparison(a, b, r)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 30), st.integers(-8, 8).map(lambda k: k / 8),
+       st.lists(st.integers(0, 8).map(lambda k: k / 8), min_size=1, max_size=30))
+def test_a_constant_difference_has_a_point_interval(n, delta, base):
+    """Every question differs by the same ``delta`` (eighths: exact in binary, so ``x + delta``
+    differs from ``x`` exactly when ``delta`` is not 0): every bootstrap mean is ``delta``."""
+    base = (base * n)[:n]
+    a = Evaluation("a", {"em": {"k1": [x + delta for x in base]}, "f1": {"k1": [x + delta for x in base]}}, None)
+    b = Evaluation("b", {"em": {"k1": base}, "f1": {"k1": base}}, None)
+    r = compare(a, b, samples=50)["k1"]["f1"]
+    assert r["lo"] == pytest.approx(delta, abs=1e-9) and r["hi"] == pytest.approx(delta, abs=1e-9)
+    assert (r["above"], r["below"]) == ((n, 0) if delta > 0 else (0, n) if delta < 0 else (0, 0))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda t: None, "no run folder"),
+    (lambda t: t.mkdir(), "no {run}/eval_rl.json"),
+    (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text("{")), "eval_rl.json: not readable as JSON"),
+    (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text("{}")), "eval_rl.json: no per_question_em field"),
+])
+def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, make, message):
+    run = tmp_path / "run"
+    make(run)
+    _write_eval(tmp_path / "ok", "rl", {"k1": [1]}, {"k1": [1]})
+    assert main([str(run), str(tmp_path / "ok")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message.format(run=run) in err and "\n" not in err
+
+
+def test_different_held_out_sets_are_refused(tmp_path):
+    _write_eval(tmp_path / "a", "rl", {"k1": [1, 0]}, {"k1": [1, 0]}, ids={"k1": ["q1", "q2"]})
+    _write_eval(tmp_path / "b", "rl", {"k1": [1, 0, 0]}, {"k1": [1, 0, 0]})
+    _write_eval(tmp_path / "c", "rl", {"k1": [1, 0]}, {"k1": [1, 0]}, ids={"k1": ["q2", "q1"]})
+    _write_eval(tmp_path / "d", "rl", {"full": [1, 0]}, {"full": [1, 0]})
+    for other, message in (("b", "evaluated 2 questions"), ("c", "evaluated different questions"),
+                           ("d", "share no context mode")):
+        with pytest.raises(ValueError, match=message):
+            compare(load_evaluation(str(tmp_path / "a")), load_evaluation(str(tmp_path / other)))
+
+
+def test_rl_against_sft_of_a_real_run_equals_its_summary(small_run, tmp_path):
+    """The main job's own files: ``mempo-compare RUN:rl RUN:sft`` (run from another folder, as a
+    module) reproduces ``summary.json``'s ``rl_vs_sft`` gains, with the trainer's bootstrap
+    settings (``EvalConfig.bootstrap_samples``, seed 0)."""
+    samples = next(p.split("=")[1] for p in SMALL_PARAMS if p.startswith("EvalConfig.bootstrap_samples="))
+    out = subprocess.run([sys.executable, "-m", "mempo_jax.run.compare", f"{small_run}:rl", f"{small_run}:sft",
+                          "--json", "--samples", samples], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    want = json.loads((small_run / "summary.json").read_text())["gains"]["rl_vs_sft"]
+    assert set(got) == set(want)
+    for mode in want:
+        for metric, (mean, lo, hi) in want[mode].items():
+            r = got[mode][metric]
+            assert (r["diff"], r["lo"], r["hi"]) == pytest.approx((mean, lo, hi), abs=1e-12)
