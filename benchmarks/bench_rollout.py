@@ -57,8 +57,8 @@ import tempfile
 import time
 from typing import Protocol, Sequence
 
-from common import (REPO, CompileCounter, alternate, have_transformers, median, parser, setup_platform, table,
-                    tunix_same_weights, write_json)
+from common import (REPO, CompileCounter, alternate, free_port, have_transformers, median, parser, setup_platform,
+                    table, tunix_same_weights, write_json)
 
 GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
 
@@ -379,18 +379,10 @@ def child_main(args) -> dict:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def multiprocess_runs(args) -> list[dict]:
     """``--processes`` children of this script (``child_main``), run at once; their JSON documents
     in process order."""
-    n, port = args.processes, _free_port()
+    n, port = args.processes, free_port()
     flags = ["--group", str(args.group), "--modes", args.modes] + (["--small"] if args.small else [])
     for name in ("turns", "new", "questions", "rows_bucket", "decode_chunk"):
         if getattr(args, name) is not None:

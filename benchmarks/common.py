@@ -24,6 +24,16 @@ if str(REPO) not in sys.path:  # `python benchmarks/x.py` from a fresh clone, no
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch (JAX 0.10)
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound once by the OS, then released): a loopback
+    ``jax.distributed`` coordinator's or a test server's."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ------------------------------------------------------------------------------------ arguments
 
 

@@ -104,6 +104,7 @@ def one_device_env(**extra: str) -> dict:
 
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # chaos_resume: the small run's command and environment
+from common import free_port  # noqa: E402,F401 (the tests' loopback ports)
 SMALL_RUN_DIR = SESSION_CACHE / "small_run" / "run"
 SMALL_RUN_LOG = SESSION_CACHE / "small_run" / "output.txt"
 SMALL_RUN_RC = SESSION_CACHE / "small_run" / "rc"  # its exit status, written when it ends
@@ -343,15 +344,6 @@ def smollm2_first_layers(smollm2_dir, tmp_path_factory):
         if (smollm2_dir / name).is_file():
             shutil.copyfile(smollm2_dir / name, folder / name)
     return folder
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound once by the OS, then released)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
