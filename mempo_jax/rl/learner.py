@@ -368,8 +368,10 @@ class Learner:
         into micro-batches of ``micro_batch_rows``; micro-batches without loss tokens (the
         padding that packing leaves at the end) are skipped inside the program, and a
         mini-batch without loss tokens is not run at all (no optimizer step: Adam's momentum
-        would otherwise move the parameters on a zero gradient); ``num_updates`` still counts it,
-        as it counts an update skipped for a non-finite gradient.
+        would otherwise move the parameters on a zero gradient), nor, with
+        ``loss_cfg.zero_advantage = "skip"``, one whose loss tokens all carry advantage 0;
+        ``num_updates`` still counts them, as it counts an update skipped for a non-finite
+        gradient.
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
@@ -386,7 +388,9 @@ class Learner:
         Returns:
           Metrics averaged over the mini-batches that ran (``actor/pg_loss``, ``actor/ppo_kl``,
           ``actor/pg_clipfrac``, ``actor/kl_loss``, ``actor/entropy``, ``actor/grad_norm``,
-          ``actor/update_skipped``, ...); ``{}`` when no row has a loss token.
+          ``actor/update_skipped``, ...), and with ``zero_advantage = "skip"``
+          ``actor/zero_advantage_skipped``: the share of the mini-batches not run for it (the
+          only key when none ran); ``{}`` when no row has a loss token.
 
         Raises:
           ValueError: as ``ppo_plan``.
@@ -397,11 +401,18 @@ class Learner:
         order = rng.permutation(n)
         plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
         out: dict[str, list[float]] = {}
+        zero_skipped = []
         for start, stop in mini_batch_slices(n, num_mini_batches):
             idx = order[start:stop]
-            if not np.any(rows["loss_mask"][idx] > 0):
+            loss_tokens = rows["loss_mask"][idx] > 0
+            if not np.any(loss_tokens):
                 self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
                 continue
+            if loss_cfg.zero_advantage == "skip":
+                zero_skipped.append(not np.any(rows["advantages"][idx][loss_tokens]))
+                if zero_skipped[-1]:
+                    self.num_updates += 1
+                    continue
             if self.packs_update:
                 mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
             else:
@@ -413,7 +424,10 @@ class Learner:
             self.num_updates += 1
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))
-        return {k: float(np.mean(v)) for k, v in out.items()}
+        metrics = {k: float(np.mean(v)) for k, v in out.items()}
+        if zero_skipped:
+            metrics["actor/zero_advantage_skipped"] = float(np.mean(zero_skipped))
+        return metrics
 
     # ---- the RL step's detached passes and its ahead-of-time programs ------------------------
     def on_global_rows(self, fn, params, input_ids: Int[np.ndarray, "rows length"],

@@ -32,6 +32,9 @@ register_kl_estimator = _KL.register  # fn(logp, ref_logp) -> [B, T], under one 
 register_loss_agg_mode = _AGG.register  # fn(values, mask, norm_length, segment_ids) -> (sum, denominator)
 
 
+ZERO_ADVANTAGE_CHOICES = ("train", "skip")  # LossConfig.zero_advantage
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Static options of the MemPO policy loss (docs/algorithm.md §5; verl actor defaults).
@@ -43,9 +46,17 @@ class LossConfig:
       kl_type: a registered KL estimator ("low_var_kl"/"k3", "k1"/"kl", "k2"/"mse", "abs").
       entropy_coef: weight of the entropy bonus (subtracted from the loss).
       loss_agg_mode: a registered aggregation mode (see ``aggregate_loss``).
+      zero_advantage: what ``Learner.ppo_update`` does with a mini-batch whose loss tokens all
+        carry advantage 0 (every group in it scored alike; with ``RLConfig.memory_coef = 0``
+        common once a policy stops answering): ``"train"`` runs its optimizer step like any other
+        (its gradient is the KL term alone, and Adam's first moment keeps moving the parameters
+        along the earlier steps' direction at nearly the full learning rate); ``"skip"`` does
+        not run it (parameters and optimizer state unchanged, like a mini-batch without loss
+        tokens; DAPO's dynamic sampling drops such groups, arXiv:2503.14476 §3.2).
 
     Raises:
-      ValueError: one line naming the field: an unknown ``kl_type`` / ``loss_agg_mode``,
+      ValueError: one line naming the field: an unknown ``kl_type`` / ``loss_agg_mode`` /
+        ``zero_advantage``,
         ``clip_ratio_c <= 1``, a clip ratio or ``kl_coef`` below 0, ``clip_ratio_low >= 1``, a
         non-finite value.
     """
@@ -57,9 +68,11 @@ class LossConfig:
     kl_type: str = "low_var_kl"
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
+    zero_advantage: str = "train"
 
     def __post_init__(self):
         check(self, "kl_type", str, choices=_KL.names())
+        check(self, "zero_advantage", str, choices=ZERO_ADVANTAGE_CHOICES)
         check(self, "loss_agg_mode", str, choices=_AGG.names())
         check(self, "clip_ratio_c", float, gt=1.0)  # dual clip
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):

@@ -216,3 +216,53 @@ def test_pack_token_rows_refuses_left_padding_and_a_loss_in_column_0():
     bad["loss_mask"][1, 0] = 1.0
     with pytest.raises(ValueError, match="column 0"):
         pack_token_rows(bad, 4)
+
+
+def _opt_leaves(learner):
+    return [np.array(x) for x in jax.tree.leaves(learner.opt_state)]
+
+
+def test_zero_advantage_mini_batch_moves_adam_unless_skipped():
+    """After one real step, a mini-batch whose loss tokens all carry advantage 0 has an exactly zero
+    gradient (``kl_coef = 0``), yet with ``zero_advantage = "train"`` Adam's first moment still moves
+    the parameters; ``"skip"`` leaves parameters and optimizer state bitwise unchanged and counts
+    the update slot."""
+    cfg, graphdef, params = toy_model(VOCAB, seed=4)
+    rows = _rows(np.random.default_rng(21), 12)
+    zero = dict(rows, advantages=np.zeros_like(rows["advantages"]))
+    moved = {}
+    for mode in ("train", "skip"):
+        loss_cfg = LossConfig(kl_coef=0.0, zero_advantage=mode)
+        learner = _learner(params, graphdef, micro=4, optimizer=optax.adam(1e-2))
+        learner.ppo_update(rows, loss_cfg, 1, np.random.default_rng(0), max_rows=16)
+        before, opt_before = [np.array(x) for x in jax.tree.leaves(learner.params)], _opt_leaves(learner)
+        m = learner.ppo_update(zero, loss_cfg, 1, np.random.default_rng(1), max_rows=16)
+        after = [np.array(x) for x in jax.tree.leaves(learner.params)]
+        moved[mode] = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
+        assert learner.num_updates == 2
+        if mode == "train":
+            assert m["actor/grad_norm"] == 0.0 and "actor/zero_advantage_skipped" not in m
+        else:
+            assert m == {"actor/zero_advantage_skipped": 1.0}
+            assert all(np.array_equal(a, b) for a, b in zip(_opt_leaves(learner), opt_before))
+    assert moved["train"] > 1e-3 and moved["skip"] == 0.0
+
+
+def test_only_the_zero_advantage_mini_batch_is_skipped():
+    """Two mini-batches, the first (of the shuffled order) with zero advantages: one program call,
+    on the other's rows; the skipped share is reported."""
+    cfg, graphdef, params = toy_model(VOCAB, seed=5)
+    rows = _rows(np.random.default_rng(22), 10)
+    order = np.random.default_rng(7).permutation(10)
+    first = order[slice(*mini_batch_slices(10, 2)[0])]
+    rows["advantages"][first] = 0.0
+    learner = _learner(params, graphdef, micro=4)
+    rec = _Recorder(learner)
+    m = learner.ppo_update(rows, LossConfig(zero_advantage="skip"), 2, np.random.default_rng(7), max_rows=16)
+    assert len(rec.calls) == 1 and rec.real_rows() == [5] and learner.num_updates == 2
+    assert m["actor/zero_advantage_skipped"] == 0.5 and "actor/pg_loss" in m
+
+
+def test_unknown_zero_advantage_strategy_names_the_field():
+    with pytest.raises(ValueError, match="zero_advantage"):
+        LossConfig(zero_advantage="drop")
