@@ -177,7 +177,7 @@ def test_two_process_2x2x2_mesh_run_equals_the_one_device_mesh_run(runs):
     for name in ("eval_sft.json", "eval_rl.json"):
         a, b = (json.loads((r / name).read_text()) for r in (run, ref))
         _close(a["evals"], b["evals"], name)
-        assert a["per_question_em"] == b["per_question_em"]
+        assert a["per_question_em"] == b["per_question_em"] and a["per_question_f1"] == b["per_question_f1"]
         predictions = name.replace(".json", "_predictions.jsonl")
         assert (run / predictions).read_text() == (ref / predictions).read_text() != ""
     assert (run / "config.gin").read_text().count("MeshConfig.data = 2") == 1

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 import jax
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Float, Shaped
+from jaxtyping import Shaped
 
 # Environment variables read by ``maybe_initialize`` (explicit clusters, e.g. CPU tests or GPUs).
 ENV_COORDINATOR = "MEMPO_COORDINATOR"  # "host:port" of process 0
@@ -155,29 +155,14 @@ def gather_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def concat_processes(values, sync=None) -> Float[np.ndarray, "entries"]:
-    """Every process's 1-D ``values`` (e.g. per-question EM), concatenated in process order.
-
-    A collective. After a rollout outside the lockstep wrappers (evaluation), pass the run's
-    ``HostSync`` as ``sync``: it first waits for every process.
-    """
-    values = np.asarray(values, np.float32).ravel()
-    if jax.process_count() == 1:
-        return values
-    if sync is not None:
-        sync.barrier()
-    counts = allgather(np.asarray([values.size], np.int32))[:, 0]
-    (out,) = gather_rows([values[None]], [1] * len(counts), int(counts.max()) or 1, [0.0])
-    return np.concatenate([row[: int(c)] for row, c in zip(out, counts)])
-
-
 def mean_metrics(metrics: Mapping[str, float], weight: float = 1.0, sync=None) -> dict[str, float]:
     """Weighted mean of every process's metrics (a collective; keys must agree across processes).
 
     Args:
       metrics: this process's scalar metrics.
       weight: this process's weight (e.g. its number of trajectories).
-      sync: the run's ``HostSync``; when given, a barrier first (see ``concat_processes``).
+      sync: the run's ``HostSync``; when given, a barrier first (after a rollout outside the
+        lockstep wrappers, e.g. an evaluation, the processes reach this call at different times).
 
     Raises:
       ValueError: if processes report different metric names.

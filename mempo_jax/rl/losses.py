@@ -50,9 +50,10 @@ class LossConfig:
         carry advantage 0 (every group in it scored alike; with ``RLConfig.memory_coef = 0``
         common once a policy stops answering): ``"train"`` runs its optimizer step like any other
         (its gradient is the KL term alone, and Adam's first moment keeps moving the parameters
-        along the earlier steps' direction at nearly the full learning rate); ``"skip"`` does
-        not run it (parameters and optimizer state unchanged, like a mini-batch without loss
-        tokens; DAPO's dynamic sampling drops such groups, arXiv:2503.14476 §3.2).
+        along the earlier steps' direction: by up to the learning rate per step where those
+        gradients agreed); ``"skip"`` does not run it (parameters and optimizer state unchanged,
+        like a mini-batch without loss tokens). DAPO's dynamic sampling (arXiv:2503.14476 §3.2)
+        goes further: it drops each zero-variance group and samples more to refill the batch.
 
     Raises:
       ValueError: one line naming the field: an unknown ``kl_type`` / ``loss_agg_mode`` /

@@ -6,7 +6,10 @@ and F1 of every evaluated context mode, in held-out order. Both sides must have 
 questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
 in the same order). Printed, per mode shared by both and per metric: each side's mean, the paired
 difference A − B with its percentile-bootstrap 95 % interval (``run.metrics.paired_gains``, the
-statistic ``summary.json`` reports for RL − SFT) and how many questions A scores above and below B.
+statistic ``summary.json`` reports for RL − SFT: the same numbers where ``--samples`` and ``--seed``
+equal the run's ``EvalConfig.bootstrap_samples`` and ``ExperimentConfig.seed``, 2000 and 0 by
+default) and how many questions A scores above and below B. An evaluation stored without
+per-question F1 is compared on EM alone.
 
 Comparing two arms from the same SFT start (MemPO against GRPO, ``RLConfig.memory_coef = 0``):
 ``mempo-compare runs/mempo runs/grpo``; RL against SFT within one run: ``mempo-compare runs/x:rl
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 from typing import Optional
@@ -39,11 +43,13 @@ class Evaluation:
       name: ``RUN_DIR:STAGE`` as given (the column label).
       per_question: ``{"em": {mode: [questions]}, "f1": {mode: [questions]}}`` float64 lists.
       ids: ``{mode: [question ids]}`` from the predictions file, or None where it is absent.
+      predictions: that file's path, or None.
     """
 
     name: str
     per_question: dict
     ids: Optional[dict]
+    predictions: Optional[pathlib.Path] = None
 
 
 def parse_side(spec: str) -> tuple[pathlib.Path, str]:
@@ -63,6 +69,25 @@ def parse_side(spec: str) -> tuple[pathlib.Path, str]:
     return run, stage
 
 
+def _per_question(path: pathlib.Path, stored: dict, metric: str) -> Optional[dict]:
+    """``{mode: [float]}`` of ``per_question_<metric>``, or None where the field is absent (F1 in
+    an evaluation stored before F1 was kept)."""
+    values = stored.get(f"per_question_{metric}")
+    if values is None:
+        return None
+    if not isinstance(values, dict) or not values:
+        raise ValueError(f"{path}: per_question_{metric} is not a non-empty {{mode: [values]}} object")
+    out = {}
+    for mode, vs in values.items():
+        if not isinstance(vs, list) or not vs:
+            raise ValueError(f"{path}: per_question_{metric}[{mode}] is not a non-empty list")
+        bad = [v for v in vs if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"{path}: per_question_{metric}[{mode}] holds {bad[0]!r}, not a finite number")
+        out[mode] = [float(v) for v in vs]
+    return out
+
+
 def load_evaluation(spec: str) -> Evaluation:
     """The evaluation named by ``spec`` (``parse_side``).
 
@@ -75,33 +100,43 @@ def load_evaluation(spec: str) -> Evaluation:
         raise ValueError(f"{spec}: no {path} (this stage was not evaluated, or the run has not reached it)")
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not readable as JSON ({e})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"{path}: not a JSON object")
     per = {}
     for metric in ("em", "f1"):
-        values = stored.get(f"per_question_{metric}")
-        if not isinstance(values, dict) or not values:
-            raise ValueError(f"{path}: no per_question_{metric} field")
-        per[metric] = {mode: [float(v) for v in vs] for mode, vs in values.items()}
+        values = _per_question(path, stored, metric)
+        if values is None and metric == "em":
+            raise ValueError(f"{path}: no per_question_em field")
+        if values is not None:
+            per[metric] = values
     ids = None
     preds = run / PREDICTIONS_FILE.format(stage=stage)
     if preds.is_file():
         ids = {}
-        for i, line in enumerate(preds.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            lines = preds.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{preds}: not readable ({e})") from None
+        for i, line in enumerate(lines, 1):
             try:
                 rec = json.loads(line)
                 ids.setdefault(rec["mode"], []).append(rec["id"])
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{preds}:{i}: not a prediction record ({e})") from None
-    return Evaluation(spec, per, ids)
+    return Evaluation(spec, per, ids, preds if ids is not None else None)
 
 
 def compare(a: Evaluation, b: Evaluation, samples: int = 2000, seed: int = 0) -> dict:
     """``{mode: {metric: {"a", "b", "diff", "lo", "hi", "above", "below", "n"}}}`` for the modes
-    both evaluated (``above`` / ``below``: questions where A's score is higher / lower than B's).
+    both evaluated and the metrics both stored (``above`` / ``below``: questions where A's score
+    is higher / lower than B's; ``lo`` / ``hi``: the percentile-bootstrap 95 % interval of
+    ``diff`` over ``samples`` resamples drawn with ``seed``).
 
     Raises:
-      ValueError: no mode in common, different question counts, or different question ids.
+      ValueError: no mode in common, different question counts, or different question ids (where
+        both sides wrote predictions).
     """
     modes = [m for m in a.per_question["em"] if m in b.per_question["em"]]
     if not modes:
@@ -111,9 +146,14 @@ def compare(a: Evaluation, b: Evaluation, samples: int = 2000, seed: int = 0) ->
         na, nb = len(a.per_question["em"][mode]), len(b.per_question["em"][mode])
         if na != nb:
             raise ValueError(f"{mode}: {a.name} evaluated {na} questions, {b.name} {nb}: not the same held-out set")
-        if a.ids is not None and b.ids is not None and a.ids.get(mode) != b.ids.get(mode):
-            raise ValueError(f"{mode}: {a.name} and {b.name} evaluated different questions "
-                             f"(ids differ in their {PREDICTIONS_FILE.format(stage='<stage>')})")
+        if a.ids is not None and b.ids is not None:
+            ia, ib = a.ids.get(mode), b.ids.get(mode)
+            if ia is None or ib is None or len(ia) != na or len(ib) != nb:
+                side = a if ia is None or len(ia) != na else b
+                raise ValueError(f"{side.predictions}: its {mode} ids do not match the {len(side.per_question['em'][mode])} "
+                                 f"questions of its evaluation file")
+            if ia != ib:
+                raise ValueError(f"{mode}: {a.predictions} and {b.predictions} list different questions")
     gains = paired_gains(a.per_question, b.per_question, samples, seed)
     out: dict = {}
     for mode in modes:
@@ -123,6 +163,20 @@ def compare(a: Evaluation, b: Evaluation, samples: int = 2000, seed: int = 0) ->
             out.setdefault(mode, {})[metric] = {
                 "a": float(x.mean()), "b": float(y.mean()), "diff": diff, "lo": lo, "hi": hi,
                 "above": int((x > y).sum()), "below": int((x < y).sum()), "n": int(x.size)}
+    return out
+
+
+def notes(a: Evaluation, b: Evaluation) -> list[str]:
+    """What ``compare`` left out: modes evaluated on one side only, and a question-id check not
+    made because one side has no predictions file."""
+    out = []
+    for x, y in ((a, b), (b, a)):
+        only = [m for m in x.per_question["em"] if m not in y.per_question["em"]]
+        if only:
+            out.append(f"{x.name} also evaluated {', '.join(only)} (not compared)")
+    if (a.ids is None) != (b.ids is None):
+        missing = a if a.ids is None else b
+        out.append(f"{missing.name} has no predictions file: question ids not checked (counts only)")
     return out
 
 
@@ -141,8 +195,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.compare"), description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="RUN_DIR[:STAGE] (stage base, sft or rl; default rl)")
     p.add_argument("b", help="RUN_DIR[:STAGE] to compare against")
-    p.add_argument("--samples", type=int, default=2000, help="bootstrap resamples (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
+    p.add_argument("--samples", type=_positive, default=2000,
+                   help="bootstrap resamples (default %(default)s, as EvalConfig.bootstrap_samples)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="bootstrap seed (default %(default)s; summary.json uses ExperimentConfig.seed)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     args = p.parse_args(argv)
     try:
@@ -152,7 +208,16 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_comparison(a, b, result))
+    for line in notes(a, b):
+        print(f"note: {line}", file=sys.stderr)
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -111,6 +111,11 @@ def prediction_record(question, trajectory, mode: str, dataset: str) -> dict:
       trajectory: its finished ``Trajectory``.
       mode: the context mode's name (``mode_name``).
       dataset: the dataset's name.
+
+    Returns:
+      ``{"dataset", "mode", "id", "question": str, "golds": [[str]], "answer": str | None,
+      "em", "f1": float in [0, 1], "turns", "tool_calls", "format_failures", "tt", "pt": int,
+      "end": str}`` (JSON-serialisable).
     """
     tt, pt = trajectory.token_stats()
     return {"dataset": dataset, "mode": mode, "id": question.id, "question": question.question,

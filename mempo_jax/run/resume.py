@@ -198,7 +198,7 @@ def truncate_log(path: str | os.PathLike, nbytes: int, source: str = "") -> byte
 
 # ---- the run folder -----------------------------------------------------------------------------
 _RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.gin", "tokenizer.model", "model_config.json", "summary.json",
-              EVAL_SFT_FILE, EVAL_RL_FILE, *(PREDICTIONS_FILE.format(stage=s) for s in ("base", "sft", "rl")),
+              EVAL_BASE_FILE, EVAL_SFT_FILE, EVAL_RL_FILE, *(PREDICTIONS_FILE.format(stage=s) for s in ("base", "sft", "rl")),
               "sft_checkpoint", "checkpoints", "tb")
 
 

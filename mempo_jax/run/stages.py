@@ -65,16 +65,18 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
                               first=first)
         bar.close()
-        metrics, em, f1 = res.metrics, res.per_question_em, res.per_question_f1
-        metrics = {k: v for k, v in metrics.items() if not is_kind_metric(k)}  # redone on all questions
+        metrics = {k: v for k, v in res.metrics.items() if not is_kind_metric(k)}  # redone on all questions
         mine = [prediction_record(q, tr, mode_name(mode), cfg.dataset) for q, tr in zip(held_mine, res.trajectories)]
         if ctx.multi:  # every process's questions, in the single-process order (collectives)
-            em = distributed.concat_processes(em, ctx.sync).astype(np.float64)
-            f1 = distributed.concat_processes(f1, ctx.sync).astype(np.float64)
+            ctx.sync.barrier()  # the rollouts ran outside the lockstep wrappers
+            mine = gather_records(mine, ctx.sync)
             means = distributed.mean_metrics({k: v for k, v in metrics.items() if k != "n"},
                                              weight=float(len(held_mine)), sync=ctx.sync)
             metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
-        records += gather_records(mine, ctx.sync)  # after concat_processes' barrier
+        records += mine
+        # per-question EM / F1 from the records: float64 as scored, on every process count
+        em = np.asarray([r["em"] for r in mine], np.float64)
+        f1 = np.asarray([r["f1"] for r in mine], np.float64)
         metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
         out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
         ctx.logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
@@ -266,8 +268,15 @@ def global_rl_metrics(m: dict, trajs, sync) -> dict:
 
 
 def gather_records(records: list, sync) -> list:
-    """Every process's JSON-able records, concatenated in process order (a collective; identity on
-    one process)."""
+    """Every process's records, concatenated in process order (a collective on several processes).
+
+    Args:
+      records: JSON-serialisable values (``json.dumps``-able dicts).
+      sync: the run's ``HostSync``.
+
+    Returns:
+      On one process ``records`` itself; on several, JSON round-tripped copies (tuples become lists).
+    """
     if not sync.multiprocess:
         return records
     blobs = distributed.gather_lists([list(json.dumps(r).encode("utf-8")) for r in records])

@@ -63,6 +63,13 @@ def test_a_constant_difference_has_a_point_interval(n, delta, base):
     (lambda t: t.mkdir(), "no {run}/eval_rl.json"),
     (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text("{")), "eval_rl.json: not readable as JSON"),
     (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text("{}")), "eval_rl.json: no per_question_em field"),
+    (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text("[]")), "eval_rl.json: not a JSON object"),
+    (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text('{"per_question_em": {"k1": [1, null]}}')),
+     "eval_rl.json: per_question_em[k1] holds None, not a finite number"),
+    (lambda t: (t.mkdir(), (t / "eval_rl.json").write_text('{"per_question_em": {"k1": []}}')),
+     "eval_rl.json: per_question_em[k1] is not a non-empty list"),
+    (lambda t: (_write_eval(t, "rl", {"k1": [1]}, {"k1": [1]}), (t / "eval_rl_predictions.jsonl").write_bytes(b"\xff")),
+     "eval_rl_predictions.jsonl: not readable"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, make, message):
     run = tmp_path / "run"
@@ -73,13 +80,34 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, make, message):
     assert err.startswith("error: ") and message.format(run=run) in err and "\n" not in err
 
 
+def test_samples_below_one_are_refused(tmp_path, capsys):
+    _write_eval(tmp_path / "a", "rl", {"k1": [1]}, {"k1": [1]})
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "a"), str(tmp_path / "a"), "--samples", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_em_only_evaluation_and_notes(tmp_path, capsys):
+    """An evaluation stored without per-question F1 is compared on EM; a mode on one side only and
+    a missing predictions file are noted on stderr."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "eval_rl.json").write_text(json.dumps({"per_question_em": {"k1": [1, 1], "full": [0, 0]}}))
+    _write_eval(tmp_path / "b", "rl", {"k1": [0, 1]}, {"k1": [0, 0.5]}, ids={"k1": ["q1", "q2"]})
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert list(result) == ["k1"] and list(result["k1"]) == ["em"] and result["k1"]["em"]["diff"] == 0.5
+    assert "also evaluated full (not compared)" in err and "has no predictions file" in err
+
+
 def test_different_held_out_sets_are_refused(tmp_path):
     _write_eval(tmp_path / "a", "rl", {"k1": [1, 0]}, {"k1": [1, 0]}, ids={"k1": ["q1", "q2"]})
     _write_eval(tmp_path / "b", "rl", {"k1": [1, 0, 0]}, {"k1": [1, 0, 0]})
     _write_eval(tmp_path / "c", "rl", {"k1": [1, 0]}, {"k1": [1, 0]}, ids={"k1": ["q2", "q1"]})
     _write_eval(tmp_path / "d", "rl", {"full": [1, 0]}, {"full": [1, 0]})
-    for other, message in (("b", "evaluated 2 questions"), ("c", "evaluated different questions"),
-                           ("d", "share no context mode")):
+    _write_eval(tmp_path / "e", "rl", {"k1": [1, 0]}, {"k1": [1, 0]}, ids={"k1": ["q1"]})
+    for other, message in (("b", "evaluated 2 questions"), ("c", "list different questions"),
+                           ("d", "share no context mode"), ("e", "ids do not match the 2 questions")):
         with pytest.raises(ValueError, match=message):
             compare(load_evaluation(str(tmp_path / "a")), load_evaluation(str(tmp_path / other)))
 

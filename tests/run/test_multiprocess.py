@@ -92,7 +92,7 @@ def _after_the_step(learner, engine, sync, tok, env, questions) -> dict:
     import jax
 
     from mempo_jax.agent.rollout import new_trajectories, place_params, rollout
-    from mempo_jax.core.distributed import concat_processes, mean_metrics
+    from mempo_jax.core.distributed import gather_lists, mean_metrics
 
     pid = jax.process_index()
     extra = []
@@ -102,7 +102,7 @@ def _after_the_step(learner, engine, sync, tok, env, questions) -> dict:
         rollout(engine, params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
     mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
                         sync=sync)
-    return {"mean": mean, "concat": concat_processes([pid] * (pid + 1), sync).tolist(),
+    return {"mean": mean, "concat": [x for (x,) in gather_lists([[pid]] * (pid + 1))],
             "extra_turns": [len(t.turns) for t in extra]}
 
 
@@ -230,7 +230,7 @@ def test_two_processes_run_one_rl_step_like_one_process(tmp_path):
     extra = sum(results[1]["metrics"]["_lockstep"]["extra_turns"])
     for r in results:
         lock = r["metrics"].pop("_lockstep")
-        assert lock["mean"]["x"] == pytest.approx(5 / 3) and lock["concat"] == [0.0, 1.0, 1.0]
+        assert lock["mean"]["x"] == pytest.approx(5 / 3) and lock["concat"] == [0, 1, 1]
         assert lock["mean"]["turns"] == pytest.approx(2 / 3 * extra) and extra >= 2
     # The step exercised tools, memory scoring and the update.
     assert ref_metrics["tool_calls/mean"] > 0 and ref_metrics["mem/turns"] > 0
@@ -293,7 +293,7 @@ def test_maybe_initialize_decides_from_arguments_and_environment(monkeypatch):
 
 def test_one_process_wrappers_pass_through():
     from mempo_jax.run import lockstep
-    from mempo_jax.core.distributed import allgather, concat_processes, gather_lists, gather_rows, mean_metrics
+    from mempo_jax.core.distributed import allgather, gather_lists, gather_rows, mean_metrics
 
     sync, scorer = lockstep.distribute(lambda *a: "scored")
     assert not sync.multiprocess and scorer(1, [2], [3], [4]) == "scored"
@@ -303,7 +303,6 @@ def test_one_process_wrappers_pass_through():
     ids, = gather_rows([np.ones((2, 3), np.int32)], [2], 5, [9], side="left")
     assert ids.tolist() == [[9, 9, 1, 1, 1]] * 2
     assert mean_metrics({"b": 2.0, "a": 1.0}, sync=sync) == {"a": 1.0, "b": 2.0}
-    assert concat_processes([1, 0, 1], sync).tolist() == [1.0, 0.0, 1.0]
 
 
 if __name__ == "__main__":
