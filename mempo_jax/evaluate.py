@@ -428,7 +428,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
     from tqdm.auto import tqdm
 
     from mempo_jax.agent.trajectory import mode_name
-    from mempo_jax.run.evaluation import evaluate_policy, prediction_record
+    from mempo_jax.run.evaluation import evaluate_policy, prediction_records
     from mempo_jax.tools.search import ToolEnvironment
 
     results: dict[str, dict[str, Any]] = {}
@@ -454,7 +454,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
             m = dict(res.metrics)
             m["tool_calls"] = float(sum(t.num_tool_calls for t in res.trajectories) / len(res.trajectories))
             results[spec.name][name] = m
-            records += [prediction_record(q, tr, name, spec.name) for q, tr in zip(qs, res.trajectories)]
+            records += prediction_records(qs, res, name, spec.name)
     bar.close()
     return results, records
 

@@ -100,15 +100,17 @@ def is_kind_metric(name: str) -> bool:
     return name.startswith(KIND_PREFIX)
 
 
-def prediction_record(question, trajectory, mode: str, dataset: str) -> dict:
+def prediction_record(question, trajectory, em: float, f1: float, mode: str, dataset: str) -> dict:
     """One line of a predictions file (``predictions.jsonl`` of ``mempo_jax.evaluate``,
     ``eval_<stage>_predictions.jsonl`` of the main job): the question, its golds, the answer given,
-    its EM and F1 (``rl.rewards.outcome_reward``), turns, tool calls, format failures, TT / PT
-    (tokens, as ``summarize``) and how the episode ended.
+    its EM and F1, turns, tool calls, format failures, TT / PT (tokens, as ``summarize``) and how
+    the episode ended.
 
     Args:
       question: an item with ``id``, ``question``, ``golds``.
       trajectory: its finished ``Trajectory``.
+      em, f1: its scores as ``evaluate_policy`` computed them (``EvalResult.per_question_em`` /
+        ``per_question_f1``; ``rl.rewards.outcome_reward``).
       mode: the context mode's name (``mode_name``).
       dataset: the dataset's name.
 
@@ -120,8 +122,7 @@ def prediction_record(question, trajectory, mode: str, dataset: str) -> dict:
     tt, pt = trajectory.token_stats()
     return {"dataset": dataset, "mode": mode, "id": question.id, "question": question.question,
             "golds": [list(g) for g in question.golds], "answer": trajectory.answer,
-            "em": outcome_reward(trajectory.answer, trajectory.golds, "em"),
-            "f1": outcome_reward(trajectory.answer, trajectory.golds, "f1"),
+            "em": float(em), "f1": float(f1),
             "turns": len(trajectory.turns), "tool_calls": trajectory.num_tool_calls,
             "format_failures": trajectory.format_failures, "tt": tt, "pt": pt, "end": trajectory.end_reason}
 
@@ -161,5 +162,11 @@ def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: Ro
     return EvalResult({**summarize(trajs), **kind_metrics(questions, em, f1)}, em, trajs, f1)
 
 
+def prediction_records(questions: Sequence, result: EvalResult, mode: str, dataset: str) -> list[dict]:
+    """``prediction_record`` of each question of ``result`` (``evaluate_policy`` on ``questions``)."""
+    return [prediction_record(q, tr, em, f1, mode, dataset) for q, tr, em, f1 in
+            zip(questions, result.trajectories, result.per_question_em, result.per_question_f1)]
+
+
 __all__ = ["EvalResult", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "prediction_record",
-           "question_kind", "summarize"]
+           "prediction_records", "question_kind", "summarize"]

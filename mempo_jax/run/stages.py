@@ -46,10 +46,10 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     """The policy of ``learner`` on the held-out questions in every ``EvalConfig.context_modes`` mode.
 
     Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode, prediction
-    records)``: the records (``run.evaluation.prediction_record``) of every process's questions,
+    records)``: the records (``run.evaluation.prediction_records``) of every process's questions,
     mode by mode, in the single-process order."""
     from mempo_jax.agent.rollout import place_params
-    from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_record
+    from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_records
 
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
@@ -66,7 +66,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
                               first=first)
         bar.close()
         metrics = {k: v for k, v in res.metrics.items() if not is_kind_metric(k)}  # redone on all questions
-        mine = [prediction_record(q, tr, mode_name(mode), cfg.dataset) for q, tr in zip(held_mine, res.trajectories)]
+        mine = prediction_records(held_mine, res, mode_name(mode), cfg.dataset)
         if ctx.multi:  # every process's questions, in the single-process order (collectives)
             ctx.sync.barrier()  # the rollouts ran outside the lockstep wrappers
             mine = gather_records(mine, ctx.sync)
@@ -74,7 +74,8 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
                                              weight=float(len(held_mine)), sync=ctx.sync)
             metrics = {k: (len(held) if k == "n" else means[k]) for k in metrics}
         records += mine
-        # per-question EM / F1 from the records: float64 as scored, on every process count
+        # per-question EM / F1 from the records: float64 as scored, on every process count (a gather
+        # of the float values themselves would round them to float32)
         em = np.asarray([r["em"] for r in mine], np.float64)
         f1 = np.asarray([r["f1"] for r in mine], np.float64)
         metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
