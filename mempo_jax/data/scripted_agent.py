@@ -57,16 +57,29 @@ class ScriptedAgentConfig:
         to answer from the history whatever its memories kept, and only the k-step (memory) view
         pays for lazy memory (laziness the memory reward can see, ``P(Z | mem)``
         below ``P(Z | full)``, and RL can undo).
+      think_search: the ``<think>`` text of a search turn (a space is put before it).
+      think_answer: the ``<think>`` text of the answer turn. The defaults name the action; a
+        pretrained model fine-tuned on them can learn to answer with the word itself
+        (``<think> answer</think><answer> answer</answer>``), so real-model recipes bind wording
+        that is no tag word (``configs/smollm2_hotpotqa_lora.gin``).
     """
 
     lazy_prob: float = 0.6
     duplicate_prob: float = 0.15
     full_rows: str = "same"
+    think_search: str = "search"
+    think_answer: str = "answer"
 
     def __post_init__(self):
         for name in ("lazy_prob", "duplicate_prob"):
             check(self, name, float, lo=0.0, hi=1.0)
         check(self, "full_rows", str, choices=FULL_ROWS)
+        for name in ("think_search", "think_answer"):
+            check(self, name, str)
+            try:
+                render_turn("m", getattr(self, name), "answer", "a")
+            except ValueError as e:
+                raise ValueError(f"ScriptedAgentConfig.{name}: {e}") from None
 
 
 def _answer(question, facts: Sequence[str]) -> str:
@@ -125,7 +138,7 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
         mem = "; ".join(facts) if facts else "none"
         repeats = 2 if rng.random() < cfg.duplicate_prob else 1
         for _ in range(repeats):
-            emit(mem, "search", "search", query)
+            emit(mem, cfg.think_search, "search", query)
         new = list(new_facts)
         if question.kind == "bridge" and hop_i == len(question.hops) - 1 and lazy:
             # The birth city was forgotten: guess one of the company's office heads.
@@ -136,7 +149,7 @@ def scripted_conversation(question, world_offices: dict, tool_env, cfg: Scripted
         facts = [new[-1]] if lazy else facts + new
     if recall:
         facts = seen
-    emit("; ".join(facts), "answer", "answer", _answer(question, facts))
+    emit("; ".join(facts), cfg.think_answer, "answer", _answer(question, facts))
     return Conversation(system, question.question, tuple(turns), str(question.id), tuple(question.golds))
 
 

@@ -73,3 +73,23 @@ def _after(q, offices, env, cfg):
     rng = np.random.default_rng(5)
     scripted_conversation(q, offices, env, cfg, rng)
     return rng.random()
+
+
+def test_think_wording_is_a_binding_and_changes_nothing_else(trajs):
+    """``think_search`` / ``think_answer`` replace the think text and only it: the same draws, the
+    same memories, searches and answers; a tag piece in the wording is one line naming the field."""
+    tok, qs, *_, (offices, env) = trajs
+    named = ScriptedAgentConfig(lazy_prob=0.5, duplicate_prob=0.5)
+    worded = ScriptedAgentConfig(lazy_prob=0.5, duplicate_prob=0.5, think_search="A fact is still missing.",
+                                 think_answer="The facts are in memory.")
+    for i, q in enumerate(qs):
+        a = scripted_conversation(q, offices, env, named, np.random.default_rng(i))
+        b = scripted_conversation(q, offices, env, worded, np.random.default_rng(i))
+        assert len(a.turns) == len(b.turns) and a.turns[-1][0].count("<think>") == 1
+        for (ta, oa), (tb, ob) in zip(a.turns, b.turns):
+            assert oa == ob
+            expect = ta.replace("<think> search</think>", "<think> A fact is still missing.</think>")
+            assert tb == expect.replace("<think> answer</think>", "<think> The facts are in memory.</think>")
+        assert "<think> The facts are in memory.</think><answer>" in b.turns[-1][0]
+    with pytest.raises(ValueError, match=r"^ScriptedAgentConfig.think_answer: think contains the tag piece '<answer>'$"):
+        ScriptedAgentConfig(think_answer="x <answer> y")
