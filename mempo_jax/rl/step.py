@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Bool, Float, Real
+from jaxtyping import Bool, Float, Int, Real
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.text.protocol import ANSWER, MEM
@@ -504,16 +504,34 @@ def _ppo_epochs(learner, batch: dict, cfg: RLConfig, rng: np.random.Generator) -
     return upd
 
 
+def zero_std_group_share(rewards: Real[ArrayLike, "trajectories"], group_ids: Int[ArrayLike, "trajectories"]) -> float:
+    """The share of groups whose rewards are all equal: the groups that ``advantage.outcome_advantage``
+    gives exactly 0 (for groups of two or more; docs/algorithm.md §4). 0.0 for no trajectories.
+
+    Args:
+      rewards: ``[N]`` outcome rewards.
+      group_ids: ``[N]`` group (question) index of each trajectory.
+    """
+    rewards, group_ids = np.asarray(rewards), np.asarray(group_ids)
+    groups = np.unique(group_ids)
+    if not len(groups):
+        return 0.0
+    return float(np.mean([np.ptp(rewards[group_ids == g]) == 0 for g in groups]))
+
+
 def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, r_mem: np.ndarray, scored: np.ndarray,
                   a_t: np.ndarray, a_m: np.ndarray) -> dict[str, float]:
     """The step's reward, memory-reward and batch-shape metrics (verl's names where one exists):
     ``rewards`` ``[n_traj]`` outcome rewards, ``mem_out`` the scorer's output over the ``scored``
     (``[n_mem]`` bool) memory turns, ``r_mem`` ``[n_mem]`` their R_M in the configured units
     (``MemoryRewardConfig.scale``: ``mem/reward/mean`` is the mean of what the advantages
-    used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
+    used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages.
+    ``critic/score/zero_std_groups`` is the share of groups whose outcome rewards are all equal
+    (their outcome advantage is 0: only the memory reward and the KL term move them)."""
     em = score_trajectories(trajs, "em")
     return {
         "critic/score/mean": float(rewards.mean()),
+        "critic/score/zero_std_groups": zero_std_group_share(rewards, [t.group_id for t in trajs]),
         "critic/em/mean": float(em.mean()),
         "critic/advantages/mean": float(a_t.mean()) if a_t.size else 0.0,
         "mem/reward/mean": float(r_mem[scored].mean()) if scored.any() else 0.0,
