@@ -531,7 +531,7 @@ def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, r_mem: np.ndarray, 
     em = score_trajectories(trajs, "em")
     return {
         "critic/score/mean": float(rewards.mean()),
-        "critic/score/zero_std_groups": zero_std_group_share(rewards, [t.group_id for t in trajs]),
+        "critic/score/zero_std_groups": zero_std_group_share(rewards, np.array([t.group_id for t in trajs], np.int32)),
         "critic/em/mean": float(em.mean()),
         "critic/advantages/mean": float(a_t.mean()) if a_t.size else 0.0,
         "mem/reward/mean": float(r_mem[scored].mean()) if scored.any() else 0.0,
