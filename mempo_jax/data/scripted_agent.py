@@ -60,8 +60,8 @@ class ScriptedAgentConfig:
       think_search: the ``<think>`` text of a search turn (a space is put before it).
       think_answer: the ``<think>`` text of the answer turn. The defaults name the action; a
         pretrained model fine-tuned on them can learn to answer with the word itself
-        (``<think> answer</think><answer> answer</answer>``), so real-model recipes bind wording
-        that is no tag word (``configs/smollm2_hotpotqa_lora.gin``).
+        (``<think> answer</think><answer> answer</answer>``), which wording that is no tag word
+        avoids. Neither may contain a tag piece (``ValueError`` naming the field).
     """
 
     lazy_prob: float = 0.6
