@@ -23,6 +23,8 @@ import re
 import string
 from typing import Callable, Sequence
 
+import numpy as np
+
 from mempo_jax.core.registry import Registry
 
 _PUNCT = frozenset(string.punctuation)
@@ -162,3 +164,20 @@ def outcome_reward(
         if i < len(parts) and parts[i]:
             total += score(parts[i], aliases)
     return total / len(golds)
+
+
+def score_trajectories(trajs: Sequence, metric: str, dtype=np.float32) -> np.ndarray:
+    """``outcome_reward`` of each trajectory's answer against its golds: ``[trajectories]`` in
+    [0, 1], 0 where no answer was given (docs/algorithm.md §3).
+
+    Args:
+      trajs: items with ``answer`` (str or None) and ``golds`` (e.g. ``agent.trajectory.Trajectory``).
+      metric: ``"em"`` or ``"f1"`` (as ``outcome_reward``).
+      dtype: the result's dtype (float32 for the RL step's rewards; float64 where per-question
+        scores are stored, e.g. the evaluation).
+
+    Raises:
+      ValueError: as ``outcome_reward``.
+    """
+    return np.asarray([outcome_reward(t.answer, t.golds, metric) for t in trajs], dtype)
+

@@ -36,7 +36,7 @@ from mempo_jax.rl.learner import TRAIN_MIN_LENGTH
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardConfig,
                                         memory_reward_values)
-from mempo_jax.rl.rewards import get_metric, outcome_reward
+from mempo_jax.rl.rewards import get_metric, score_trajectories
 from mempo_jax.text.stop_strings import byte_offsets
 from mempo_jax.core.validation import check
 
@@ -331,11 +331,6 @@ def ppo_old_logprobs(learner, rows: TrainingRows, source: str) -> tuple[np.ndarr
     if source == "trainer":
         return policy_old_logprobs(learner, rows)
     return rows.old_logprobs, {}
-
-
-def score_trajectories(trajs: Sequence[Trajectory], metric: str) -> Float[np.ndarray, "trajectories"]:
-    """Outcome rewards ``[num_traj]`` float32: 0 when no answer was given (docs/algorithm.md §3)."""
-    return np.asarray([outcome_reward(tr.answer, tr.golds, metric) for tr in trajs], np.float32)
 
 
 def mem_group_count(cfg: RLConfig) -> int:

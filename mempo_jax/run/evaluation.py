@@ -15,7 +15,7 @@ import numpy as np
 
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
 from mempo_jax.agent.trajectory import Trajectory, mode_name
-from mempo_jax.rl.rewards import outcome_reward
+from mempo_jax.rl.rewards import score_trajectories
 
 
 @dataclasses.dataclass
@@ -34,19 +34,11 @@ class EvalResult:
     per_question_f1: Optional[np.ndarray] = None
 
 
-def answer_scores(trajs: Sequence[Trajectory]) -> tuple[np.ndarray, np.ndarray]:
-    """Each trajectory's answer scored against its golds: ``(em, f1)``, each ``[trajectories]``
-    float64 in [0, 1] (``rl.rewards.outcome_reward``; 0 for no answer)."""
-    em = np.array([outcome_reward(t.answer, t.golds, "em") for t in trajs], np.float64)
-    f1 = np.array([outcome_reward(t.answer, t.golds, "f1") for t in trajs], np.float64)
-    return em, f1
-
-
 def summarize(trajs: Sequence[Trajectory], em: np.ndarray, f1: np.ndarray) -> dict:
     """``{"em", "f1", "tt", "pt", "turns", "format_fail", "n"}`` means over trajectories.
 
-    ``em`` / ``f1`` are the trajectories' scores (``answer_scores``). ``format_fail`` is the share
-    of episodes with at least one malformed turn or no answer.
+    ``em`` / ``f1`` are the trajectories' scores (``rl.rewards.score_trajectories``).
+    ``format_fail`` is the share of episodes with at least one malformed turn or no answer.
     """
     tt_pt = np.array([t.token_stats() for t in trajs], np.float64).reshape(-1, 2)
     fails = np.array([(t.format_failures > 0) or (t.answer is None) for t in trajs], np.float64)
@@ -164,7 +156,8 @@ def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: Ro
         trajs += batch
         if progress is not None:
             progress(len(trajs))
-    em, f1 = answer_scores(trajs)
+    em = score_trajectories(trajs, "em", np.float64)
+    f1 = score_trajectories(trajs, "f1", np.float64)
     return EvalResult({**summarize(trajs, em, f1), **kind_metrics(questions, em, f1)}, em, trajs, f1)
 
 
@@ -174,5 +167,5 @@ def prediction_records(questions: Sequence, result: EvalResult, mode: str, datas
             zip(questions, result.trajectories, result.per_question_em, result.per_question_f1)]
 
 
-__all__ = ["EvalResult", "answer_scores", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "prediction_record",
+__all__ = ["EvalResult", "evaluate_policy", "is_kind_metric", "kind_metrics", "mode_name", "prediction_record",
            "prediction_records", "question_kind", "summarize"]
