@@ -23,7 +23,10 @@ import numpy as np
 from mempo_jax.cli import command_name
 from mempo_jax.run.metrics import read_jsonl
 
-DEFAULT_KEYS = ("critic/score/mean", "answered/rate", "mem/reward/mean", "actor/kl_loss")
+# the training reward; the share of groups whose outcome scores are all equal (their outcome advantage
+# is 0: docs/algorithm.md section 5); how often an episode ends with an answer; the memory reward; KL
+DEFAULT_KEYS = ("critic/score/mean", "critic/score/zero_std_groups", "answered/rate", "mem/reward/mean",
+                "actor/kl_loss")
 EVAL_STAGES = ("base", "sft", "rl")  # the trainer's evaluation points, in the order they run
 
 

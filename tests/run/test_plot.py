@@ -13,7 +13,8 @@ from mempo_jax.run.plot import eval_points, main, moving_average, plot_runs, sta
 def _write_run(folder, rewards, f1s):
     folder.mkdir()
     lines = [{"stage": "eval_base_k1", "step": 0, "f1": f1s[0]}, {"stage": "sft", "step": 0, "sft/loss": 2.0}]
-    lines += [{"stage": "rl", "step": i, "critic/score/mean": r, "mem/reward/mean": None} for i, r in enumerate(rewards)]
+    lines += [{"stage": "rl", "step": i, "critic/score/mean": r, "critic/score/zero_std_groups": 1.0 - r,
+               "mem/reward/mean": None} for i, r in enumerate(rewards)]
     lines += [{"stage": "eval_sft_k1", "step": 5, "f1": f1s[1]}, {"stage": "eval_rl_k1", "step": 9, "f1": f1s[2]},
               {"stage": "eval_rl_full", "step": 9, "f1": 0.5}]
     text = "\n".join(json.dumps(x) for x in lines) + "\n{\"stage\": \"rl\", \"st"  # a torn last line (a kill mid-write)
@@ -43,8 +44,10 @@ def test_two_runs_draw_one_line_each_with_their_values(tmp_path):
     _write_run(tmp_path / "grpo", [0.25, 0.25], (0.0, 0.2, 0.3))
     axes = plot_runs([tmp_path / "mempo", tmp_path / "grpo"], tmp_path / "c.png", smooth=2)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    reward, held_out = axes.flat[0], axes.flat[1]  # mem/reward/mean is all null: no panel
+    reward, zero_std, held_out = axes.flat[0], axes.flat[1], axes.flat[2]  # mem/reward/mean is all null: no panel
     assert reward.get_title() == "critic/score/mean" and held_out.get_title() == "held-out F1"
+    assert zero_std.get_title() == "critic/score/zero_std_groups"
+    np.testing.assert_allclose(zero_std.lines[0].get_ydata(), [1.0, 0.5, 0.0])  # mempo, raw
     thick = [ln for ln in reward.lines if ln.get_label() in ("mempo", "grpo")]
     np.testing.assert_allclose(thick[0].get_ydata(), [0.0, 0.25, 0.75])
     np.testing.assert_allclose(thick[1].get_ydata(), [0.25, 0.25])
