@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mempo_jax.core.sharding import constrain
 from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.attention import BLOCK_K, AttentionMask
 from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
@@ -71,7 +72,7 @@ class _CacheWrite(NamedTuple):
 class Block(nnx.Module):
     """One pre-norm decoder layer (HF ``Qwen2DecoderLayer``)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
@@ -103,7 +104,7 @@ class Decoder(nnx.Module):
     ``final_norm [embed]``, and when untied ``lm_head [embed, vocab]``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
         self.cfg = cfg
         pd = cfg.weight_dtype
         self.embed = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.embed_dim),

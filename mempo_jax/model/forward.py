@@ -20,13 +20,14 @@ from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding, rule_axes
 from mempo_jax.model.attention import AttentionMask
 from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
 
 
-def _rngs(seed: int) -> nnx.Rngs:
+def _rngs(seed: int) -> InitKeys:
     """The init streams: ``params`` (the base weights) and ``lora`` (adapters, drawn apart so the
     base weights of a seed are the same with or without adapters)."""
-    return nnx.Rngs(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
+    return InitKeys(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

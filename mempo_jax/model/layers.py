@@ -22,13 +22,14 @@ from jaxtyping import Array, Bool, Float, Int
 from mempo_jax.core.sharding import constrain
 from mempo_jax.model.attention import AttentionMask, attention
 from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.lora import adapter_params, lora_delta
 
 EMBED_AXES = ("batch", "seq", "embed")  # the residual stream's logical axes (core.sharding.constrain)
 
 
 
-def add_lora(module: nnx.Module, cfg: ModelConfig, kind: str, rngs: nnx.Rngs, n_in: dict[str, int]) -> None:
+def add_lora(module: nnx.Module, cfg: ModelConfig, kind: str, rngs: InitKeys, n_in: dict[str, int]) -> None:
     """Give ``module`` (``kind`` ``"attn"`` / ``"mlp"``) the adapters ``cfg`` asks for:
     ``{w}_lora_a`` / ``{w}_lora_b`` beside each targeted weight ``w`` (``lora.adapter_params``;
     ``n_in[w]`` = its input axes)."""
@@ -49,7 +50,7 @@ def project(module: nnx.Module, eq: str, x: Float[Array, "..."], w: str, n_in: i
     return y + lora_delta(x, a[...], getattr(module, f"{w}_lora_b")[...], n_in, module.lora_scale)
 
 
-def logical_param(rngs: nnx.Rngs | None, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
+def logical_param(rngs: InitKeys | None, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
     """An ``nnx.Param`` initialised by ``init(key, shape, dtype)`` and tagged with logical ``axes``.
 
     Raises:
@@ -123,7 +124,7 @@ def apply_rope(x: Float[ArrayLike, "rows length heads head_dim"], positions: Int
 class RMSNorm(nnx.Module):
     """RMSNorm: ``weight * (x / sqrt(mean(x**2) + eps))``, statistics in float32 (HF ``Qwen2RMSNorm``)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: InitKeys | None = None):
         self.eps = eps
         self.weight = logical_param(None, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
 
@@ -141,7 +142,7 @@ class Attention(nnx.Module):
     optional biases ``[heads|kv_heads, head_dim]``, ``o [heads, head_dim, embed]``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
         self.cfg = cfg
         d, h, k, hd, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         init = nnx.initializers.normal(cfg.initializer_range)
@@ -209,7 +210,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))`` (HF ``Qwen2MLP``)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
         d, f, pd = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
         init = nnx.initializers.normal(cfg.initializer_range)
         self.gate = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 
 from mempo_jax.core.validation import check
 from mempo_jax.model.config import LORA_TARGETS, ModelConfig
+from mempo_jax.model.init_keys import InitKeys
 
 ADAPTER_DTYPE = jnp.float32  # adapters and their optimizer state stay float32 whatever the base dtype
 PEFT_CONFIG_FILE = "adapter_config.json"
@@ -97,13 +98,13 @@ class LoraConfig:
 # ------------------------------------------------------------------------------- the modules' half
 
 
-def lora_key(rngs: nnx.Rngs) -> jax.Array:
+def lora_key(rngs: InitKeys) -> jax.Array:
     """The key of the next adapter init: the ``lora`` stream when ``rngs`` has one (``create_model``
     gives it one, so the base weights are drawn as without adapters), else ``params``."""
     return rngs.lora() if "lora" in rngs else rngs.params()
 
 
-def adapter_params(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, n_in: int, rank: int) -> tuple:
+def adapter_params(rngs: InitKeys, shape: tuple[int, ...], axes: tuple, n_in: int, rank: int) -> tuple:
     """``(A, B)`` ``nnx.LoRAParam``s for a weight of ``shape`` whose first ``n_in`` axes are its input.
 
     ``A [*shape[:n_in], rank]`` uniform in ``±1 / sqrt(prod(shape[:n_in]))``, logical axes
