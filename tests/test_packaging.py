@@ -69,6 +69,20 @@ def test_shipped_recipes_load_by_name_from_another_directory(tmp_path, monkeypat
     assert load_config(["hotpotqa"], ["RLConfig.steps = 5"]).rl.steps == 5
 
 
+def test_every_shipped_recipe_loads_where_a_configs_folder_is_importable(tmp_path, monkeypatch):
+    """gin's package-resource reader turns ``include 'configs/x.gin'`` into the package ``configs``;
+    a ``configs`` folder importable from ``sys.path`` (a namespace package: a benchmark run from its
+    own folder puts the repository root there) makes it raise a TypeError naming no file. The shipped
+    recipes include bare names, which never reach that reader."""
+    (tmp_path / "root" / "configs").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    for name in recipes.recipe_names():
+        for line in (recipes.RECIPES_DIR / f"{name}.gin").read_text().splitlines():
+            assert not (line.startswith("include") and "/" in line), (name, line)
+        load_config([name])
+
+
 @pytest.mark.parametrize("include", ["tiny_world.gin", "mine/base.gin"])
 def test_includes_are_found_beside_the_file_or_among_the_recipes(tmp_path, monkeypatch, include):
     (tmp_path / "mine").mkdir()
