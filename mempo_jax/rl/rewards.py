@@ -24,6 +24,7 @@ import string
 from typing import Callable, Sequence
 
 import numpy as np
+from jaxtyping import Float
 
 from mempo_jax.core.registry import Registry
 
@@ -166,7 +167,7 @@ def outcome_reward(
     return total / len(golds)
 
 
-def score_trajectories(trajs: Sequence, metric: str, dtype=np.float32) -> np.ndarray:
+def score_trajectories(trajs: Sequence, metric: str, dtype=np.float32) -> Float[np.ndarray, "trajectories"]:
     """``outcome_reward`` of each trajectory's answer against its golds: ``[trajectories]`` in
     [0, 1], 0 where no answer was given (docs/algorithm.md §3).
 
@@ -180,4 +181,3 @@ def score_trajectories(trajs: Sequence, metric: str, dtype=np.float32) -> np.nda
       ValueError: as ``outcome_reward``.
     """
     return np.asarray([outcome_reward(t.answer, t.golds, metric) for t in trajs], dtype)
-
