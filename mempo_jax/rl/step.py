@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Bool, Float, Int, Real
+from jaxtyping import Bool, Float, Real
 
 from mempo_jax.rl.advantage import memory_advantage, outcome_advantage, scatter_span_values, token_advantages
 from mempo_jax.text.protocol import ANSWER, MEM
@@ -31,6 +31,7 @@ from mempo_jax.agent.rollout import Engine, RolloutConfig, new_trajectories, pla
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
+from mempo_jax.rl.group_filter import GROUP_FILTERS, kept_trajectories, zero_std_group_share
 from mempo_jax.rl.interfaces import MemoryScorer, PolicyLearner
 from mempo_jax.rl.learner import TRAIN_MIN_LENGTH
 from mempo_jax.rl.losses import LossConfig
@@ -65,6 +66,10 @@ class RLConfig:
         ``policy_old_logprobs``, as verl's ``compute_log_prob``; the sampler's stay in the
         rollout records for ``rollout/logprob_diff/*``) or ``"sampler"`` (the sampler's own; no
         recompute, no ``logprob_diff`` metrics).
+      filter_groups: which question groups are trained on (``group_filter.GROUP_FILTERS``):
+        ``"none"`` (default, every group) or ``"outcome_std"`` (only groups whose outcome rewards
+        differ; the others are dropped before the memory reward, the log-probs and the update, and
+        a step in which no group differs updates nothing). One process only.
     """
 
     steps: int = 40
@@ -79,6 +84,7 @@ class RLConfig:
     precompile: bool = False
     old_logprobs: str = "trainer"
     memory_reward: MemoryRewardConfig = MemoryRewardConfig()
+    filter_groups: str = "none"
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -95,6 +101,7 @@ class RLConfig:
         check(self, "precompile", bool)
         check(self, "memory_reward", MemoryRewardConfig)
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
+        check(self, "filter_groups", str, choices=tuple(GROUP_FILTERS.names()))
 
 
 
@@ -448,7 +455,14 @@ def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemorySc
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    rewards = score_trajectories(trajs, cfg.outcome_metric)
+    rewards_all = score_trajectories(trajs, cfg.outcome_metric)
+    group_ids = np.array([t.group_id for t in trajs], np.int32)
+    kept = kept_trajectories(cfg.filter_groups, rewards_all, group_ids)
+    metrics = _rollout_metrics(trajs, rewards_all, group_ids, kept)
+    if not kept.any():  # no group to train on (RLConfig.filter_groups): nothing is scored or updated
+        metrics.update(timings)
+        return metrics, trajs
+    sampled, trajs, rewards = trajs, [t for t, k in zip(trajs, kept) if k], rewards_all[kept]
     rows = pad_columns(build_training_rows(trajs, cfg.rollout.context_steps, tokenizer.pad_id), TRAIN_MIN_LENGTH,
                        tokenizer.pad_id)
     mr = cfg.memory_reward
@@ -480,12 +494,11 @@ def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemorySc
     upd = _ppo_epochs(learner, batch, cfg, rng)
     timings["timing/update_s"] = time.perf_counter() - t2
 
-    metrics = _step_metrics(trajs, rows, rewards, mem_out, r_mem, scored, a_t, a_m)
+    metrics.update(_update_metrics(rows, mem_out, r_mem, scored, a_t, a_m))
     metrics.update({k: float(np.mean(v)) for k, v in upd.items()})
-    metrics.update(rollout_metrics(trajs))
     metrics.update(lp_metrics)
     metrics.update(timings)
-    return metrics, trajs
+    return metrics, sampled
 
 
 def _ppo_epochs(learner, batch: dict, cfg: RLConfig, rng: np.random.Generator) -> dict[str, list[float]]:
@@ -499,35 +512,34 @@ def _ppo_epochs(learner, batch: dict, cfg: RLConfig, rng: np.random.Generator) -
     return upd
 
 
-def zero_std_group_share(rewards: Real[ArrayLike, "trajectories"], group_ids: Int[ArrayLike, "trajectories"]) -> float:
-    """The share of groups whose rewards are all equal: the groups that ``advantage.outcome_advantage``
-    gives exactly 0 (for groups of two or more; docs/algorithm.md §4). 0.0 for no trajectories.
-
-    Args:
-      rewards: ``[N]`` outcome rewards.
-      group_ids: ``[N]`` group (question) index of each trajectory.
-    """
-    rewards, group_ids = np.asarray(rewards), np.asarray(group_ids)
-    groups = np.unique(group_ids)
-    if not len(groups):
-        return 0.0
-    return float(np.mean([np.ptp(rewards[group_ids == g]) == 0 for g in groups]))
-
-
-def _step_metrics(trajs, rows, rewards: np.ndarray, mem_out, r_mem: np.ndarray, scored: np.ndarray,
-                  a_t: np.ndarray, a_m: np.ndarray) -> dict[str, float]:
-    """The step's reward, memory-reward and batch-shape metrics (verl's names where one exists):
-    ``rewards`` ``[n_traj]`` outcome rewards, ``mem_out`` the scorer's output over the ``scored``
-    (``[n_mem]`` bool) memory turns, ``r_mem`` ``[n_mem]`` their R_M in the configured units
-    (``MemoryRewardConfig.scale``: ``mem/reward/mean`` is the mean of what the advantages
-    used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages.
-    ``critic/score/zero_std_groups`` is the share of groups whose outcome rewards are all equal
-    (their outcome advantage is 0: only the memory reward and the KL term move them)."""
-    em = score_trajectories(trajs, "em")
+def _rollout_metrics(trajs, rewards: np.ndarray, group_ids: np.ndarray, kept: np.ndarray) -> dict[str, float]:
+    """The metrics of every sampled trajectory, before any group filter: outcome rewards
+    (``rewards`` ``[n_traj]``), ``critic/score/zero_std_groups`` (the share of groups whose outcome
+    rewards are all equal: their outcome advantage is 0, only the memory reward and the KL term
+    move them), ``train/kept_groups`` (the share of groups ``kept`` (``[n_traj]`` bool) for
+    training, ``RLConfig.filter_groups``), the rollout's own (``rollout_metrics``), and the
+    memory-reward and batch-shape metrics at 0 (``_update_metrics`` overwrites them when a group is
+    kept), so that every step logs the same names (verl's where one exists)."""
+    first = np.unique(group_ids, return_index=True)[1]
     return {
         "critic/score/mean": float(rewards.mean()),
-        "critic/score/zero_std_groups": zero_std_group_share(rewards, np.array([t.group_id for t in trajs], np.int32)),
-        "critic/em/mean": float(em.mean()),
+        "critic/score/zero_std_groups": zero_std_group_share(rewards, group_ids),
+        "critic/em/mean": float(score_trajectories(trajs, "em").mean()),
+        "critic/advantages/mean": 0.0,
+        "train/kept_groups": float(np.mean(kept[first])) if len(first) else 0.0,
+        **{k: 0.0 for k in ("mem/reward/mean", "mem/p_full/mean", "mem/p_mem/mean", "mem/advantage/std", "mem/turns",
+                            "mem/excluded_malformed", "train/rows", "train/seq_len")},
+        **rollout_metrics(trajs),
+    }
+
+
+def _update_metrics(rows, mem_out, r_mem: np.ndarray, scored: np.ndarray, a_t: np.ndarray,
+                    a_m: np.ndarray) -> dict[str, float]:
+    """The memory-reward and batch-shape metrics of the trained trajectories: ``mem_out`` the
+    scorer's output over the ``scored`` (``[n_mem]`` bool) memory turns, ``r_mem`` ``[n_mem]``
+    their R_M in the configured units (``MemoryRewardConfig.scale``: ``mem/reward/mean`` is the
+    mean of what the advantages used), ``a_t`` / ``a_m`` the trajectory / memory-turn advantages."""
+    return {
         "critic/advantages/mean": float(a_t.mean()) if a_t.size else 0.0,
         "mem/reward/mean": float(r_mem[scored].mean()) if scored.any() else 0.0,
         "mem/p_full/mean": float(mem_out.p_full.mean()) if len(mem_out.p_full) else 0.0,

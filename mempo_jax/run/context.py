@@ -271,7 +271,9 @@ def check_mesh_sizes(cfg, mesh, rules) -> None:
     Raises:
       ValueError: naming the field: ``SFTConfig.batch_rows`` that does not divide over the mesh's
         batch shards (``MeshConfig.rules`` "batch", data x fsdp by default), or a per-step count
-        (``SFTConfig.batch_rows``, ``RLConfig.questions_per_step``) smaller than the process count.
+        (``SFTConfig.batch_rows``, ``RLConfig.questions_per_step``) smaller than the process count,
+        or ``RLConfig.filter_groups`` other than ``"none"`` on several processes (each would
+        drop a different number of rows).
     """
     shards, procs = batch_shards(mesh, rules), jax.process_count()
     if cfg.sft.steps > 0 and cfg.sft.batch_rows % shards:
@@ -281,6 +283,9 @@ def check_mesh_sizes(cfg, mesh, rules) -> None:
                         ("RLConfig.questions_per_step", cfg.rl.questions_per_step if cfg.rl.steps > 0 else procs)):
         if value < procs:
             raise ValueError(f"{name} = {value} cannot be split over {procs} processes (each needs at least one)")
+    if cfg.rl.steps > 0 and cfg.rl.filter_groups != "none" and procs > 1:
+        raise ValueError(f"RLConfig.filter_groups = {cfg.rl.filter_groups!r} runs on one process, not {procs} "
+                         "(set it to 'none')")
 
 
 def check_processes_agree(point, tokenizer, num_train: int, num_heldout: int) -> None:

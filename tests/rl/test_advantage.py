@@ -234,7 +234,7 @@ _GROUP_NORMALIZE = jax.jit(group_normalize, static_argnums=2)
 @given(st.lists(st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=2, max_size=5), min_size=1, max_size=6))
 def test_zero_std_group_share_counts_the_groups_whose_outcome_advantage_is_zero(groups):
     """``critic/score/zero_std_groups``: the share of groups that GRPO's normalisation zeroes."""
-    from mempo_jax.rl.step import zero_std_group_share
+    from mempo_jax.rl.group_filter import zero_std_group_share
 
     rewards = np.array([r for g in groups for r in g], np.float32)
     ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int32)
