@@ -78,3 +78,22 @@ def test_a_step_without_a_differing_group_updates_nothing_and_logs_the_same_name
     m_trained, *_ = _step([RIGHT, WRONG, WRONG, WRONG, WRONG, WRONG], "outcome_std")
     assert {k for k in m_trained if not k.startswith(("actor/", "rollout/logprob_diff", "timing/"))} == \
         {k for k in m if not k.startswith("timing/")}
+
+
+def test_a_group_filter_on_several_processes_is_refused_before_anything_runs(monkeypatch):
+    """Each process would drop a different number of rows: the run stops at start-up, naming the field."""
+    import types
+
+    from jax.sharding import AbstractMesh
+
+    from mempo_jax.core.sharding import DEFAULT_RULES
+    from mempo_jax.run import context
+
+    mesh = AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"))
+    cfg = lambda name: types.SimpleNamespace(sft=types.SimpleNamespace(steps=0, batch_rows=8),  # noqa: E731
+                                             rl=RLConfig(steps=2, questions_per_step=4, filter_groups=name))
+    context.check_mesh_sizes(cfg("outcome_std"), mesh, DEFAULT_RULES)  # one process
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    context.check_mesh_sizes(cfg("none"), mesh, DEFAULT_RULES)
+    with pytest.raises(ValueError, match=r"RLConfig.filter_groups = 'outcome_std' runs on one process, not 2"):
+        context.check_mesh_sizes(cfg("outcome_std"), mesh, DEFAULT_RULES)
