@@ -262,10 +262,16 @@ class _Act:
     def layer_forward(self, rows, length, slots, attention_bytes: int = ATTENTION_BYTES) -> int:
         """Live bytes of one layer's forward (nothing kept for a backward pass): the layer's
         projections and ``attention_bytes`` per element of the ``[rows, heads, length, slots]``
-        attention scores."""
+        attention scores; on a mesh with a ``tensor`` axis the o_proj and down_proj partial sums
+        (two residual-width buffers before their all-reduce), and on the blocked attention path
+        the queries and the output laid out in blocks (two query-width buffers)."""
+        from mempo_jax.model.attention import use_blocked
+
         c, a = self.c, self.act
-        return (a * (4 * self.width(rows, length, "embed", c.embed_dim)
-                     + 3 * self.heads(rows, length, "heads", c.num_heads)
+        residual = 4 + (2 if dict(self.mesh.shape).get("tensor", 1) > 1 else 0)
+        queries = 3 + (2 if use_blocked(length, slots) else 0)
+        return (a * (residual * self.width(rows, length, "embed", c.embed_dim)
+                     + queries * self.heads(rows, length, "heads", c.num_heads)
                      + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads)
                      + 3 * self.width(rows, length, "mlp", c.mlp_dim))
                 + attention_bytes * self.scores(rows, length, slots))
