@@ -131,6 +131,8 @@ def run(args, hooks=None) -> dict:
             x.dtype, jnp.floating) and x.dtype != ref_dtype else x.copy())
         evals["sft"], per_q["sft"] = stages.evaluate_stage(ctx, "sft", learner, ctx.point.eval_sft, ctx.sft_ckpt,
                                                            cfg.sft.steps)
+        # RL builds its own optimizer state: the SFT one (and a restored SFT checkpoint's) is freed first
+        _free(learner.opt_state, ctx.sft_state[1] if ctx.sft_state is not None else None)
         learner = stages.rl_stage(ctx, learner.params, ref_params, stack)
         evals["rl"], per_q["rl"] = stages.evaluate_stage(ctx, "rl", learner, ctx.point.eval_rl, ctx.rl_ckpt,
                                                          cfg.rl.steps)
@@ -151,6 +153,15 @@ def run(args, hooks=None) -> dict:
         summary = stages.summarize(ctx, evals, per_q, exported)
     stages.print_summary(ctx, summary)
     return summary
+
+
+def _free(*trees) -> None:
+    """Delete the device buffers of every ``jax.Array`` in ``trees``: state no stage uses again,
+    freed now rather than when its last reference goes (the frozen run context keeps a restored
+    checkpoint's). Checkpoint saves have copied their arrays off the device when they return."""
+    for x in jax.tree.leaves(trees):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
 
 
 def main(argv=None, hooks=None) -> int:
