@@ -541,7 +541,8 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
         if missing:  # gin's resource reader fails on a missing file with a TypeError naming no file
             raise ValueError(f"config error: {missing}") from None
         msg = _one_line_gin_error(e, gin_params)
-        raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}") from None
+        raise ValueError(f"config error: {msg}{_binding_source(msg, gin_files, gin_params)}"
+                         f"{_package_include_hint(e, msg)}") from None
     finally:
         logging.getLogger().removeFilter(probes)
     _check_types(cfg, "ExperimentConfig")
@@ -624,6 +625,26 @@ def _binding_source(msg: str, gin_files: Sequence[str], gin_params: Sequence[str
             if lhs.match(lines[i]):
                 return f" ({path}:{i + 1}: {lines[i].strip()})"
     return ""
+
+
+def _package_include_hint(e: BaseException, msg: str) -> str:
+    """For gin's TypeError on an ``include 'pkg/file.gin'`` whose first folder is an importable Python
+    package (gin's resource reader then looks inside that package and fails on a namespace
+    package): what happened and what to write instead; else ""."""
+    m = re.search(r"include '([^'/]+)/[^']*'", msg)
+    if not isinstance(e, TypeError) or not m:
+        return ""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(m.group(1))
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return ""
+    where = ", ".join(dict.fromkeys(spec.submodule_search_locations or [])) or spec.origin
+    return (f"; gin looked for it inside the importable Python package {m.group(1)!r} ({where}): include it "
+            "by its bare name, or by an absolute path")
 
 
 def _one_line_gin_error(e: BaseException, gin_params: Sequence[str]) -> str:

@@ -97,6 +97,30 @@ def test_includes_are_found_beside_the_file_or_among_the_recipes(tmp_path, monke
     assert cfg.rl.steps == (7 if include == "mine/base.gin" else 8)  # tiny_world.gin binds 8
 
 
+def test_an_include_read_as_an_importable_package_is_explained(tmp_path, monkeypatch):
+    """``include 'configs/x.gin'`` beside the including file, run where another ``configs`` folder is
+    importable: gin's package reader fails with a TypeError naming no file; the error says why and
+    what to write, and the bare name loads."""
+    (tmp_path / "mine" / "configs").mkdir(parents=True)
+    (tmp_path / "mine" / "configs" / "base.gin").write_text("include 'tiny_world.gin'\nRLConfig.steps = 7\n")
+    (tmp_path / "mine" / "base.gin").write_text("include 'tiny_world.gin'\nRLConfig.steps = 7\n")
+    user = tmp_path / "mine" / "exp.gin"
+    user.write_text("include 'configs/base.gin'\n")
+    (tmp_path / "run" / "configs").mkdir(parents=True)  # an importable namespace package named configs
+    monkeypatch.chdir(tmp_path / "run")
+    monkeypatch.syspath_prepend(str(tmp_path / "run"))
+    with pytest.raises(ValueError) as e:
+        load_config([str(user)])
+    msg = str(e.value)  # the package's folders: this one first, and any other `configs` on sys.path
+    assert msg.startswith(
+        f"config error: expected str, bytes or os.PathLike object, not NoneType ({user}:1: include "
+        f"'configs/base.gin'); gin looked for it inside the importable Python package 'configs' "
+        f"({tmp_path / 'run' / 'configs'}"), msg
+    assert msg.endswith("): include it by its bare name, or by an absolute path"), msg
+    user.write_text("include 'base.gin'\n")
+    assert load_config([str(user)]).rl.steps == 7
+
+
 def test_a_recipe_prompt_file_is_found_from_another_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = system_prompt(("search",), "configs/prompts/mempo_search_short.txt")
