@@ -40,11 +40,14 @@ def zero_std_group_share(rewards: Real[ArrayLike, "trajectories"], group_ids: In
       rewards: ``[N]`` outcome rewards.
       group_ids: ``[N]`` group (question) index of each trajectory.
     """
-    group_ids = np.asarray(group_ids)
-    groups, first = np.unique(group_ids, return_index=True)
-    if not len(groups):
-        return 0.0
-    return float(np.mean(uniform_groups(rewards, group_ids)[first]))
+    return group_share(uniform_groups(rewards, group_ids), group_ids)
+
+
+def group_share(mask: Bool[ArrayLike, "trajectories"], group_ids: Int[ArrayLike, "trajectories"]) -> float:
+    """The share of groups for which ``mask`` (``[N]`` bool, equal within each group, e.g.
+    ``uniform_groups`` or ``kept_trajectories``) holds. 0.0 for no trajectories."""
+    first = np.unique(np.asarray(group_ids), return_index=True)[1]
+    return float(np.mean(np.asarray(mask)[first])) if len(first) else 0.0
 
 
 @GROUP_FILTERS.register("none")

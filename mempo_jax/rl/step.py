@@ -31,7 +31,7 @@ from mempo_jax.agent.rollout import Engine, RolloutConfig, new_trajectories, pla
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
-from mempo_jax.rl.group_filter import GROUP_FILTERS, kept_trajectories, zero_std_group_share
+from mempo_jax.rl.group_filter import GROUP_FILTERS, group_share, kept_trajectories, zero_std_group_share
 from mempo_jax.rl.interfaces import MemoryScorer, PolicyLearner
 from mempo_jax.rl.learner import TRAIN_MIN_LENGTH
 from mempo_jax.rl.losses import LossConfig
@@ -520,13 +520,12 @@ def _rollout_metrics(trajs, rewards: np.ndarray, group_ids: np.ndarray, kept: np
     training, ``RLConfig.filter_groups``), the rollout's own (``rollout_metrics``), and the
     memory-reward and batch-shape metrics at 0 (``_update_metrics`` overwrites them when a group is
     kept), so that every step logs the same names (verl's where one exists)."""
-    first = np.unique(group_ids, return_index=True)[1]
     return {
         "critic/score/mean": float(rewards.mean()),
         "critic/score/zero_std_groups": zero_std_group_share(rewards, group_ids),
         "critic/em/mean": float(score_trajectories(trajs, "em").mean()),
         "critic/advantages/mean": 0.0,
-        "train/kept_groups": float(np.mean(kept[first])) if len(first) else 0.0,
+        "train/kept_groups": group_share(kept, group_ids),
         **{k: 0.0 for k in ("mem/reward/mean", "mem/p_full/mean", "mem/p_mem/mean", "mem/advantage/std", "mem/turns",
                             "mem/excluded_malformed", "train/rows", "train/seq_len")},
         **rollout_metrics(trajs),
