@@ -1,4 +1,4 @@
-"""MemPO against GRPO without the memory reward (issue 14 item 2): one SFT start per seed, then RL
+"""MemPO against GRPO without the memory reward: one SFT start per seed, then RL
 arms with everything else equal, over seeds.
 
 Arms (every other binding equal; the same SFT checkpoint, seed, question order and RL steps):
@@ -20,7 +20,7 @@ GRPO arms compute R_M too, it just has no weight).
 
 The test of the paper's claim: the paired difference MemPO − GRPO (both k = 1) in held-out k1 EM
 on the bridge and multi-objective questions, pooled over the seeds, with a percentile bootstrap
-95 % CI (``metrics.bootstrap_ci``); issue 14's target is a mean >= +0.05 with the CI above 0 and the
+95 % CI (``metrics.bootstrap_ci``); the target is a mean >= +0.05 with the CI above 0 and the
 same sign in every seed.
 
 Writes ``OUT/ablation.md`` (tables), ``OUT/ablation.png`` (curves and per-kind EM) and JSON

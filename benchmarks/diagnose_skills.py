@@ -1,4 +1,4 @@
-"""Where a tiny-world policy loses its bridge and multi-objective answers (issue 14 item 1): for
+"""Where a tiny-world policy loses its bridge and multi-objective answers: for
 each held-out question of a kind, the skill steps its greedy episode gets right, in k = 1 and full.
 
 Bridge (person P, company C): searched P first; searched C later; wrote P's birth city into a

@@ -8,8 +8,8 @@ The policy answers each once, greedy (``evaluation.evaluate_policy``, the run's 
 and top-k from its ``config.gin``). ``RolloutConfig.max_turns`` is raised to ``K + 2`` (K searches,
 the answer, one spare) and ``max_context_tokens`` to what K + 2 full turns can fill, so the
 budget, not the policy, never ends a K = 8 episode early. TT = tokens processed per question (every
-turn's context + output), PT = the largest single context + output (docs/algorithm.md §6). Targets
-(issue 14): at 8 objectives PT(k1) <= 0.4 x PT(full) and TT(k1) <= 0.5 x TT(full) at equal or
+turn's context + output), PT = the largest single context + output (docs/algorithm.md §6). Targets:
+at 8 objectives PT(k1) <= 0.4 x PT(full) and TT(k1) <= 0.5 x TT(full) at equal or
 better EM.
 
 Writes a Markdown table (stdout and ``--out/objectives.md``), a PNG plot (``--out/objectives.png``:

@@ -1,4 +1,4 @@
-"""Does R_M tell a memory that kept what it saw from one that dropped it? (issue 14 levers)
+"""Does R_M tell a memory that kept what it saw from one that dropped it?
 
 Samples k = 1 episodes of a tiny-world policy on held-out bridge and multi-objective questions
 (at the run's sampling temperature, as RL samples them), labels each well-formed memory before the answering turn:

@@ -1,4 +1,4 @@
-"""benchmarks/ablation.py (issue 14 item 2): the paired MemPO − GRPO statistic, the arm folders
+"""benchmarks/ablation.py: the paired MemPO − GRPO statistic, the arm folders
 that resume from one SFT start, and the smoke configuration end to end through the real trainer."""
 
 import json

@@ -1,4 +1,4 @@
-"""Bad input is caught before work starts, in one line (issue 12, items 10-11): every config field is
+"""Bad input is caught before work starts, in one line: every config field is
 validated by its dataclass; bad data, tokenizers, gin syntax, a read-only or full run folder stop
 ``python -m mempo_jax.train`` at start-up with one ``error:`` line and exit status 2, and a fresh
 run folder is not even created. Each case runs the real entry point (``train.main``) on the small

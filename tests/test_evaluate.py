@@ -1,4 +1,4 @@
-"""The evaluation command (issue #5): a tiny run folder built here, evaluated on slices of the real
+"""The evaluation command: a tiny run folder built here, evaluated on slices of the real
 Bamboogle and HotpotQA files in both context modes; output files; corpus planning; bad input."""
 
 from __future__ import annotations

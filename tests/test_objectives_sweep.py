@@ -1,4 +1,4 @@
-"""The objectives sweep (issue 14 item 3): K-objective questions composed from single-hop ones,
+"""The objectives sweep: K-objective questions composed from single-hop ones,
 the per-K rollout budget, and the script's smoke configuration end to end (table, plot, JSON)."""
 
 import json

@@ -1,4 +1,4 @@
-"""``python -m mempo_jax.train`` on a device mesh and on several processes (issue #4).
+"""``python -m mempo_jax.train`` on a device mesh and on several processes.
 
 * Every shipped recipe (``configs/*.gin``, the pod ones included) loads through the entry point's
   config path, and a mesh that does not fit the devices is a one-line error (exit status 2).

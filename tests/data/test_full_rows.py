@@ -1,4 +1,4 @@
-"""ScriptedAgentConfig.full_rows (issue 14 item 1): whole-history SFT rows from a replay of the
+"""ScriptedAgentConfig.full_rows: whole-history SFT rows from a replay of the
 same question ("diligent", "recall"), k-step rows from the (lazy) trajectory itself."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""QA files as training data (issue 11, item 4): CSV QA files, the scripted plans of
+"""QA files as training data: CSV QA files, the scripted plans of
 ``data.qa_questions``, the train / held-out split, and the search backend of a training run
 (``tools.backends.training_backend``) on the shared files; no model is built here."""
 

@@ -1,4 +1,4 @@
-"""bfloat16 compute (issue 13, item 5): ``ModelConfig.dtype = "bfloat16"`` (in a run:
+"""bfloat16 compute: ``ModelConfig.dtype = "bfloat16"`` (in a run:
 ``ModelOptions.overrides = (("dtype", "bfloat16"),)``, as the pod recipes set it) puts the
 activations and the KV cache in bfloat16 while the master weights and the optimizer state stay
 float32 (``param_dtype``); norms' statistics, attention scores/softmax, logits and log-probs are

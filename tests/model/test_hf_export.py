@@ -1,4 +1,4 @@
-"""The Hugging Face export of a policy (issue 11, item 7) on real SmolLM2-135M-Instruct weights.
+"""The Hugging Face export of a policy on real SmolLM2-135M-Instruct weights.
 
 SmolLM2 (Llama layout, tied embeddings, ChatML template; Q4_1-dequantized weights, see
 ``mempo_jax.model.smollm2``) is imported with our loader, exported with ``export_policy`` (what

@@ -1,4 +1,4 @@
-"""Protocol tags as added tokens in a model without spare rows (#11 item 1): the embedding (and an
+"""Protocol tags as added tokens in a model without spare rows: the embedding (and an
 untied LM head) grows as transformers' ``resize_token_embeddings(…, mean_resizing=True)`` grows
 it, and the export loads and generates in transformers."""
 

@@ -1,4 +1,4 @@
-"""The PPO "old" log-probs recomputed by the policy before the update (issue 13, item 4).
+"""The PPO "old" log-probs recomputed by the policy before the update.
 
 ``PackedLogprobs`` packs the training rows end to end and must give the padded
 ``Learner.logprobs`` values on every scored token; ``policy_old_logprobs`` reports the

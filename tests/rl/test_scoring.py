@@ -215,7 +215,7 @@ def test_length_buckets_cover_every_bucket_length_up_to_the_bound():
         assert bucket_length(n, 64) in length_buckets(64, 700)
 
 
-# ------------------------------------------------------------------ packed scoring (issue 13, item 4)
+# ------------------------------------------------------------------ packed scoring
 
 
 def _tiny_decoder(vocab=48, seed=5):

@@ -1,4 +1,4 @@
-"""Faults and bad input (issue #6): non-finite gradients, one-line errors for bad data, gin
+"""Faults and bad input: non-finite gradients, one-line errors for bad data, gin
 bindings, tokenizers and run folders, the safety of the tools and of checkpoint loading, and a
 property test of rollout bookkeeping under random model outputs and tool results."""
 

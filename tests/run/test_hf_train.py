@@ -1,4 +1,4 @@
-"""Training from a Hugging Face checkpoint (issue #3).
+"""Training from a Hugging Face checkpoint.
 
 A tiny random Qwen2 checkpoint is saved by transformers next to a small byte-level BPE
 ``tokenizer.json`` in the Qwen2.5 special-token layout (``<|endoftext|>``, ``<|im_start|>``,

@@ -1,4 +1,4 @@
-"""RL on any QA set (issue 11, items 4, 5, 7), on the shared FlashRAG / Bamboogle / HotpotQA files.
+"""RL on any QA set, on the shared FlashRAG / Bamboogle / HotpotQA files.
 
 * ``python -m mempo_jax.train`` on a FlashRAG QA file with a corpus JSONL (a tiny model trained
   from scratch) and, from a Hugging Face checkpoint with ``SFTConfig.steps = 0``, against a real

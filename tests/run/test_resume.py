@@ -1,4 +1,4 @@
-"""Checkpoints, resume and preemption of ``python -m mempo_jax.train`` (issue #6), on the small run
+"""Checkpoints, resume and preemption of ``python -m mempo_jax.train``, on the small run
 of ``benchmarks/chaos_resume.py`` (1-layer model, tiny world, 6 SFT + 6 RL steps) in subprocesses.
 
 The uninterrupted run is the session's ``small_run`` (``conftest.py``); every run shares the
@@ -222,7 +222,7 @@ def test_a_save_killed_midway_is_never_taken_for_a_complete_one(tmp_path):
         assert read_checkpoint(tmp_path / "ck")[1]["params"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-# ---- issue 12: nothing changes before every check has passed; logs deleted mid-run; corrupt checkpoints ----
+# ---- nothing changes before every check has passed; logs deleted mid-run; corrupt checkpoints ----
 def _snapshot(run):
     return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 

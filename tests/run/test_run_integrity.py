@@ -1,4 +1,4 @@
-"""Runs never lose data silently (issue 12, items 13-14), on real files and real orbax checkpoints:
+"""Runs never lose data silently, on real files and real orbax checkpoints:
 a log deleted, replaced or changed under a running writer; the offsets a checkpoint records; a
 corrupt newest checkpoint passed over for the newest one that restores, and kept."""
 

@@ -1,4 +1,4 @@
-"""Chat templates, the MemPO system prompt and tool-result layouts (issue 11 item 2).
+"""Chat templates, the MemPO system prompt and tool-result layouts.
 
 Reference: transformers' ``apply_chat_template`` (CPU, test-only) on the real SmolLM2-135M-Instruct
 tokenizer, and on the real Qwen2.5-Instruct chat template (tests/fixtures) put into a copy of the
