@@ -5,7 +5,6 @@ import json
 import pathlib
 import sys
 
-import numpy as np
 import pytest
 
 from mempo_jax.data.world import Question

@@ -8,7 +8,6 @@ sampler/trainer gap, checked against a sampler run on the same weights (float32:
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mempo_jax.agent.trajectory import TrainingRows
