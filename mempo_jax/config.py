@@ -29,6 +29,7 @@ from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK
+from mempo_jax.model.attention import BLOCKED_MIN_LEN
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
@@ -199,6 +200,13 @@ class ExecutionConfig:
         (each layer recomputed in the backward pass from its input) or a ``jax.checkpoint_policies``
         name such as ``"dots_saveable"`` (matmul outputs kept) / ``"nothing_saveable"``
         (``model.decoder.REMAT_CHOICES``).
+      dense_attention_max_len: rows up to this many tokens take dense attention in the update, SFT,
+        log-prob and scoring passes; longer rows take the blocked (flash-style) attention
+        (``model.attention.use_blocked``; default ``attention.BLOCKED_MIN_LEN`` = 1,024). Dense
+        keeps each layer's ``[rows, heads, length, length]`` float32 scores in the backward pass
+        and is the faster path on CPU at these lengths; a lower value trades that speed for memory
+        (docs/results.md, "The SmolLM2 recipe at micro-batch 8"). Values are the same up to float32
+        summation order. The KV-cache passes of rollout and evaluation always take the blocked path.
       reference_dtype: dtype of the frozen reference policy's weights (``"float32"`` or
         ``"bfloat16"``: half the reference's memory; its log-probs then carry bfloat16 weight
         rounding). The policy's master weights and optimizer state stay float32.
@@ -220,6 +228,7 @@ class ExecutionConfig:
     scoring_chunk_rows: int = 0
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK
     remat: str = "full"
+    dense_attention_max_len: int = BLOCKED_MIN_LEN
     reference_dtype: str = "float32"
     rollout_dtype: str = "float32"
 
@@ -237,6 +246,7 @@ class ExecutionConfig:
         check(self, "logprob_chunk_rows", int, lo=1)
         check(self, "scoring_chunk_rows", int, lo=0)
         check(self, "logit_chunk_tokens", int, lo=1)
+        check(self, "dense_attention_max_len", int, lo=1)
         check(self, "remat", str, choices=REMAT_CHOICES)
         check(self, "reference_dtype", str, choices=("float32", "bfloat16"))
         check(self, "rollout_dtype", str, choices=("float32", "bfloat16"))

@@ -56,6 +56,9 @@ GIB = 2**30
 ATTENTION_BYTES = 4
 SAMPLER_ATTENTION_BYTES = 16  # the sampler's prefill over the cache: scores, masked, exponentials, probabilities
 SAVED_ATTENTION_BYTES = 8
+# the blocked attention's backward pass, per element of one query block's scores over every key:
+# the rematerialised block's scores, probabilities and their gradient (float32)
+SAVED_BLOCKED_ATTENTION_BYTES = 12
 LOGIT_COPIES = {"sampling": 3, "logprobs": 1, "scoring": 1, "update": 2}
 EMBEDDING_COPIES = 4
 
@@ -228,9 +231,10 @@ def step_shapes(cfg, plan_cfg) -> dict:
 class _Act:
     """Per-device element counts of activations, sharded by the logical-axis rules."""
 
-    def __init__(self, model_cfg, mesh, rules):
+    def __init__(self, model_cfg, mesh, rules, dense_max_len: int):
         self.c, self.mesh, self.rules = model_cfg, mesh, rules
         self.act = model_cfg.activation_dtype.itemsize
+        self.dense_max_len = dense_max_len  # ExecutionConfig.dense_attention_max_len
 
     def elems(self, axes, shape) -> int:
         from jax.sharding import NamedSharding
@@ -246,14 +250,22 @@ class _Act:
     def heads(self, rows, length, name, heads) -> int:
         return self.elems(("batch", "seq", name, "head_dim"), (rows, length, heads, self.c.head_dim))
 
-    def scores(self, rows, length, slots) -> int:
-        """Elements of the attention scores live at once: ``[rows, heads, length, slots]`` on the
-        dense path, one ``BLOCK_Q x BLOCK_K`` tile per row and head on the blocked path (long rows,
-        ``attention.use_blocked``; its query blocks are rematerialised in the backward pass)."""
-        from mempo_jax.model.attention import BLOCK_K, BLOCK_Q, use_blocked
+    def blocked(self, length, slots) -> bool:
+        """Whether ``length`` queries over ``slots`` keys take the blocked attention
+        (``attention.use_blocked`` at ``ExecutionConfig.dense_attention_max_len``)."""
+        from mempo_jax.model.attention import use_blocked
 
-        if use_blocked(length, slots):
-            length, slots = min(length, BLOCK_Q), min(slots, BLOCK_K)
+        return use_blocked(length, slots, min_len=self.dense_max_len)
+
+    def scores(self, rows, length, slots, saved: bool = False) -> int:
+        """Elements of the attention scores live at once: ``[rows, heads, length, slots]`` on the
+        dense path; on the blocked path one ``BLOCK_Q x BLOCK_K`` tile per row and head, or with
+        ``saved`` (the backward pass, which rematerialises one query block at a time) that query
+        block's scores over every key, ``BLOCK_Q x slots``."""
+        from mempo_jax.model.attention import BLOCK_K, BLOCK_Q
+
+        if self.blocked(length, slots):
+            length, slots = min(length, BLOCK_Q), (slots if saved else min(slots, BLOCK_K))
         return self.elems(("batch", "heads", "seq", None), (rows, self.c.num_heads, length, slots))
 
     def logits(self, rows, length) -> int:
@@ -265,11 +277,9 @@ class _Act:
         attention scores; on a mesh with a ``tensor`` axis the o_proj and down_proj partial sums
         (two residual-width buffers before their all-reduce), and on the blocked attention path
         the queries and the output laid out in blocks (two query-width buffers)."""
-        from mempo_jax.model.attention import use_blocked
-
         c, a = self.c, self.act
         residual = 4 + (2 if dict(self.mesh.shape).get("tensor", 1) > 1 else 0)
-        queries = 3 + (2 if use_blocked(length, slots) else 0)
+        queries = 3 + (2 if self.blocked(length, slots) else 0)
         return (a * (residual * self.width(rows, length, "embed", c.embed_dim)
                      + queries * self.heads(rows, length, "heads", c.num_heads)
                      + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads)
@@ -281,12 +291,13 @@ class _Act:
         float32 norm statistics), q / k / v before and after RoPE, attention output, the attention
         buffers, the SwiGLU gate, up, activation and product."""
         c, a = self.c, self.act
+        per_score = SAVED_BLOCKED_ATTENTION_BYTES if self.blocked(length, length) else SAVED_ATTENTION_BYTES
         return (a * (6 * self.width(rows, length, "embed", c.embed_dim)
                      + 3 * self.heads(rows, length, "heads", c.num_heads)
                      + 3 * self.heads(rows, length, "kv_heads", c.num_kv_heads)
                      + 4 * self.width(rows, length, "mlp", c.mlp_dim))
                 + 8 * self.width(rows, length, "embed", c.embed_dim)
-                + SAVED_ATTENTION_BYTES * self.scores(rows, length, length))
+                + per_score * self.scores(rows, length, length, saved=True))
 
 
 def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
@@ -331,7 +342,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
 
     p_bytes, o_bytes, c_bytes = _sharded_bytes(params), _sharded_bytes(opt_state), _sharded_bytes(cache)
     t_bytes = _sharded_bytes(trainable)
-    act = _Act(model_cfg, mesh, rules)
+    act = _Act(model_cfg, mesh, rules, cfg.execution.dense_attention_max_len)
     n_layers = model_cfg.num_layers
     prompt, train_len = shapes["prompt_len"], shapes["train_len"]
     micro, lp_rows = shapes["micro_batch_rows"], shapes["logprob_rows"]
@@ -411,7 +422,8 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     model_cfg = model_config(cfg, mesh, rules)
     graphdef, abstract = split_model(abstract_model(model_cfg))
     ex = cfg.execution
-    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules)
+    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules,
+                        dense_max_len=ex.dense_attention_max_len)
     learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
                       rules=rules)
     s = step_shapes(cfg, plan_cfg)

@@ -83,6 +83,14 @@ def _temp(compiled) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def _update_batch(mesh, length: int, rows: int = 16) -> dict:
+    """A zero PPO micro-batch ``[rows, length]`` laid out over the mesh's batch axes."""
+    sh = logical_to_sharding(("batch", None), mesh, shape=(rows, length))
+    return {k: jax.device_put(np.zeros((rows, length), dt), sh)
+            for k, dt in [("input_ids", np.int32), ("valid", bool), ("loss_mask", np.float32),
+                          ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
+
+
 def test_activation_estimates_bound_xla_temp_allocation(small, real):
     """The sampling and update estimates of a small model are at least XLA's temp allocation for
     that program (compiled for the 8-device CPU mesh), and not more than 3x it; the scorer's packed
@@ -91,9 +99,7 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     mesh, model_cfg, graphdef, learner = real
     s = p.shapes
     rows_sh = lambda shape: logical_to_sharding(("batch", None), mesh, shape=shape)  # noqa: E731
-    b = {k: jax.device_put(np.zeros((16, s["train_len"]), dt), rows_sh((16, s["train_len"])))
-         for k, dt in [("input_ids", np.int32), ("valid", bool), ("loss_mask", np.float32),
-                       ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
+    b = _update_batch(mesh, s["train_len"])
     xla = {"update": _temp(learner._ppo_step.lower(learner.params, None, learner.opt_state, b, 1, LossConfig()).compile()),
            "logprobs": _temp(learner._logprobs.lower(learner.params, b["input_ids"], b["valid"]).compile())}
     rows, prompt = s["rollout_rows"], s["prompt_len"]
@@ -115,6 +121,26 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
         estimate = p.phases[phase] - (p.kv_cache if phase == "sampling" else 0)
         assert xla[phase] <= estimate <= 3 * xla[phase], (phase, xla[phase], estimate)
 
+
+
+def test_blocked_attention_below_the_row_length_lowers_the_update_in_the_plan_and_in_xla(small, real):
+    """``ExecutionConfig.dense_attention_max_len = 128`` under the small config's 512-token rows: the
+    update and log-prob passes take the blocked attention. XLA's update temporaries fall, the plan's
+    update and log-prob terms fall, and the plan still bounds XLA's figure (at most 3x it)."""
+    cfg, pod, p = small
+    mesh, model_cfg, graphdef, learner = real
+    cfg2 = config_lib.load_config([], SMALL + ["ExecutionConfig.dense_attention_max_len = 128"])
+    p2 = plan.build_plan(cfg2, pod.mesh, pod.tpu, pod.plan)
+    assert p2.phases["update"] < p.phases["update"] and p2.phases["logprobs"] < p.phases["logprobs"]
+    ex = cfg2.execution
+    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh,
+                        dense_max_len=ex.dense_attention_max_len)
+    blocked = Learner(fn, learner.params, make_optimizer(cfg2.optim), micro_batch_rows=16, mesh=mesh)
+    b = _update_batch(mesh, p.shapes["train_len"])
+    xla = {name: _temp(lr._ppo_step.lower(lr.params, None, lr.opt_state, b, 1, LossConfig()).compile())
+           for name, lr in (("dense", learner), ("blocked", blocked))}
+    assert xla["blocked"] < xla["dense"]
+    assert xla["blocked"] <= p2.phases["update"] <= 3 * xla["blocked"], (xla, p2.phases["update"])
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_shipped_pod_configs_fit(name, capsys):

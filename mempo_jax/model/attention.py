@@ -264,12 +264,12 @@ def blocked_attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Floa
     return jnp.moveaxis(out, 0, 1).reshape(b, tp, h, hd)[:, :t]
 
 
-BLOCKED_MIN_LEN = 1024  # tokens: rows up to this length stay on dense attention
+BLOCKED_MIN_LEN = 1024  # tokens: rows up to this length stay on dense attention (ExecutionConfig.dense_attention_max_len)
 
 
 def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     """Whether ``attend`` takes the blocked path for ``T`` queries over ``S`` keys: when both exceed
-    ``min_len`` tokens (1,024). Shorter rows (every row of the tiny default, decode steps with
+    ``min_len`` tokens (default 1,024; ``ExecutionConfig.dense_attention_max_len``). Shorter rows (every row of the tiny default, decode steps with
     T = 1) stay on dense attention: at 512 tokens dense is the faster one on CPU (prefill 512:
     7.1x transformers dense vs 3.7x blocked, ``benchmarks/bench_decode.py``), and the default
     run keeps its float32 reduction order, hence its figures, bit for bit."""
@@ -280,15 +280,17 @@ def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayL
               v: Float[ArrayLike, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
               layer: Int[ArrayLike, ""] | None = None, rows: Int[Array, "rows"] | None = None,
               kv_bound: Int[ArrayLike, ""] | None = None,
-              block_k: int = BLOCK_K) -> Float[Array, "rows length heads head_dim"]:
-    """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for long
-    rows (``use_blocked``), ``dense_attention`` otherwise. Arguments and result as
-    ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the output
-    projection)."""
+              block_k: int = BLOCK_K, dense_max_len: int = BLOCKED_MIN_LEN) -> Float[Array, "rows length heads head_dim"]:
+    """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for rows
+    longer than ``dense_max_len`` tokens (``use_blocked``), ``dense_attention`` otherwise. Arguments
+    and result as ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the
+    output projection). The two paths give the same values up to float32 summation order; dense
+    keeps a ``[batch, heads, T, S]`` float32 score block per layer for the backward pass, blocked
+    one tile."""
     if layer is not None:
         return blocked_attention(q, k, v, mask, layer=layer, rows=rows, kv_bound=kv_bound, block_k=block_k)
     t = q.shape[1]
     s = k.shape[2] if heads_major else k.shape[1]
-    if use_blocked(t, s):
+    if use_blocked(t, s, min_len=dense_max_len):
         return blocked_attention(q, k, v, mask, heads_major=heads_major, kv_bound=kv_bound, block_k=block_k)
     return dense_attention(q, k, v, mask, heads_major=heads_major)

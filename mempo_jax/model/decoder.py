@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mempo_jax.core.sharding import constrain
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
-from mempo_jax.model.attention import BLOCK_K, AttentionMask
+from mempo_jax.model.attention import BLOCK_K, BLOCKED_MIN_LEN, AttentionMask
 from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
 
@@ -80,13 +80,14 @@ class Block(nnx.Module):
 
     def __call__(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
                  attn_mask: Bool[Array, "rows length keys"] | AttentionMask, cache: KVCache | None = None,
-                 layer: int = 0, write: _CacheWrite | None = None
+                 layer: int = 0, write: _CacheWrite | None = None, dense_max_len: int = BLOCKED_MIN_LEN
                  ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
-        tokens are written at ``write`` (slot, position) before attention reads the cache."""
+        tokens are written at ``write`` (slot, position) before attention reads the cache. Without
+        one, rows longer than ``dense_max_len`` tokens take the blocked attention."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
         if cache is None:
-            return self._mlp(x + self.attn.attend(q, k, v, attn_mask)), None
+            return self._mlp(x + self.attn.attend(q, k, v, attn_mask, dense_max_len=dense_max_len)), None
         ck = cache.k.at[layer, write.slot, :, write.pos, :].set(k.astype(cache.k.dtype), mode="drop")
         cv = cache.v.at[layer, write.slot, :, write.pos, :].set(v.astype(cache.v.dtype), mode="drop")
         x = x + self.attn.attend(q, ck, cv, attn_mask, layer=layer, rows=write.rows, kv_bound=write.kv_bound,
@@ -128,6 +129,7 @@ class Decoder(nnx.Module):
         block_k: int = BLOCK_K,
         logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
         remat: str = "none",
+        dense_max_len: int = BLOCKED_MIN_LEN,
     ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
@@ -159,7 +161,7 @@ class Decoder(nnx.Module):
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
-          remat: the layer loop without a cache (``hidden_states``).
+          remat, dense_max_len: the layer loop and the attention path without a cache (``hidden_states``).
 
         Returns:
           ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` /
@@ -169,7 +171,7 @@ class Decoder(nnx.Module):
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
-                                      block_k=block_k, remat=remat)
+                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:
@@ -190,6 +192,7 @@ class Decoder(nnx.Module):
         kv_bound: Int[ArrayLike, ""] | None = None,
         block_k: int = BLOCK_K,
         remat: str = "none",
+        dense_max_len: int = BLOCKED_MIN_LEN,
     ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """The final-normed hidden states that the LM head reads (``__call__`` without the head).
 
@@ -199,6 +202,9 @@ class Decoder(nnx.Module):
             its input) or the name of a ``jax.checkpoint_policies`` policy (e.g.
             ``"dots_saveable"``: the layer's matmul outputs kept, the rest recomputed). Applies to
             calls without a cache; it changes the memory and time of a gradient, not values.
+          dense_max_len: without a cache, rows up to this many tokens use dense attention, longer
+            ones blocked (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
+            Memory and time, not values (float32 summation order aside).
 
         Returns:
           ``(hidden [B, T, embed] in the activation dtype, updated cache or None)``.
@@ -239,12 +245,12 @@ class Decoder(nnx.Module):
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
 
             def body(h, state):
-                return nnx.merge(gdef, state)(h, positions, attn_mask, None, 0, None)[0], None
+                return nnx.merge(gdef, state)(h, positions, attn_mask, None, 0, None, dense_max_len)[0], None
 
             x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
         else:
             for i, block in enumerate(self.layers):
-                x, cache = block(x, positions, attn_mask, cache, i, where)
+                x, cache = block(x, positions, attn_mask, cache, i, where, dense_max_len)
         return constrain(self.final_norm(x), EMBED_AXES), cache
 
     def head_weight(self) -> Float[Array, "embed vocab"]:

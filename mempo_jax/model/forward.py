@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding, rule_axes
-from mempo_jax.model.attention import AttentionMask
+from mempo_jax.model.attention import BLOCKED_MIN_LEN, AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
@@ -109,21 +109,27 @@ class LogitsFn:
       logit_chunk: positions per LM-head chunk of ``token_stats`` (``ExecutionConfig.logit_chunk_tokens``).
       remat: decoder-layer rematerialisation of the hidden-state calls (``Decoder.hidden_states``;
         ``ExecutionConfig.remat``).
+      dense_max_len: rows up to this many tokens take dense attention, longer rows blocked
+        (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``): memory and
+        time, not values.
       mesh, rules: the mesh the calls run on and its logical-axis rules: every call pins the
         activations to their logical axes there (``core.sharding.activation_sharding``: rows over
         ``data`` x ``fsdp``, so an fsdp mesh gathers each layer's weights and keeps the rows
         sharded). ``None``: no constraint (XLA places the activations).
 
     Raises:
-      ValueError: an unknown ``remat`` or ``logit_chunk < 1``.
+      ValueError: an unknown ``remat``, ``logit_chunk < 1`` or ``dense_max_len < 1``.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
-                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
+                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, dense_max_len: int = BLOCKED_MIN_LEN):
         remat_policy(remat)
         if logit_chunk < 1:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
+        if dense_max_len < 1:
+            raise ValueError(f"dense_max_len must be >= 1, got {dense_max_len}")
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
+        self.dense_max_len = int(dense_max_len)
         self.mesh, self.rules = mesh, tuple(rules)
         # The layer loop of a pass that is not differentiated: unrolled, unless the mesh shards the
         # weights over an axis their matmuls gather them on (fsdp), where a scan over the stacked
@@ -136,7 +142,7 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                          remat=self.forward_remat)
+                          remat=self.forward_remat, dense_max_len=self.dense_max_len)
         return logits
 
     @_under_mesh
@@ -160,7 +166,7 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), AttentionMask.causal(seg > 0, seg),
-                          logits_at=logits_at, remat=self.forward_remat)
+                          logits_at=logits_at, remat=self.forward_remat, dense_max_len=self.dense_max_len)
         return logits
 
     @_under_mesh
@@ -171,7 +177,7 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                                   remat=self.remat if remat is None else remat)
+                                   remat=self.remat if remat is None else remat, dense_max_len=self.dense_max_len)
         return x
 
     @_under_mesh
@@ -182,7 +188,8 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions.astype(jnp.int32),
-                                   AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat)
+                                   AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat,
+                                   dense_max_len=self.dense_max_len)
         return x
 
     @_under_mesh
@@ -198,10 +205,11 @@ class LogitsFn:
 
 
 def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
-                   mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES) -> LogitsFn:
-    """``LogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=...)``: the uniform model
-    contract of the trainer, the scorers and the evaluation."""
-    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules)
+                   mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES,
+                   dense_max_len: int = BLOCKED_MIN_LEN) -> LogitsFn:
+    """``LogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=..., dense_max_len=...)``:
+    the uniform model contract of the trainer, the scorers and the evaluation."""
+    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules, dense_max_len=dense_max_len)
 
 
 def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,

@@ -62,7 +62,6 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     Raises:
       ValueError: naming the file, line and field of a malformed record.
     """
-    from mempo_jax.data.qa_formats import hotpotqa_example, hotpotqa_supporting_titles
     from mempo_jax.tools.corpus import pool_hotpotqa_contexts
 
     return load_qa_questions(path), pool_hotpotqa_contexts(path)
@@ -376,7 +375,8 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
     return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules,
                                                                             param_dtype=ex.rollout_param_dtype),
-                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules),
+                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules,
+                                 dense_max_len=ex.dense_attention_max_len),
                   mesh, rules)
 
 

@@ -129,7 +129,7 @@ def test_model_takes_the_blocked_path_for_long_rows_and_matches_dense():
     try:
         for name, blocked in (("blocked", True), ("dense", False)):
             calls = []
-            layers.use_blocked = lambda t, s, _b=blocked, _c=calls: _c.append((t, s)) or _b
+            layers.use_blocked = lambda t, s, min_len=None, _b=blocked, _c=calls: _c.append((t, s)) or _b
             out[name] = np.asarray(jax.jit(make_logits_fn(graphdef))(params, ids, valid))
             assert calls, "attend did not consult use_blocked"
     finally:
@@ -138,6 +138,30 @@ def test_model_takes_the_blocked_path_for_long_rows_and_matches_dense():
     assert not np.array_equal(out["blocked"], out["dense"])  # two different reduction orders ran
     np.testing.assert_allclose(out["blocked"][real], out["dense"][real], rtol=1e-4, atol=1e-4)
 
+
+
+def test_dense_max_len_sends_shorter_rows_to_the_blocked_path_with_the_same_values_and_gradients():
+    """``LogitsFn(dense_max_len=16)`` (``ExecutionConfig.dense_attention_max_len``) runs 40-token
+    rows through the blocked attention: another reduction order, the same hidden states and the
+    same gradient through the rematerialised layer scan (float32 tolerance)."""
+    cfg = ModelConfig.tiny(64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+    graphdef, params = split_model(create_model(cfg, seed=7))
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(rng.integers(0, 64, (2, 40)), jnp.int32)
+    valid = jnp.asarray(np.arange(40)[None] < np.array([[40], [29]]))
+    real = np.asarray(valid)
+    out, grads = {}, {}
+    for name, n in (("dense", 1024), ("blocked", 16)):
+        fn = make_logits_fn(graphdef, remat="full", dense_max_len=n)
+        out[name] = np.asarray(jax.jit(fn.hidden)(params, ids, valid))
+        loss = lambda p, fn=fn: jnp.sum(jnp.where(valid[..., None], fn.hidden(p, ids, valid) ** 2, 0.0))  # noqa: E731
+        grads[name] = jax.jit(jax.grad(loss))(params)
+    assert not np.array_equal(out["blocked"], out["dense"])
+    np.testing.assert_allclose(out["blocked"][real], out["dense"][real], rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(grads["blocked"]), jax.tree.leaves(grads["dense"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="dense_max_len must be >= 1"):
+        make_logits_fn(graphdef, dense_max_len=0)
 
 def test_packed_rows_equal_unpacked_rows():
     cfg = ModelConfig.tiny(64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
