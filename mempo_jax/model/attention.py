@@ -264,15 +264,18 @@ def blocked_attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Floa
     return jnp.moveaxis(out, 0, 1).reshape(b, tp, h, hd)[:, :t]
 
 
-BLOCKED_MIN_LEN = 1024  # tokens: rows up to this length stay on dense attention (ExecutionConfig.dense_attention_max_len)
+# tokens: rows up to this length stay on dense attention (the default of ExecutionConfig.dense_attention_max_len)
+BLOCKED_MIN_LEN = 1024
 
 
 def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     """Whether ``attend`` takes the blocked path for ``T`` queries over ``S`` keys: when both exceed
-    ``min_len`` tokens (default 1,024; ``ExecutionConfig.dense_attention_max_len``). Shorter rows (every row of the tiny default, decode steps with
-    T = 1) stay on dense attention: at 512 tokens dense is the faster one on CPU (prefill 512:
-    7.1x transformers dense vs 3.7x blocked, ``benchmarks/bench_decode.py``), and the default
-    run keeps its float32 reduction order, hence its figures, bit for bit."""
+    ``min_len`` tokens (default 1,024; ``ExecutionConfig.dense_attention_max_len``). Shorter rows
+    (every row of the tiny default, decode steps with T = 1) stay on dense attention: at 512 tokens
+    dense is the faster one on CPU (prefill 512: 7.1x transformers dense vs 3.7x blocked,
+    ``benchmarks/bench_decode.py``), and the default run keeps its float32 reduction order, hence
+    its figures, bit for bit.
+    """
     return t > min_len and s > min_len
 
 
@@ -280,7 +283,8 @@ def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayL
               v: Float[ArrayLike, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
               layer: Int[ArrayLike, ""] | None = None, rows: Int[Array, "rows"] | None = None,
               kv_bound: Int[ArrayLike, ""] | None = None,
-              block_k: int = BLOCK_K, dense_max_len: int = BLOCKED_MIN_LEN) -> Float[Array, "rows length heads head_dim"]:
+              block_k: int = BLOCK_K,
+              dense_max_len: int = BLOCKED_MIN_LEN) -> Float[Array, "rows length heads head_dim"]:
     """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for rows
     longer than ``dense_max_len`` tokens (``use_blocked``), ``dense_attention`` otherwise. Arguments
     and result as ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the
