@@ -48,8 +48,7 @@ def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int) ->
     if cfg.lora.enabled:
         model_cfg, graphdef, weights = add_adapters(model_cfg, weights, cfg.lora, cfg.seed)
     ex = cfg.execution
-    logits_fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat,
-                               dense_max_len=ex.dense_attention_max_len)
+    logits_fn = make_logits_fn(graphdef, **ex.forward_options)
     learner = Learner(logits_fn, weights, make_optimizer(cfg.sft.optim), micro_batch_rows=ex.micro_batch_rows)
     trainable = split_trainable(weights)[0]
     rng = np.random.default_rng(0)

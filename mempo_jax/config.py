@@ -233,6 +233,13 @@ class ExecutionConfig:
     rollout_dtype: str = "float32"
 
     @property
+    def forward_options(self) -> dict:
+        """The ``model.forward.make_logits_fn`` keywords these sizes bind (``logit_chunk``,
+        ``remat``, ``dense_max_len``): the one place an execution field reaches the forward pass."""
+        return {"logit_chunk": self.logit_chunk_tokens, "remat": self.remat,
+                "dense_max_len": self.dense_attention_max_len}
+
+    @property
     def rollout_param_dtype(self):
         """The dtype the weight sync casts to: ``None`` for ``"float32"`` (the trainer's own arrays,
         no copy), else ``rollout_dtype``."""

@@ -422,8 +422,7 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     model_cfg = model_config(cfg, mesh, rules)
     graphdef, abstract = split_model(abstract_model(model_cfg))
     ex = cfg.execution
-    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules,
-                        dense_max_len=ex.dense_attention_max_len)
+    fn = make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options)
     learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
                       rules=rules)
     s = step_shapes(cfg, plan_cfg)

@@ -59,7 +59,7 @@ def real(small):
     mesh = make_mesh(1, 4, 2)
     model_cfg = plan.model_config(cfg)
     graphdef, params = init_sharded_params(model_cfg, 0, mesh)
-    fn = make_logits_fn(graphdef, logit_chunk=cfg.execution.logit_chunk_tokens, remat=cfg.execution.remat, mesh=mesh)
+    fn = make_logits_fn(graphdef, mesh=mesh, **cfg.execution.forward_options)
     learner = Learner(fn, params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     return mesh, model_cfg, graphdef, learner
 
@@ -132,9 +132,7 @@ def test_blocked_attention_below_the_row_length_lowers_the_update_in_the_plan_an
     cfg2 = config_lib.load_config([], SMALL + ["ExecutionConfig.dense_attention_max_len = 128"])
     p2 = plan.build_plan(cfg2, pod.mesh, pod.tpu, pod.plan)
     assert p2.phases["update"] < p.phases["update"] and p2.phases["logprobs"] < p.phases["logprobs"]
-    ex = cfg2.execution
-    fn = make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh,
-                        dense_max_len=ex.dense_attention_max_len)
+    fn = make_logits_fn(graphdef, mesh=mesh, **cfg2.execution.forward_options)
     blocked = Learner(fn, learner.params, make_optimizer(cfg2.optim), micro_batch_rows=16, mesh=mesh)
     b = _update_batch(mesh, p.shapes["train_len"])
     xla = {name: _temp(lr._ppo_step.lower(lr.params, None, lr.opt_state, b, 1, LossConfig()).compile())

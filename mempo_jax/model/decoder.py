@@ -245,12 +245,12 @@ class Decoder(nnx.Module):
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
 
             def body(h, state):
-                return nnx.merge(gdef, state)(h, positions, attn_mask, None, 0, None, dense_max_len)[0], None
+                return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len)[0], None
 
             x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
         else:
             for i, block in enumerate(self.layers):
-                x, cache = block(x, positions, attn_mask, cache, i, where, dense_max_len)
+                x, cache = block(x, positions, attn_mask, cache, i, where, dense_max_len=dense_max_len)
         return constrain(self.final_norm(x), EMBED_AXES), cache
 
     def head_weight(self) -> Float[Array, "embed vocab"]:

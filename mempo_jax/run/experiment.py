@@ -375,8 +375,7 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
     return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules,
                                                                             param_dtype=ex.rollout_param_dtype),
-                  make_logits_fn(graphdef, logit_chunk=ex.logit_chunk_tokens, remat=ex.remat, mesh=mesh, rules=rules,
-                                 dense_max_len=ex.dense_attention_max_len),
+                  make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options),
                   mesh, rules)
 
 
