@@ -11,8 +11,14 @@ update's. Each mode runs in a process of its own (``--mode``), so its peak RSS
 and is not timed, the next ``--steps`` are. Tokens are random ids: the cost does not depend on
 them.
 
+``--against BINDING`` (repeatable, a gin binding such as
+``ExecutionConfig.logit_chunk_tokens=64``) runs each mode a second time with those bindings and
+prints the second run over the first: what a memory binding costs in seconds per step and gives
+in peak RSS, side by side on the same rows.
+
 Run: ``python benchmarks/bench_lora_step.py [--checkpoint DIR] [--rows 8] [--length 512]
-[--steps 2] [--json out.json]`` (``--small``: 2 rows of 64 tokens, one step).
+[--steps 2] [--modes lora full] [--against BINDING ...] [--json out.json]`` (``--small``: 2 rows of
+64 tokens, one step).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from common import REPO, parser, setup_platform, table, write_json
 MODES = ("lora", "full")
 
 
-def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int) -> dict:
-    """Build the recipe's learner in ``mode`` and time ``steps`` SFT steps after a compiling one."""
+def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int, bindings=()) -> dict:
+    """Build the recipe's learner in ``mode`` (with the gin ``bindings`` on top) and time ``steps``
+    SFT steps after a compiling one."""
     import jax
     import numpy as np
 
@@ -43,6 +50,7 @@ def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int) ->
     params = [f'ModelOptions.checkpoint="{checkpoint}"']
     if mode == "full":
         params += ["LoraConfig.rank=0"]
+    params += list(bindings)
     cfg = load_config([str(REPO / "configs" / "smollm2_hotpotqa_lora.gin")], params)
     model_cfg, graphdef, weights, _ = load_checkpoint_policy(cfg.model)
     if cfg.lora.enabled:
@@ -74,7 +82,11 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8, help="rows per step (default 8: the recipe's micro-batch)")
     p.add_argument("--length", type=int, default=512, help="tokens per row (default 512: the recipe's packed rows)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode after the compiling one")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default: both)")
+    p.add_argument("--against", action="append", default=[], metavar="BINDING",
+                   help="gin binding of a second run of each mode, reported over the first (repeatable)")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     setup_platform(a.device)
     if a.small:
@@ -84,25 +96,31 @@ def main(argv=None) -> int:
 
         a.checkpoint = str(default_dir())
     if a.mode:  # the child: one mode, its figures as the last stdout line
-        print(json.dumps(_one_mode(a.mode, a.checkpoint, a.rows, a.length, a.steps)))
+        print(json.dumps(_one_mode(a.mode, a.checkpoint, a.rows, a.length, a.steps, a.binding)))
         return 0
+    arms = [(m, ()) for m in a.modes] + [(f"{m} + bindings", tuple(a.against)) for m in a.modes if a.against]
     results = {}
-    for mode in MODES:
+    for name, bindings in arms:
+        mode = name.split(" ")[0]
         cmd = [sys.executable, __file__, "--mode", mode, "--checkpoint", a.checkpoint, "--rows", str(a.rows),
                "--length", str(a.length), "--steps", str(a.steps), "--device", a.device]
+        cmd += [x for b in bindings for x in ("--binding", b)]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             return out.returncode
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    lora, full = results["lora"], results["full"]
-    rows = [[m, r["trained_params"], r["first_step_s"], r["step_s"], r["peak_rss_gib"]] for m, r in results.items()]
-    rows.append(["lora / full", lora["trained_params"] / full["trained_params"], lora["first_step_s"] / full["first_step_s"],
-                 lora["step_s"] / full["step_s"], lora["peak_rss_gib"] / full["peak_rss_gib"]])
-    print(table(f"LoRA vs full fine-tuning, SmolLM2-135M-Instruct, {a.rows} rows x {a.length} tokens per step",
-                ["mode", "trained params", "first step s (compile)", "step s", "peak RSS GiB"], rows))
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = ("trained_params", "first_step_s", "step_s", "peak_rss_gib")
+    rows = [[m] + [r[k] for k in keys] for m, r in results.items()]
+    pairs = [("lora", "full")] if {"lora", "full"} <= set(results) else []
+    pairs += [(f"{m} + bindings", m) for m in a.modes if a.against]
+    rows += [[f"{x} / {y}"] + [results[x][k] / results[y][k] for k in keys] for x, y in pairs]
+    title = f"LoRA vs full fine-tuning, SmolLM2-135M-Instruct, {a.rows} rows x {a.length} tokens per step"
+    if a.against:
+        title += f"; bindings: {' '.join(a.against)}"
+    print(table(title, ["mode", "trained params", "first step s (compile)", "step s", "peak RSS GiB"], rows))
     write_json(a.json, "lora_step", {"rows": a.rows, "length": a.length, "steps": a.steps,
-                                      "checkpoint": a.checkpoint}, results)
+                                      "checkpoint": a.checkpoint, "against": a.against}, results)
     return 0
 
 
