@@ -98,10 +98,9 @@ def main(argv=None) -> int:
     if a.mode:  # the child: one mode, its figures as the last stdout line
         print(json.dumps(_one_mode(a.mode, a.checkpoint, a.rows, a.length, a.steps, a.binding)))
         return 0
-    arms = [(m, ()) for m in a.modes] + [(f"{m} + bindings", tuple(a.against)) for m in a.modes if a.against]
+    arms = [(m, m, ()) for m in a.modes] + [(f"{m} + bindings", m, a.against) for m in a.modes if a.against]
     results = {}
-    for name, bindings in arms:
-        mode = name.split(" ")[0]
+    for name, mode, bindings in arms:
         cmd = [sys.executable, __file__, "--mode", mode, "--checkpoint", a.checkpoint, "--rows", str(a.rows),
                "--length", str(a.length), "--steps", str(a.steps), "--device", a.device]
         cmd += [x for b in bindings for x in ("--binding", b)]

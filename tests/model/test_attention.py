@@ -139,7 +139,6 @@ def test_model_takes_the_blocked_path_for_long_rows_and_matches_dense():
     np.testing.assert_allclose(out["blocked"][real], out["dense"][real], rtol=1e-4, atol=1e-4)
 
 
-
 def test_dense_max_len_sends_shorter_rows_to_the_blocked_path_with_the_same_values_and_gradients():
     """``LogitsFn(dense_max_len=16)`` (``ExecutionConfig.dense_attention_max_len``) runs 40-token
     rows through the blocked attention: another reduction order, the same hidden states and the
@@ -162,6 +161,7 @@ def test_dense_max_len_sends_shorter_rows_to_the_blocked_path_with_the_same_valu
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="dense_max_len must be >= 1"):
         make_logits_fn(graphdef, dense_max_len=0)
+
 
 def test_packed_rows_equal_unpacked_rows():
     cfg = ModelConfig.tiny(64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
