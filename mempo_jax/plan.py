@@ -10,6 +10,9 @@ attention materialises ``[rows, heads, L, S]`` float32 scores and probabilities;
 logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), for each phase of a
 step:
 
+Every pass scans the stacked decoder layers, so each phase also holds one stacked copy of the
+layer parameters (sharded as at rest; in the rollout dtype for sampling).
+
 * sampling: KV cache + prefill (``[rows, P, vocab]`` logits, one layer's transients);
 * log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
   packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
@@ -349,15 +352,15 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * t_bytes  # accumulator + one micro-batch's gradient (trainable parameters' dtype)
     chunk = shapes["logit_chunk"]
-    # Weights an fsdp mesh shards at rest are gathered (split over tensor only) for their matmuls,
-    # one layer at a time: every pass then scans the stacked layers (a sharded copy of them,
-    # model.forward.LogitsFn.forward_remat), and the embedding / LM head are held whole (the update
-    # also their gradients: EMBEDDING_COPIES).
+    # Every pass that is not differentiated scans the stacked layers (a copy of them, sharded as at
+    # rest: model.forward.LogitsFn.forward_remat). Weights an fsdp mesh shards at rest are gathered
+    # (split over tensor only) for their matmuls, one layer at a time, and the embedding / LM head
+    # are held whole (the update also their gradients: EMBEDDING_COPIES).
     gathered_all = _gathered_bytes(abstract, ps, mesh, rules)
     embedding = model_cfg.weight_dtype.itemsize * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
                                                                                     model_cfg.embed_dim))
     heads = embedding * (1 if model_cfg.tie_embeddings else 2)
-    forward_gathered = p_bytes + (gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0
+    forward_weights = p_bytes + ((gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0)
     embedding_copies = EMBEDDING_COPIES if gathered_all else 2  # unsharded: the two gradients only
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
@@ -370,10 +373,11 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     rollout_copy = p_bytes * 2 // w_size if cfg.execution.rollout_dtype == "bfloat16" and w_size != 2 else 0
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
-        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES) + rollout_copy,
-        "logprobs": forward_gathered + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
+        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES) + rollout_copy
+        + (rollout_copy or p_bytes),  # the slot programs' stacked layers (rollout dtype)
+        "logprobs": forward_weights + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": forward_gathered + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
+        "scoring": forward_weights + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
         + act.layer_forward(s_rows, s_len, s_len),
         "update": gradient_bytes + embedding_copies * embedding + saved
         + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),

@@ -80,10 +80,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
                  attn_mask: Bool[Array, "rows length keys"] | AttentionMask, cache: KVCache | None = None,
-                 layer: int = 0, write: _CacheWrite | None = None, dense_max_len: int = BLOCKED_MIN_LEN
-                 ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
+                 layer: Int[ArrayLike, ""] = 0, write: _CacheWrite | None = None,
+                 dense_max_len: int = BLOCKED_MIN_LEN) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
-        tokens are written at ``write`` (slot, position) before attention reads the cache. Without
+        tokens are written at ``write`` (slot, position) of cache layer ``layer`` (an int32 scalar,
+        traced in the decoder's layer scan) before attention reads the cache. Without
         one, rows longer than ``dense_max_len`` tokens take the blocked attention."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
         if cache is None:
@@ -130,6 +131,7 @@ class Decoder(nnx.Module):
         logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
+        layers: nnx.State | None = None,
     ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
@@ -161,7 +163,8 @@ class Decoder(nnx.Module):
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
-          remat, dense_max_len: the layer loop and the attention path without a cache (``hidden_states``).
+          remat, dense_max_len, layers: the layer loop and the attention path without a cache, and
+            the layers already stacked (``hidden_states``).
 
         Returns:
           ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` /
@@ -171,7 +174,7 @@ class Decoder(nnx.Module):
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
-                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len)
+                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len, layers=layers)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:
@@ -193,6 +196,7 @@ class Decoder(nnx.Module):
         block_k: int = BLOCK_K,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
+        layers: nnx.State | None = None,
     ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """The final-normed hidden states that the LM head reads (``__call__`` without the head).
 
@@ -205,6 +209,8 @@ class Decoder(nnx.Module):
           dense_max_len: without a cache, rows up to this many tokens use dense attention, longer
             ones blocked (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
             Memory and time, not values (float32 summation order aside).
+          layers: ``stacked_layers()`` computed by the caller once for several calls; ``None``: stacked
+            here when the loop scans (with a cache, or with ``remat`` other than ``"none"``).
 
         Returns:
           ``(hidden [B, T, embed] in the activation dtype, updated cache or None)``.
@@ -237,21 +243,38 @@ class Decoder(nnx.Module):
         dt = self.cfg.activation_dtype
         x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(dt), EMBED_AXES)
         policy = remat_policy(remat)
-        if cache is None and remat != "none":
+        gdef = nnx.graphdef(self.layers[0])
+        if cache is not None:
+            # One scan over the stacked layers, the cache in the carry (each layer writes and reads
+            # its own index in place): the program holds one layer's code, not num_layers copies
+            # (an unrolled loop's compiled kernels cost XLA:CPU ~60 MB of host memory per program).
+            stacked = self.stacked_layers() if layers is None else layers
+
+            def cached_body(carry, xs):
+                (h, c), (state, i) = carry, xs
+                return nnx.merge(gdef, state)(h, positions, attn_mask, c, i, where), None
+
+            (x, cache), _ = jax.lax.scan(cached_body, (x, cache),
+                                         (stacked, jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
+        elif remat != "none":
             # A scan over the layers' stacked parameters: its backward pass keeps each layer's input
             # only (the saved residuals are the scan's, which XLA cannot schedule away; a
             # checkpoint per unrolled layer saves nothing on XLA CPU).
-            gdef = nnx.graphdef(self.layers[0])
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
-
             def body(h, state):
                 return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len)[0], None
 
-            x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
+            x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x,
+                                self.stacked_layers() if layers is None else layers)
         else:
-            for i, block in enumerate(self.layers):
-                x, cache = block(x, positions, attn_mask, cache, i, where, dense_max_len=dense_max_len)
+            for block in self.layers:
+                x, _ = block(x, positions, attn_mask, dense_max_len=dense_max_len)
         return constrain(self.final_norm(x), EMBED_AXES), cache
+
+    def stacked_layers(self) -> nnx.State:
+        """The decoder layers' parameters stacked on a leading ``[num_layers]`` axis (one copy of
+        them): what ``hidden_states`` scans. A caller that runs the forward pass several times on
+        the same weights (the sampler's decode loop) stacks once and passes ``layers=``."""
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
         """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""

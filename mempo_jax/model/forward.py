@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
-from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding, rule_axes
+from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding
 from mempo_jax.model.attention import BLOCKED_MIN_LEN, AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
@@ -64,18 +64,6 @@ def positions_from_mask(valid_mask: Bool[ArrayLike, "rows length"]) -> Int[Array
     Real tokens are numbered 0, 1, 2, … whatever padding sits left of or between them.
     """
     return jnp.maximum(jnp.cumsum(valid_mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
-
-
-def _gathers_weights(mesh: Mesh | None, rules: Rules) -> bool:
-    """True when ``rules`` shard a weight dimension over a mesh axis other than ``tensor`` with
-    more than one device (the axes an fsdp layout gathers for each matmul)."""
-    if mesh is None:
-        return False
-    weight_axes = ("vocab", "embed", "heads", "kv_heads", "mlp", "head_dim")
-    for name, target in rules:
-        if name in weight_axes and any(a != "tensor" and mesh.shape.get(a, 1) > 1 for a in rule_axes(target)):
-            return True
-    return False
 
 
 def _under_mesh(method):
@@ -131,10 +119,11 @@ class LogitsFn:
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
         self.dense_max_len = int(dense_max_len)
         self.mesh, self.rules = mesh, tuple(rules)
-        # The layer loop of a pass that is not differentiated: unrolled, unless the mesh shards the
-        # weights over an axis their matmuls gather them on (fsdp), where a scan over the stacked
-        # layers gathers one layer at a time (unrolled, XLA gathers every layer up front).
-        self.forward_remat = "full" if _gathers_weights(mesh, self.rules) else "none"
+        # The layer loop of a pass that is not differentiated: a scan over the stacked layers (the
+        # "full" path; nothing is saved without a backward pass). On an fsdp mesh it gathers one
+        # layer's weights at a time (unrolled, XLA gathers every layer up front), and on any mesh
+        # the program holds one layer's compiled code instead of num_layers copies.
+        self.forward_remat = "full"
 
     @_under_mesh
     def __call__(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
@@ -231,7 +220,7 @@ def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
       temperature: softmax temperature (> 0).
       entropy: also return entropies.
       grad: the result is differentiated (the decoder layers then follow ``fn.remat``; ``False``:
-        ``fn.forward_remat``, the unrolled layers unless the mesh gathers weights per layer).
+        ``fn.forward_remat``, a scan over the stacked layers).
 
     Returns:
       ``(logp [B, L], entropy [B, L] or None)`` float32.

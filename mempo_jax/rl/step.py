@@ -452,6 +452,7 @@ def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemorySc
     tokenizer = fmt.tokenizer
     trajs = new_trajectories(fmt, questions, cfg.group_size)
     rollout(engine, params, trajs, fmt, tool_env, cfg.rollout, key, progress, traj_offset)
+    del params  # the rollout's weights (a stacked copy): not held through scoring and the update
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -373,24 +373,23 @@ _GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative-hash constant: positio
 
 
 @jax.jit
-def _leaf_checksums(leaves):
-    def one(x):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_ or x.dtype.itemsize not in (1, 2, 4):
-            u = x.astype(jnp.uint32)
-        else:
-            u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
-            u = u.astype(jnp.uint32)
-        index = jnp.zeros(x.shape, jnp.uint32)  # the flat position, without a reshape (keeps the sharding)
-        stride = 1
-        for d in reversed(range(x.ndim)):
-            index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2 ** 32)
-            stride *= x.shape[d]
-        weight = index * _GOLDEN * jnp.uint32(2) + jnp.uint32(1)  # odd: a changed element always changes the sum
-        return jnp.sum(u * weight, dtype=jnp.uint32)  # wraps: order-free mod 2^32
-
-    return [one(x) for x in leaves]
+def _leaf_checksum(x):
+    """One leaf's checksum (``array_checksums``). Jitted per leaf, not over the whole tree: one
+    small program per distinct (shape, dtype), and one leaf's temporaries at a time."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_ or x.dtype.itemsize not in (1, 2, 4):
+        u = x.astype(jnp.uint32)
+    else:
+        u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+        u = u.astype(jnp.uint32)
+    index = jnp.zeros(x.shape, jnp.uint32)  # the flat position, without a reshape (keeps the sharding)
+    stride = 1
+    for d in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2 ** 32)
+        stride *= x.shape[d]
+    weight = index * _GOLDEN * jnp.uint32(2) + jnp.uint32(1)  # odd: a changed element always changes the sum
+    return jnp.sum(u * weight, dtype=jnp.uint32)  # wraps: order-free mod 2^32
 
 
 def array_checksums(tree: Any) -> list[int]:
@@ -409,7 +408,7 @@ def array_checksums(tree: Any) -> list[int]:
       A list of Python ints in ``[0, 2^32)``.
     """
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    return [int(np.asarray(c)) for c in _leaf_checksums(leaves)]
+    return [int(c) for c in jax.device_get([_leaf_checksum(x) for x in leaves])]
 
 
 def _first_mismatch(tree: Any, recorded) -> Optional[str]:

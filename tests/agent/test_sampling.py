@@ -170,3 +170,48 @@ def test_generate_refuses_bad_options(setup):
             sampler(params, ids, mask, jax.random.key(0), **kw)
     with pytest.raises(ValueError, match="at least one real token"):
         sampler(params, ids, np.zeros_like(mask), jax.random.key(0), 4)
+
+
+def test_stacked_weights_sample_what_the_policys_own_state_samples(setup):
+    """``SlotSampler.place`` stacks the decoder layers once (``StackedWeights``); the slot programs
+    scan that copy. Sampling from it equals sampling from the unplaced ``nnx.State`` (which the
+    programs stack themselves), placing again returns the same object, and layer i of the stack
+    is layer i of the policy."""
+    from mempo_jax.agent.slot_sampler import SlotSampler, StackedWeights
+
+    cfg, graphdef, params, ids, mask = setup
+    sampler = SlotSampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
+    placed = sampler.place(params)
+    assert isinstance(placed, StackedWeights) and sampler.place(placed) is placed
+    for i in range(cfg.num_layers):
+        jax.tree.map(lambda s, x: np.testing.assert_array_equal(np.asarray(s[i]), np.asarray(x)),
+                     placed.layers, params["layers"][i])
+    key = jax.random.key(3)
+    got = sampler.generate(placed, np.asarray(ids), np.asarray(mask), key, N, temperature=1.0)
+    want = sampler.generate(params, np.asarray(ids), np.asarray(mask), key, N, temperature=1.0)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+
+
+def test_slot_programs_do_not_grow_with_the_number_of_layers():
+    """The decoder's layer loop is a scan in the slot programs: the compiled decode and prefill
+    programs of a 2-layer and a 6-layer model have the same number of HLO instructions (an
+    unrolled loop grows with depth, and XLA:CPU holds host memory per compiled kernel)."""
+    from mempo_jax.agent.slot_sampler import SlotSampler
+
+    def instructions(layers):
+        cfg = ModelConfig.tiny(VOCAB, num_layers=layers)
+        graphdef, params = split_model(create_model(cfg, seed=0))
+        sampler = SlotSampler(graphdef, cfg, stop_ids=[], pad_id=PAD)
+        placed = sampler.place(params)
+        state = sampler.init_state(4, 32, 8)
+        f32 = jnp.float32(1.0)
+        i32 = jnp.zeros((4,), jnp.int32)
+        decode = sampler._program("decode", state).lower(placed, state, jax.random.key(0), f32, f32, rows=None,
+                                                         steps=4, greedy=False, use_top_p=False)
+        extend = sampler._program("extend", state).lower(placed, state, i32, jnp.zeros((4, 8), jnp.int32), i32 + 1, i32,
+                                                         jnp.ones((4,), bool), i32, i32, jax.random.key(0), f32, f32,
+                                                         greedy=False, use_top_p=False)
+        return [p.compile().as_text().count("\n") for p in (decode, extend)]
+
+    assert instructions(2) == instructions(6)
