@@ -368,13 +368,14 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
         layer_params = p_bytes * n_layers // max(n_layers + 1, 1)
         saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
                  + act.layer_saved(micro, train_len))
-    # ExecutionConfig.rollout_dtype = "bfloat16": the weight sync's cast copy, held while the rollout runs
+    # The sampler's copy of the weights, its layers stacked, held while the rollout runs: in bfloat16
+    # (ExecutionConfig.rollout_dtype) it is the weight sync's cast copy, else one more copy of the policy
     w_size = model_cfg.weight_dtype.itemsize
     rollout_copy = p_bytes * 2 // w_size if cfg.execution.rollout_dtype == "bfloat16" and w_size != 2 else 0
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
-        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES) + rollout_copy
-        + (rollout_copy or p_bytes),  # the slot programs' stacked layers (rollout dtype)
+        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES)
+        + (rollout_copy or p_bytes),  # the sampler's weights, layers stacked (agent.slot_sampler.StackedWeights)
         "logprobs": forward_weights + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
         "scoring": forward_weights + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))

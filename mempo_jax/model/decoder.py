@@ -7,7 +7,9 @@ k / v (``[layers, slots, kv_heads, size, head_dim]``, heads-major: a decode step
 each layer's ``[kv_heads, size, head_dim]`` block of a slot as it lies in memory); a slot holds one
 context contiguously from position 0, and new tokens are scattered in at their positions. The
 same forward serves training and scoring (no cache), prefill and decode (a cache; the sampler is
-``mempo_jax.agent.slot_sampler``).
+``mempo_jax.agent.slot_sampler``). The layer loop is a ``lax.scan`` over the layers' parameters
+stacked on a leading axis (``Decoder.stacked_layers``), except for a differentiated pass without
+rematerialisation (``remat="none"``), which unrolls it.
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ class Decoder(nnx.Module):
         if cache is not None:
             # One scan over the stacked layers, the cache in the carry (each layer writes and reads
             # its own index in place): the program holds one layer's code, not num_layers copies
-            # (an unrolled loop's compiled kernels cost XLA:CPU ~60 MB of host memory per program).
+            # (XLA:CPU keeps host memory for every compiled kernel: docs/results.md).
             stacked = self.stacked_layers() if layers is None else layers
 
             def cached_body(carry, xs):
