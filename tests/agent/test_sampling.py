@@ -195,7 +195,7 @@ def test_stacked_weights_sample_what_the_policys_own_state_samples(setup):
 
 def test_slot_programs_do_not_grow_with_the_number_of_layers():
     """The decoder's layer loop is a scan in the slot programs: the compiled decode and prefill
-    programs of a 2-layer and a 6-layer model have the same number of HLO instructions (an
+    programs of a 2-layer and a 6-layer model have the same number of HLO instructions, within 2 % (an
     unrolled loop grows with depth, and XLA:CPU holds host memory per compiled kernel)."""
     from mempo_jax.agent.slot_sampler import SlotSampler
 
@@ -214,4 +214,5 @@ def test_slot_programs_do_not_grow_with_the_number_of_layers():
                                                          greedy=False, use_top_p=False)
         return [p.compile().as_text().count("\n") for p in (decode, extend)]
 
-    assert instructions(2) == instructions(6)
+    two, six = instructions(2), instructions(6)  # unrolled, six layers would hold about 3x the instructions
+    assert all(abs(b - a) <= 0.02 * a for a, b in zip(two, six)), (two, six)
