@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.decoder import KVCache, init_cache
+from mempo_jax.model.decoder import KVCache, init_cache, stack_layers
 from mempo_jax.model.placement import cache_shardings
 from mempo_jax.core.rollout_mesh import weight_sync
 from mempo_jax.core.sharding import DEFAULT_RULES, activation_sharding, mesh_or_local, param_shardings
@@ -198,16 +198,17 @@ class SlotSampler:
     def _stack(self):
         """The jitted split of placed parameters into ``StackedWeights``, each stacked leaf on its
         layer's sharding with the new leading axis unsharded."""
+        def split(state, layers):
+            return StackedWeights(nnx.State({k: v for k, v in state.items() if k != "layers"}), layers)
+
         ps = self.param_shardings
-        rest = nnx.State({k: v for k, v in ps.items() if k != "layers"})
-        layers = jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), ps["layers"][0])
+        stacked = jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), ps["layers"][0])
 
         def stack(params):
             per_layer = params["layers"]
-            return StackedWeights(nnx.State({k: v for k, v in params.items() if k != "layers"}),
-                                  jax.tree.map(lambda *xs: jnp.stack(xs), *[per_layer[i] for i in range(len(per_layer))]))
+            return split(params, stack_layers([per_layer[i] for i in range(len(per_layer))]))
 
-        return jax.jit(stack, out_shardings=StackedWeights(rest, layers))
+        return jax.jit(stack, out_shardings=split(ps, stacked))
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""

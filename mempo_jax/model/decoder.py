@@ -29,6 +29,12 @@ from mempo_jax.model.attention import BLOCK_K, BLOCKED_MIN_LEN, AttentionMask
 from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
 
+def stack_layers(per_layer) -> nnx.State:
+    """Layer states ``[state_0, …, state_{n-1}]`` (equal structure) → one ``nnx.State`` whose
+    leaves carry a leading ``[n]`` axis: what the decoder's layer scan reads."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
 class KVCache(NamedTuple):
     """Keys and values of every layer (after RoPE).
 
@@ -276,7 +282,7 @@ class Decoder(nnx.Module):
         """The decoder layers' parameters stacked on a leading ``[num_layers]`` axis (one copy of
         them): what ``hidden_states`` scans. A caller that runs the forward pass several times on
         the same weights (the sampler's decode loop) stacks once and passes ``layers=``."""
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(blk) for blk in self.layers])
+        return stack_layers([nnx.state(blk) for blk in self.layers])
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
         """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""
