@@ -352,30 +352,29 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     s_rows, s_len = shapes["scoring_rows"], shapes["scoring_len"]
     gradient_bytes = 2 * t_bytes  # accumulator + one micro-batch's gradient (trainable parameters' dtype)
     chunk = shapes["logit_chunk"]
-    # Every pass that is not differentiated scans the stacked layers (a copy of them, sharded as at
-    # rest: model.forward.LogitsFn.forward_remat). Weights an fsdp mesh shards at rest are gathered
-    # (split over tensor only) for their matmuls, one layer at a time, and the embedding / LM head
-    # are held whole (the update also their gradients: EMBEDDING_COPIES).
+    # Every pass scans the layers as the decoder stores them (stacked: no copy). Weights an fsdp
+    # mesh shards at rest are gathered (split over tensor only) for their matmuls, one layer at a
+    # time, and the embedding / LM head are held whole (the update also their gradients:
+    # EMBEDDING_COPIES).
     gathered_all = _gathered_bytes(abstract, ps, mesh, rules)
     embedding = model_cfg.weight_dtype.itemsize * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
                                                                                     model_cfg.embed_dim))
     heads = embedding * (1 if model_cfg.tie_embeddings else 2)
-    forward_weights = p_bytes + ((gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0)
+    forward_weights = (gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0
     embedding_copies = EMBEDDING_COPIES if gathered_all else 2  # unsharded: the two gradients only
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
-    else:  # each layer's input, the stacked layer parameters, the recomputed layer's saved activations
-        layer_params = p_bytes * n_layers // max(n_layers + 1, 1)
-        saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim) + layer_params
+    else:  # each layer's input and the recomputed layer's saved activations
+        saved = (n_layers * act.act * act.width(micro, train_len, "embed", model_cfg.embed_dim)
                  + act.layer_saved(micro, train_len))
-    # The sampler's copy of the weights, its layers stacked, held while the rollout runs: in bfloat16
-    # (ExecutionConfig.rollout_dtype) it is the weight sync's cast copy, else one more copy of the policy
+    # The sampler's copy of the weights while the rollout runs: in bfloat16 (ExecutionConfig.rollout_dtype)
+    # the weight sync's cast copy of float32 weights; otherwise it samples from the policy's own arrays
     w_size = model_cfg.weight_dtype.itemsize
     rollout_copy = p_bytes * 2 // w_size if cfg.execution.rollout_dtype == "bfloat16" and w_size != 2 else 0
     phases = {  # float32 logits copies per phase: LOGIT_COPIES
         "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
         + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES)
-        + (rollout_copy or p_bytes),  # the sampler's weights, layers stacked (agent.slot_sampler.StackedWeights)
+        + rollout_copy,
         "logprobs": forward_weights + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
         + act.layer_forward(lp_rows, train_len, train_len),
         "scoring": forward_weights + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))

@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.decoder import KVCache, init_cache, stack_layers
+from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
 from mempo_jax.core.rollout_mesh import weight_sync
 from mempo_jax.core.sharding import DEFAULT_RULES, activation_sharding, mesh_or_local, param_shardings
@@ -88,31 +88,6 @@ class SlotState(NamedTuple):
     fsm: jax.Array
     turn: jax.Array
     traj: jax.Array
-
-
-class StackedWeights(NamedTuple):
-    """The sampler's weights (``SlotSampler.place``): the decoder layers' parameters stacked on a
-    leading ``[num_layers]`` axis (``Decoder.stacked_layers``), which the slot programs scan, and
-    every other parameter (embedding, final norm, LM head) as the policy holds it.
-
-    Attributes:
-      rest: the policy's ``nnx.State`` without its ``layers``.
-      layers: the layers' ``nnx.State``, each leaf ``[num_layers, ...]``.
-    """
-
-    rest: nnx.State
-    layers: nnx.State
-
-
-def _merged(graphdef, params):
-    """``(model, stacked layers or None)`` of ``params``: an ``nnx.State`` (the programs stack
-    its layers themselves) or ``StackedWeights`` (the model's own per-layer views are slices of
-    the stacked leaves, unused by the scan and so never computed)."""
-    if not isinstance(params, StackedWeights):
-        return nnx.merge(graphdef, params), None
-    n = jax.tree.leaves(params.layers)[0].shape[0]
-    per_layer = nnx.State({i: jax.tree.map(lambda x, i=i: x[i], params.layers) for i in range(n)})
-    return nnx.merge(graphdef, nnx.State({**params.rest, "layers": per_layer})), params.layers
 
 
 class SampleOutput(NamedTuple):
@@ -182,33 +157,12 @@ class SlotSampler:
         self._placements = {}  # (slots, size) -> state_shardings
         self.param_shardings = param_shardings(split_model(abstract_model(model_cfg))[1], self.mesh, self.rules)
 
-    def place(self, params) -> StackedWeights:
+    def place(self, params) -> nnx.State:
         """The policy's parameters on this sampler's mesh (``rollout_mesh.weight_sync``: one
         all-gather over the training mesh when it spans processes, else a ``device_put`` that
-        copies nothing already in place), cast to ``param_dtype``, the decoder layers stacked
-        (``StackedWeights``: one copy of the layers, held as long as the result is; every program
-        call then scans it instead of stacking its own). ``StackedWeights`` come back as they are.
-        A collective on several processes: call it on each."""
-        if isinstance(params, StackedWeights):
-            return params
-        synced = weight_sync(params, self.param_shardings, self.param_dtype)
-        return self._stack(synced)
-
-    @functools.cached_property
-    def _stack(self):
-        """The jitted split of placed parameters into ``StackedWeights``, each stacked leaf on its
-        layer's sharding with the new leading axis unsharded."""
-        def split(state, layers):
-            return StackedWeights(nnx.State({k: v for k, v in state.items() if k != "layers"}), layers)
-
-        ps = self.param_shardings
-        stacked = jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), ps["layers"][0])
-
-        def stack(params):
-            per_layer = params["layers"]
-            return split(params, stack_layers([per_layer[i] for i in range(len(per_layer))]))
-
-        return jax.jit(stack, out_shardings=split(ps, stacked))
+        copies nothing already in place), cast to ``param_dtype``. A collective on several
+        processes: call it on each."""
+        return weight_sync(params, self.param_shardings, self.param_dtype)
 
     def cache_size(self, max_context_tokens: int) -> int:
         """Slots' length C for contexts of at most ``max_context_tokens`` (``slot_cache_size``)."""
@@ -392,7 +346,7 @@ def _stop_now(tok, fsm_state, stop_ids, tables):
 
 def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, rows, ids, counts, starts, first,
                  turn, traj, key, temperature, top_p, tables=None, *, greedy, use_top_p):
-    model, layers = _merged(graphdef, params)
+    model = nnx.merge(graphdef, params)
     s, n = state.tokens.shape
     r, t = ids.shape
     real = rows < s
@@ -400,7 +354,7 @@ def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ro
     positions = starts[:, None] + jnp.arange(t)[None, :]
     bound = jnp.max(jnp.where(write, positions, 0)) + 1
     logits, cache = model(ids, positions, cache=state.cache, rows=rows, write=write, kv_bound=bound, block_k=block,
-                          logits_at=jnp.maximum(counts - 1, 0), layers=layers)
+                          logits_at=jnp.maximum(counts - 1, 0))
     logits = logits[:, 0]
     keys = _row_keys(key, turn, jnp.zeros_like(turn), traj)
     tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
@@ -432,7 +386,7 @@ def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ro
 
 def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, key, temperature, top_p, tables=None,
                  rows=None, *, steps, greedy, use_top_p):
-    model, layers = _merged(graphdef, params)
+    model = nnx.merge(graphdef, params)
     s, n = state.tokens.shape
     fields = ("lengths", "last", "tokens", "logps", "gen", "active", "stopped", "fsm", "turn", "traj")
     if rows is None:
@@ -443,8 +397,6 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
         sub["active"] = sub["active"] & (rows < s)
     r = sub["last"].shape[0]
     idx = jnp.arange(r)
-    if layers is None:  # stacked once, outside the loop: each step scans the same copy
-        layers = model.stacked_layers()
 
     def cond(carry):
         i, _, st = carry
@@ -456,7 +408,7 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
         pos = st["lengths"]
         bound = jnp.max(jnp.where(act, pos, 0)) + 1
         logits, cache = model(st["last"][:, None], pos[:, None], cache=cache, rows=rows, write=act[:, None],
-                              kv_bound=bound, block_k=block, logits_at=jnp.zeros((r,), jnp.int32), layers=layers)
+                              kv_bound=bound, block_k=block, logits_at=jnp.zeros((r,), jnp.int32))
         logits = logits[:, 0]
         keys = _row_keys(key, st["turn"], st["gen"], st["traj"])
         tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
@@ -482,4 +434,4 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
     return SlotState(cache=cache, **{f: getattr(state, f).at[dst].set(sub[f], mode="drop") for f in fields})
 
 
-__all__ = ["DEFAULT_BLOCK", "SampleOutput", "SlotSampler", "SlotState", "StackedWeights", "slot_cache_size"]
+__all__ = ["DEFAULT_BLOCK", "SampleOutput", "SlotSampler", "SlotState", "slot_cache_size"]

@@ -7,9 +7,10 @@ k / v (``[layers, slots, kv_heads, size, head_dim]``, heads-major: a decode step
 each layer's ``[kv_heads, size, head_dim]`` block of a slot as it lies in memory); a slot holds one
 context contiguously from position 0, and new tokens are scattered in at their positions. The
 same forward serves training and scoring (no cache), prefill and decode (a cache; the sampler is
-``mempo_jax.agent.slot_sampler``). The layer loop is a ``lax.scan`` over the layers' parameters
-stacked on a leading axis (``Decoder.stacked_layers``), except for a differentiated pass without
-rematerialisation (``remat="none"``), which unrolls it.
+``mempo_jax.agent.slot_sampler``). The decoder layers are stored stacked: one ``Block`` whose parameters carry a leading
+``[num_layers]`` axis (logical axis ``layers``), and the layer loop is a ``lax.scan`` over them,
+rematerialised per layer in a differentiated pass (``remat``). One compiled layer serves every
+layer, and no pass copies the weights into a stacked layout (MaxText's scanned layers).
 """
 
 from __future__ import annotations
@@ -29,10 +30,25 @@ from mempo_jax.model.attention import BLOCK_K, BLOCKED_MIN_LEN, AttentionMask
 from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
 
-def stack_layers(per_layer) -> nnx.State:
-    """Layer states ``[state_0, …, state_{n-1}]`` (equal structure) → one ``nnx.State`` whose
-    leaves carry a leading ``[n]`` axis: what the decoder's layer scan reads."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+def stack_layers(blocks) -> nnx.Module:
+    """Modules of one structure ``[m_0, …, m_{n-1}]`` → one module of that structure whose
+    variables are stacked on a new leading ``[n]`` axis, tagged with the logical axis ``layers``
+    (``core.sharding.DEFAULT_RULES``: never sharded). What ``Decoder`` stores as ``layers``.
+
+    Raises:
+      ValueError: ``blocks`` is empty.
+    """
+    if not blocks:
+        raise ValueError("stack_layers needs at least one module")
+    gdef = nnx.graphdef(blocks[0])
+
+    def stack(*variables):
+        axes = variables[0].get_metadata().get("out_sharding")
+        value = jnp.stack([v.get_value() for v in variables])
+        return variables[0].replace(value, **({"out_sharding": ("layers", *axes)} if axes else {}))
+
+    states = [nnx.state(b) for b in blocks]
+    return nnx.merge(gdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 class KVCache(NamedTuple):
@@ -110,7 +126,8 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """Decoder-only LM of the Qwen2 / Llama family.
 
-    Parameters (logical axes): ``embed [vocab, embed]``, per layer the ``Block`` parameters,
+    Parameters (logical axes): ``embed [vocab, embed]``, ``layers``: one ``Block`` whose
+    parameters are ``[layers, …]`` (layer i's weights at index i; ``stack_layers``),
     ``final_norm [embed]``, and when untied ``lm_head [embed, vocab]``.
     """
 
@@ -119,7 +136,8 @@ class Decoder(nnx.Module):
         pd = cfg.weight_dtype
         self.embed = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.embed_dim),
                                    ("vocab", "embed"), pd)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        # Built layer by layer (each draws its init keys in turn), then stacked.
+        self.layers = stack_layers([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, pd)
         if not cfg.tie_embeddings:
             self.lm_head = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.embed_dim, cfg.vocab_size),
@@ -139,7 +157,6 @@ class Decoder(nnx.Module):
         logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
-        layers: nnx.State | None = None,
     ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
@@ -171,8 +188,8 @@ class Decoder(nnx.Module):
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
-          remat, dense_max_len, layers: the layer loop and the attention path without a cache, and
-            the layers already stacked (``hidden_states``).
+          remat, dense_max_len: the layer loop and the attention path without a cache
+            (``hidden_states``).
 
         Returns:
           ``(logits [B, T, vocab] float32, updated cache or None)``; ``[B, 1, vocab]`` /
@@ -182,7 +199,7 @@ class Decoder(nnx.Module):
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
-                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len, layers=layers)
+                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:
@@ -204,7 +221,6 @@ class Decoder(nnx.Module):
         block_k: int = BLOCK_K,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
-        layers: nnx.State | None = None,
     ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """The final-normed hidden states that the LM head reads (``__call__`` without the head).
 
@@ -217,8 +233,6 @@ class Decoder(nnx.Module):
           dense_max_len: without a cache, rows up to this many tokens use dense attention, longer
             ones blocked (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
             Memory and time, not values (float32 summation order aside).
-          layers: ``stacked_layers()`` computed by the caller once for several calls; ``None``: stacked
-            here when the loop scans (with a cache, or with ``remat`` other than ``"none"``).
 
         Returns:
           ``(hidden [B, T, embed] in the activation dtype, updated cache or None)``.
@@ -251,38 +265,23 @@ class Decoder(nnx.Module):
         dt = self.cfg.activation_dtype
         x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(dt), EMBED_AXES)
         policy = remat_policy(remat)
-        gdef = nnx.graphdef(self.layers[0])
+        gdef, stacked = nnx.split(self.layers)
         if cache is not None:
-            # One scan over the stacked layers, the cache in the carry (each layer writes and reads
-            # its own index in place): the program holds one layer's code, not num_layers copies
-            # (XLA:CPU keeps host memory for every compiled kernel: docs/results.md).
-            stacked = self.stacked_layers() if layers is None else layers
-
+            # The cache rides in the carry; each layer writes and reads its own index in place.
             def cached_body(carry, xs):
                 (h, c), (state, i) = carry, xs
                 return nnx.merge(gdef, state)(h, positions, attn_mask, c, i, where), None
 
             (x, cache), _ = jax.lax.scan(cached_body, (x, cache),
                                          (stacked, jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
-        elif remat != "none":
-            # A scan over the layers' stacked parameters: its backward pass keeps each layer's input
-            # only (the saved residuals are the scan's, which XLA cannot schedule away; a
-            # checkpoint per unrolled layer saves nothing on XLA CPU).
+        else:
             def body(h, state):
                 return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len)[0], None
 
-            x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x,
-                                self.stacked_layers() if layers is None else layers)
-        else:
-            for block in self.layers:
-                x, _ = block(x, positions, attn_mask, dense_max_len=dense_max_len)
+            if remat != "none":  # the backward pass keeps each layer's input (and what ``policy`` saves)
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            x, _ = jax.lax.scan(body, x, stacked)
         return constrain(self.final_norm(x), EMBED_AXES), cache
-
-    def stacked_layers(self) -> nnx.State:
-        """The decoder layers' parameters stacked on a leading ``[num_layers]`` axis (one copy of
-        them): what ``hidden_states`` scans. A caller that runs the forward pass several times on
-        the same weights (the sampler's decode loop) stacks once and passes ``layers=``."""
-        return stack_layers([nnx.state(blk) for blk in self.layers])
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
         """The LM head ``[embed, vocab]`` in the activation dtype (the transposed embedding when tied)."""

@@ -119,11 +119,6 @@ class LogitsFn:
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
         self.dense_max_len = int(dense_max_len)
         self.mesh, self.rules = mesh, tuple(rules)
-        # The layer loop of a pass that is not differentiated: a scan over the stacked layers (the
-        # "full" path; nothing is saved without a backward pass). On an fsdp mesh it gathers one
-        # layer's weights at a time (unrolled, XLA gathers every layer up front), and on any mesh
-        # the program holds one layer's compiled code instead of num_layers copies.
-        self.forward_remat = "full"
 
     @_under_mesh
     def __call__(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
@@ -131,7 +126,7 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                          remat=self.forward_remat, dense_max_len=self.dense_max_len)
+                          remat=self.remat, dense_max_len=self.dense_max_len)
         return logits
 
     @_under_mesh
@@ -155,14 +150,15 @@ class LogitsFn:
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), AttentionMask.causal(seg > 0, seg),
-                          logits_at=logits_at, remat=self.forward_remat, dense_max_len=self.dense_max_len)
+                          logits_at=logits_at, remat=self.remat, dense_max_len=self.dense_max_len)
         return logits
 
     @_under_mesh
     def hidden(self, params: nnx.State, input_ids: Int[ArrayLike, "rows length"],
                valid_mask: Bool[ArrayLike, "rows length"], remat: str | None = None) -> Float[Array, "rows length embed"]:
         """``[B, L, embed]`` final hidden states of ``__call__``'s rows (the LM head's input);
-        ``remat`` overrides ``self.remat`` (``self.forward_remat`` for a pass that is not differentiated)."""
+        ``remat`` overrides ``self.remat`` (``"none"`` for a pass that is not differentiated: there
+        is no backward pass to save anything for)."""
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
@@ -220,7 +216,7 @@ def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
       temperature: softmax temperature (> 0).
       entropy: also return entropies.
       grad: the result is differentiated (the decoder layers then follow ``fn.remat``; ``False``:
-        ``fn.forward_remat``, a scan over the stacked layers).
+        ``"none"``, nothing saved for a backward pass).
 
     Returns:
       ``(logp [B, L], entropy [B, L] or None)`` float32.
@@ -229,7 +225,7 @@ def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
     if not isinstance(fn, LogitsFn):
         logits = fn(params, ids, valid) if segment_ids is None else fn.packed(params, ids, segment_ids, positions)
         return shifted_logprobs(logits, ids, temperature=temperature, entropy=entropy)
-    remat = None if grad else fn.forward_remat
+    remat = None if grad else "none"
     hidden = (fn.hidden(params, ids, valid, remat) if segment_ids is None
               else fn.packed_hidden(params, ids, segment_ids, positions, remat))
     return shifted_logprobs(hidden, ids, fn.project, fn.head(params), temperature, fn.logit_chunk, entropy)

@@ -4,9 +4,10 @@ Source of the layout: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` ``state_dict``
 transformers, and the safetensors sharding index (``model.safetensors.index.json``:
 ``{"metadata": {"total_size"}, "weight_map": {name: file}}``).
 
-Import reads one tensor at a time with ``safetensors.safe_open``, reshapes it to our layout and
-places it straight into its target sharding (``jax.make_array_from_callback``: every device only
-receives its own slice). Every checkpoint key is consumed exactly once; an unknown, missing or
+Import reads one parameter at a time with ``safetensors.safe_open`` (a decoder-layer parameter
+from its ``num_layers`` tensors, stacked on a leading axis as ``Decoder`` stores them), reshapes
+it to our layout and places it straight into its target sharding
+(``jax.make_array_from_callback``: every device only receives its own slice). Every checkpoint key is consumed exactly once; an unknown, missing or
 mis-shaped key raises ``CheckpointError`` naming the key.
 
 Layout map (HF torch ``Linear.weight`` is ``[out, in]``; ours is ``[in, ...out]``):
@@ -16,11 +17,12 @@ Layout map (HF torch ``Linear.weight`` is ``[out, in]``; ours is ``[in, ...out]`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,27 +91,40 @@ def _to_hf(kind: str, arr: np.ndarray) -> np.ndarray:
     raise AssertionError(kind)
 
 
-def hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
-    """HF tensor name → (our param path in the ``nnx.State``, layout kind), in checkpoint order.
+class HFName(NamedTuple):
+    """Where one HF tensor goes: our parameter ``path`` in the ``nnx.State``, the ``layer`` index
+    on its leading axis for a decoder layer's tensor (``None`` otherwise; ``Decoder`` stores the
+    layers stacked), and the layout ``kind``."""
+
+    path: tuple
+    layer: int | None
+    kind: str
+
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, HFName]:
+    """HF tensor name → ``HFName`` (our parameter, its layer, the layout kind), in checkpoint order.
 
     The tied LM head has no entry (transformers omits ``lm_head.weight`` when tied).
     """
-    names: dict[str, tuple[tuple, str]] = {"model.embed_tokens.weight": (("embed",), "copy")}
+    names: dict[str, HFName] = {"model.embed_tokens.weight": HFName(("embed",), None, "copy")}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        L = ("layers", i)
-        names[p + "input_layernorm.weight"] = (L + ("attn_norm", "weight"), "copy")
+
+        def put(key, *path, kind, i=i):
+            names[p + key] = HFName(("layers",) + path, i, kind)
+
+        put("input_layernorm.weight", "attn_norm", "weight", kind="copy")
         for x in ("q", "k", "v"):
-            names[p + f"self_attn.{x}_proj.weight"] = (L + ("attn", x), "proj_in")
+            put(f"self_attn.{x}_proj.weight", "attn", x, kind="proj_in")
             if cfg.qkv_bias:
-                names[p + f"self_attn.{x}_proj.bias"] = (L + ("attn", f"{x}_bias"), "proj_bias")
-        names[p + "self_attn.o_proj.weight"] = (L + ("attn", "o"), "proj_out")
-        names[p + "post_attention_layernorm.weight"] = (L + ("mlp_norm", "weight"), "copy")
+                put(f"self_attn.{x}_proj.bias", "attn", f"{x}_bias", kind="proj_bias")
+        put("self_attn.o_proj.weight", "attn", "o", kind="proj_out")
+        put("post_attention_layernorm.weight", "mlp_norm", "weight", kind="copy")
         for x in ("gate", "up", "down"):
-            names[p + f"mlp.{x}_proj.weight"] = (L + ("mlp", x), "transpose")
-    names["model.norm.weight"] = (("final_norm", "weight"), "copy")
+            put(f"mlp.{x}_proj.weight", "mlp", x, kind="transpose")
+    names["model.norm.weight"] = HFName(("final_norm", "weight"), None, "copy")
     if not cfg.tie_embeddings:
-        names["lm_head.weight"] = (("lm_head",), "transpose")
+        names["lm_head.weight"] = HFName(("lm_head",), None, "transpose")
     return names
 
 
@@ -219,28 +234,39 @@ def _check_keys(names: dict, key_file: dict, tied_head: bool) -> None:
 
 
 def _read_tensors(names: dict, key_file: dict, targets: dict, shardings: dict, np_dtype) -> dict[tuple, jax.Array]:
-    """Our parameter path → its array, read one file at a time, cast to ``np_dtype`` on the host
-    and placed straight into its sharding (``jax.make_array_from_callback``).
+    """Our parameter path → its array, cast to ``np_dtype`` on the host and placed straight into
+    its sharding (``jax.make_array_from_callback``). One parameter is on the host at a time: a
+    stacked layer parameter is assembled from its ``num_layers`` tensors.
 
     Raises:
       CheckpointError: naming a key whose shape is not the config's.
     """
+    by_param: dict[tuple, list[tuple[str, HFName]]] = {}
+    for key, name in names.items():
+        by_param.setdefault(name.path, []).append((key, name))
     loaded: dict[tuple, jax.Array] = {}
-    by_file: dict[pathlib.Path, list[str]] = {}
-    for key in names:
-        by_file.setdefault(key_file[key], []).append(key)
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="np") as st:
-            for key in keys:
-                ours, kind = names[key]
-                target = tuple(targets[ours].get_value().shape)
-                want = _hf_shape(kind, target)
-                got = tuple(st.get_slice(key).get_shape())
-                if got != want:
-                    raise CheckpointError(f"checkpoint key {key} has shape {got}, expected {want}")
-                arr = np.ascontiguousarray(_to_ours(kind, st.get_tensor(key), target).astype(np_dtype))
-                loaded[ours] = jax.make_array_from_callback(target, shardings[ours], lambda idx, a=arr: a[idx])
-                del arr
+    with contextlib.ExitStack() as files:
+        opened: dict[pathlib.Path, Any] = {}
+
+        def tensor(key: str, kind: str, target: tuple[int, ...]) -> np.ndarray:
+            f = key_file[key]
+            if f not in opened:
+                opened[f] = files.enter_context(safe_open(str(f), framework="np"))
+            want, got = _hf_shape(kind, target), tuple(opened[f].get_slice(key).get_shape())
+            if got != want:
+                raise CheckpointError(f"checkpoint key {key} has shape {got}, expected {want}")
+            return _to_ours(kind, opened[f].get_tensor(key), target).astype(np_dtype)
+
+        for ours, keys in by_param.items():
+            target = tuple(targets[ours].get_value().shape)
+            if keys[0][1].layer is None:
+                arr = np.ascontiguousarray(tensor(keys[0][0], keys[0][1].kind, target))
+            else:
+                arr = np.empty(target, np_dtype)
+                for key, name in keys:
+                    arr[name.layer] = tensor(key, name.kind, target[1:])
+            loaded[ours] = jax.make_array_from_callback(target, shardings[ours], lambda idx, a=arr: a[idx])
+            del arr
     return loaded
 
 
@@ -326,8 +352,9 @@ def save_hf_checkpoint(
     for fname, keys in zip(fnames, plan):
         shard = {}
         for key in keys:
-            ours, kind = names[key]
-            shard[key] = np.ascontiguousarray(_to_hf(kind, _host(flat[ours])))
+            ours, layer, kind = names[key]
+            value = flat[ours] if layer is None else flat[ours][layer]
+            shard[key] = np.ascontiguousarray(_to_hf(kind, _host(value)))
         if writer:
             save_file(shard, str(path / fname), metadata={"format": "pt"})
         del shard
@@ -354,10 +381,11 @@ def _shard_plan(names: dict, flat: dict, max_shard_bytes: int) -> tuple[list[lis
     """
     plan: list[list[str]] = [[]]
     sizes = [0]
-    for key, (ours, _) in names.items():
+    for key, (ours, layer, _) in names.items():
         if ours not in flat:
             raise CheckpointError(f"params lack {'/'.join(map(str, ours))} needed for checkpoint key {key}")
-        nbytes = int(np.prod(flat[ours].shape)) * jnp.dtype(flat[ours].dtype).itemsize
+        shape = flat[ours].shape if layer is None else flat[ours].shape[1:]
+        nbytes = int(np.prod(shape)) * jnp.dtype(flat[ours].dtype).itemsize
         if plan[-1] and sizes[-1] + nbytes > max_shard_bytes:
             plan.append([])
             sizes.append(0)
@@ -372,6 +400,6 @@ def num_checkpoint_bytes(cfg: ModelConfig) -> int:
 
 
 __all__ = [
-    "CheckpointError", "config_from_hf", "config_to_hf", "hf_name_map", "load_hf_checkpoint",
+    "CheckpointError", "HFName", "config_from_hf", "config_to_hf", "hf_name_map", "load_hf_checkpoint",
     "read_hf_config", "save_hf_checkpoint", "num_checkpoint_bytes",
 ]

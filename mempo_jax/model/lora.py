@@ -222,14 +222,15 @@ def _flat(params) -> dict[tuple, nnx.Variable]:
 
 def adapter_weights(model_cfg: ModelConfig, params):
     """Every adapted weight: yields ``(layer, module, weight, A [in, r], B [r, out])`` as float32
-    numpy arrays (in / out axes flattened), in layer order then ``LORA_TARGETS`` order."""
+    numpy arrays (in / out axes flattened), in layer order then ``LORA_TARGETS`` order (the
+    decoder stores the layers stacked: layer i is index i of each ``[layers, …]`` adapter)."""
     flat = _flat(params)
+    stacked = {(module, w): tuple(np.asarray(jax.device_get(flat[("layers", module, f"{w}_lora_{ab}")].get_value()),
+                                             np.float32) for ab in "ab")
+               for module in ("attn", "mlp") for w in model_cfg.lora_weights(module)}
     for i in range(model_cfg.num_layers):
-        for module in ("attn", "mlp"):
-            for w in model_cfg.lora_weights(module):
-                a = np.asarray(jax.device_get(flat[("layers", i, module, f"{w}_lora_a")].get_value()), np.float32)
-                b = np.asarray(jax.device_get(flat[("layers", i, module, f"{w}_lora_b")].get_value()), np.float32)
-                yield i, module, w, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1)
+        for (module, w), (a, b) in stacked.items():
+            yield i, module, w, a[i].reshape(-1, a.shape[-1]), b[i].reshape(b.shape[1], -1)
 
 
 def merge_adapters(model_cfg: ModelConfig, params):
@@ -242,15 +243,16 @@ def merge_adapters(model_cfg: ModelConfig, params):
     trainable, frozen = split_trainable(params)
     if frozen is None:
         return model_cfg, params
-    scale = model_cfg.lora_alpha / model_cfg.lora_rank
+    scale = np.float32(model_cfg.lora_alpha / model_cfg.lora_rank)
+    flat = _flat(frozen)
     merged = {}
     for i, module, w, a, b in adapter_weights(model_cfg, params):
-        merged[("layers", i, module, w)] = (a @ b) * np.float32(scale)
-    flat = _flat(frozen)
-    for key, delta in merged.items():
-        var = flat[key]
-        base = np.asarray(jax.device_get(var.get_value()))
-        flat[key] = var.replace((base.astype(np.float32) + delta.reshape(base.shape)).astype(base.dtype))
+        key = ("layers", module, w)
+        if key not in merged:
+            merged[key] = np.asarray(jax.device_get(flat[key].get_value())).astype(np.float32)
+        merged[key][i] += ((a @ b) * scale).reshape(merged[key].shape[1:])
+    for key, value in merged.items():
+        flat[key] = flat[key].replace(value.astype(flat[key].get_value().dtype))
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(frozen, is_leaf=lambda x: isinstance(x, nnx.Variable)),
                                        [flat[k] for k in _flat(frozen)])
     return base_config(model_cfg), out

@@ -402,7 +402,7 @@ class MemoryRewardScorer:
         params = jax.lax.stop_gradient(params)
         fn = self.logits_fn
         if isinstance(fn, LogitsFn):
-            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions, remat=fn.forward_remat)
+            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions, remat="none")
             hidden = jnp.take_along_axis(hidden, logits_at[..., None].astype(jnp.int32), axis=1)  # [R, K, D]
             logp, _ = target_logprobs(hidden, targets, fn.project, fn.head(params), self.temperature, fn.logit_chunk)
         else:

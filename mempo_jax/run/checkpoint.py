@@ -262,6 +262,10 @@ class Checkpointer:
             stored = self._stored_shapes(step, list(items))
             wanted = _shape_multiset({k: params if k == "params" else opt_state for k in items})
             if stored is not None and stored != wanted:
+                if self._layers_one_by_one(step):
+                    raise ValueError(f"checkpoint {where} stores the decoder layers one by one (params/layers/0/...), "
+                                     "the layout of versions before the layers were stored stacked; this version "
+                                     "reads stacked layers only: run it again in a new run folder") from None
                 raise ValueError(f"checkpoint {where} does not match this model: {_first_line(e)}") from None
             raise CorruptCheckpoint(where, _first_line(e)) from None
         _check_like(out["params"], params, where)
@@ -275,6 +279,15 @@ class Checkpointer:
                     raise CorruptCheckpoint(where, f"{name}{bad} differs from the checksum recorded at save time "
                                                    "(damaged array data)")
         return out["params"], (out["opt_state"] if opt_state is not None else None), meta
+
+    def _layers_one_by_one(self, step: int) -> bool:
+        """The stored parameters keep each decoder layer apart (``layers/0``, ``layers/1``, …)."""
+        try:
+            tree = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "params")
+            layers = getattr(tree, "tree", tree).get("layers", {})
+            return isinstance(layers, dict) and "0" in layers
+        except Exception:  # noqa: BLE001 - unreadable metadata: not this case
+            return False
 
     def _stored_shapes(self, step: int, names) -> Optional[dict]:
         """The multiset of stored ``(shape, dtype)`` per item, from orbax's array metadata (None

@@ -229,7 +229,7 @@ def _forced_model(vocab, favoured, logits):
     cfg = ModelConfig(vocab_size=vocab, embed_dim=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
                       mlp_dim=8, tie_embeddings=False)
     graphdef, params = split_model(create_model(cfg, seed=0))
-    layer = params["layers"][0]
+    layer = params["layers"]  # the one layer, stacked
     layer["attn"]["o"].set_value(jnp.zeros_like(layer["attn"]["o"].get_value()))
     layer["mlp"]["down"].set_value(jnp.zeros_like(layer["mlp"]["down"].get_value()))
     params["embed"].set_value(jnp.ones((vocab, 8), jnp.float32))
@@ -280,7 +280,7 @@ def _bigram_model(vocab, chain):
     cfg = ModelConfig(vocab_size=vocab, embed_dim=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
                       mlp_dim=8, tie_embeddings=False)
     graphdef, params = split_model(create_model(cfg, seed=0))
-    layer = params["layers"][0]
+    layer = params["layers"]  # the one layer, stacked
     layer["attn"]["o"].set_value(jnp.zeros_like(layer["attn"]["o"].get_value()))
     layer["mlp"]["down"].set_value(jnp.zeros_like(layer["mlp"]["down"].get_value()))
     embed = np.zeros((vocab, 8), np.float32)

@@ -116,13 +116,13 @@ def test_params_and_opt_state_keep_their_rule_shardings(model, ppo_batch, ppo_22
     _, _, _, _, graphdef, params = model
     learner = ppo_222[0]
     mesh = learner.mesh
-    attn = learner.params["layers"][0]["attn"]
-    assert attn["q"].get_value().sharding.spec == P("fsdp", "tensor", None)  # [embed, heads, head_dim]
-    assert attn["o"].get_value().sharding.spec == P("tensor", None, "fsdp")
+    attn = learner.params["layers"]["attn"]
+    assert attn["q"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)  # [layers, embed, heads, head_dim]
+    assert attn["o"].get_value().sharding.spec == P(None, "tensor", None, "fsdp")
     assert learner.params["embed"].get_value().sharding.spec == P("tensor", "fsdp")  # [vocab, embed]
     assert learner.params["embed"].get_value().addressable_shards[0].data.shape == (params["embed"].shape[0] // 2, 16)
     adam = learner.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
-    assert adam.mu["layers"][0]["attn"]["q"].get_value().sharding.spec == P("fsdp", "tensor", None)
+    assert adam.mu["layers"]["attn"]["q"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)
     assert adam.count.sharding.spec == P()
     expected = opt_state_shardings(learner.optimizer, params, mesh)
     for arr, sh in zip(jax.tree.leaves(learner.opt_state), jax.tree.leaves(expected)):

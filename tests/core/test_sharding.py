@@ -50,16 +50,17 @@ def test_sharded_params_have_the_rule_shardings(tiny):
     _, _, params, *_ = tiny
     mesh = make_mesh(2, 2, 2)
     sharded = shard_params(params, mesh)
-    attn = sharded["layers"][0]["attn"]
+    attn = sharded["layers"]["attn"]  # layer weights stacked: a leading [layers] axis, never sharded
+    n = tiny[0].num_layers
     expected = {
         "embed": (sharded["embed"], P("tensor", "fsdp"), (64, 64)),  # [vocab, embed]
         "lm_head": (sharded["lm_head"], P("fsdp", "tensor"), (64, 64)),  # [embed, vocab]
-        "q": (attn["q"], P("fsdp", "tensor", None), (64, 2, 32)),  # [embed, heads, head_dim]
-        "k": (attn["k"], P("fsdp", "tensor", None), (64, 1, 32)),  # [embed, kv_heads, head_dim]
-        "q_bias": (attn["q_bias"], P("tensor", None), (2, 32)),
-        "o": (attn["o"], P("tensor", None, "fsdp"), (2, 32, 64)),  # [heads, head_dim, embed]
-        "gate": (sharded["layers"][1]["mlp"]["gate"], P("fsdp", "tensor"), (64, 192)),  # [embed, mlp]
-        "down": (sharded["layers"][1]["mlp"]["down"], P("tensor", "fsdp"), (192, 64)),  # [mlp, embed]
+        "q": (attn["q"], P(None, "fsdp", "tensor", None), (n, 64, 2, 32)),  # [layers, embed, heads, head_dim]
+        "k": (attn["k"], P(None, "fsdp", "tensor", None), (n, 64, 1, 32)),  # [layers, embed, kv_heads, head_dim]
+        "q_bias": (attn["q_bias"], P(None, "tensor", None), (n, 2, 32)),
+        "o": (attn["o"], P(None, "tensor", None, "fsdp"), (n, 2, 32, 64)),  # [layers, heads, head_dim, embed]
+        "gate": (sharded["layers"]["mlp"]["gate"], P(None, "fsdp", "tensor"), (n, 64, 192)),  # [layers, embed, mlp]
+        "down": (sharded["layers"]["mlp"]["down"], P(None, "tensor", "fsdp"), (n, 192, 64)),  # [layers, mlp, embed]
         "norm": (sharded["final_norm"]["weight"], P(None), (128,)),
     }
     for name, (var, spec, shard_shape) in expected.items():

@@ -151,9 +151,9 @@ def test_import_places_params_in_their_sharding(checkpoint):
     name, _, path, _, graphdef, params = checkpoint
     mesh = make_mesh(1, 2, 2)
     _, _, sharded = load_hf_checkpoint(path, mesh)
-    q = sharded["layers"][0]["attn"]["q"].get_value()
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (32, 2, 16)
+    q = sharded["layers"]["attn"]["q"].get_value()  # [layers, embed, heads, head_dim]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (2, 32, 2, 16)
     ids, mask = jnp.asarray(np.random.RandomState(4).randint(0, VOCAB, (2, 24)), jnp.int32), jnp.ones((2, 24), bool)
     logits_fn = jax.jit(make_logits_fn(graphdef))
     np.testing.assert_allclose(np.asarray(logits_fn(sharded, ids, mask)), np.asarray(logits_fn(params, ids, mask)),

@@ -48,14 +48,14 @@ def test_fresh_adapters_leave_the_base_exactly():
         (128 + 128) + 2 * (128 + 64) + (128 + 128) + 3 * (128 + 384))
     b_leaves = [v for p, v in jax.tree_util.tree_flatten_with_path(trainable)[0] if "lora_b" in jax.tree_util.keystr(p)]
     assert b_leaves and all(not np.asarray(v).any() for v in b_leaves)
-    a = np.asarray(params["layers"][0]["mlp"]["down_lora_a"][...])  # [mlp, r]: uniform in ±1/sqrt(384)
+    a = np.asarray(params["layers"]["mlp"]["down_lora_a"][...])[0]  # layer 0's [mlp, r]: uniform in ±1/sqrt(384)
     assert a.shape == (384, 4) and 0.8 / np.sqrt(384) < np.abs(a).max() <= 1 / np.sqrt(384)
 
 
 @pytest.mark.parametrize("targets", [tuple(LORA_TARGETS), ("q_proj", "v_proj"), ("o_proj", "down_proj")])
 def test_adapted_forward_equals_the_merged_weights(targets):
     cfg, graphdef, _, params = _adapted(targets=targets)
-    assert set(lora.trainable_part(params)["layers"][0]["attn"]) == {
+    assert set(lora.trainable_part(params)["layers"]["attn"]) == {
         f"{LORA_TARGETS[t][1]}_lora_{x}" for t in targets if LORA_TARGETS[t][0] == "attn" for x in "ab"}
     ids, valid = _batch(1)
     base_cfg, merged = lora.merge_adapters(cfg, params)

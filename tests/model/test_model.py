@@ -102,25 +102,23 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     groups = gqa_cfg.num_groups
     g_def, g_params = split_model(create_model(gqa_cfg, seed=1))
     m_def, m_params = split_model(create_model(mha_cfg, seed=2))
-    for i in range(gqa_cfg.num_layers):
-        src, dst = g_params["layers"][i]["attn"], m_params["layers"][i]["attn"]
-        for name in ("q", "o"):
-            dst[name].set_value(src[name].get_value())
-        for name in ("k", "v"):  # kv head j serves query heads j*G .. j*G+G-1 (HF repeat_kv)
-            dst[name].set_value(jnp.repeat(src[name].get_value(), groups, axis=1))
-        for name in ("attn_norm", "mlp_norm"):
-            m_params["layers"][i][name]["weight"].set_value(g_params["layers"][i][name]["weight"].get_value())
-        for name in ("gate", "up", "down"):
-            m_params["layers"][i]["mlp"][name].set_value(g_params["layers"][i]["mlp"][name].get_value())
+    src, dst = g_params["layers"]["attn"], m_params["layers"]["attn"]  # [layers, ...] each
+    for name in ("q", "o"):
+        dst[name].set_value(src[name].get_value())
+    for name in ("k", "v"):  # kv head j serves query heads j*G .. j*G+G-1 (HF repeat_kv)
+        dst[name].set_value(jnp.repeat(src[name].get_value(), groups, axis=2))
+    for name in ("attn_norm", "mlp_norm"):
+        m_params["layers"][name]["weight"].set_value(g_params["layers"][name]["weight"].get_value())
+    for name in ("gate", "up", "down"):
+        m_params["layers"]["mlp"][name].set_value(g_params["layers"]["mlp"][name].get_value())
     m_params["embed"].set_value(g_params["embed"].get_value())
     ids, mask = _ids(3, (2, 12)), jnp.ones((2, 12), bool)
     a = make_logits_fn(g_def)(g_params, ids, mask)
     b = make_logits_fn(m_def)(m_params, ids, mask)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     # A wrong mapping (tile instead of repeat) gives different logits: the test can fail.
-    for i in range(gqa_cfg.num_layers):
-        for name in ("k", "v"):
-            m_params["layers"][i]["attn"][name].set_value(jnp.tile(g_params["layers"][i]["attn"][name].get_value(), (1, groups, 1)))
+    for name in ("k", "v"):
+        m_params["layers"]["attn"][name].set_value(jnp.tile(g_params["layers"]["attn"][name].get_value(), (1, 1, groups, 1)))
     c = make_logits_fn(m_def)(m_params, ids, mask)
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-4
 
@@ -195,7 +193,7 @@ def test_sequence_logprobs_matches_manual_gather(tiny):
 def test_untied_and_biased_model_runs_and_bfloat16_is_close():
     cfg = ModelConfig.tiny(VOCAB, num_layers=2, qkv_bias=True, tie_embeddings=False)
     graphdef, params = split_model(create_model(cfg, seed=3))
-    assert "lm_head" in params and "q_bias" in params["layers"][0]["attn"]
+    assert "lm_head" in params and "q_bias" in params["layers"]["attn"]
     ids, mask = _ids(8, (2, 8)), jnp.ones((2, 8), bool)
     f32 = np.asarray(make_logits_fn(graphdef)(params, ids, mask))
     bf_def, _ = split_model(create_model(cfg.replace(dtype="bfloat16"), seed=3))
@@ -220,7 +218,9 @@ def test_tiny_param_count_equals_analytic(tiny):
 def test_initializer_range_sets_the_weight_std(std):
     _, params = split_model(create_model(ModelConfig.tiny(VOCAB, initializer_range=std), seed=0))
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    mats = [np.asarray(x) for path, x in flat if x.ndim >= 2]  # norms are ones, biases zeros
+    # Layer weights carry a leading [layers] axis: each layer's matrices (norms are ones, biases zeros).
+    mats = [m for path, x in flat for m in (np.asarray(x) if "layers" in jax.tree_util.keystr(path) else [np.asarray(x)])
+            if m.ndim >= 2]
     assert len(mats) >= 1 + 7 * ModelConfig.tiny(VOCAB).num_layers
     for m in mats:  # each matrix has >= 4096 entries: the sample std is within ~3 %
         assert abs(m.std() / std - 1.0) < 0.05

@@ -49,7 +49,7 @@ def test_lora_checkpoints_hold_the_adapters_and_load_policy_rebuilds_the_policy(
     assert (model_cfg["lora_rank"], model_cfg["lora_targets"]) == (4, ["q_proj", "v_proj", "up_proj"])
     step, ckpt = read_checkpoint(lora_run / "checkpoints")
     names = sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ckpt["params"])[0])
-    assert step == 4 and names == [f"['layers']['0']['{m}']['{w}_lora_{x}']['value']"
+    assert step == 4 and names == [f"['layers']['{m}']['{w}_lora_{x}']['value']"
                                    for m, w in (("attn", "q"), ("attn", "v"), ("mlp", "up")) for x in "ab"]
     mu = ckpt["opt_state"][1][0]["mu"]  # chain(clip, adamw): Adam's first moment, adapters only
     assert len(jax.tree.leaves(mu)) == 6

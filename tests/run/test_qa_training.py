@@ -99,9 +99,9 @@ def scripted_checkpoint(data, tmp_path_factory):
     cfg = ModelConfig.tiny(VOCAB + SPARE, embed_dim=D_MODEL, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                            mlp_dim=128, qkv_bias=True, tie_embeddings=False)
     _, params = split_model(create_model(cfg, seed=0))
-    for layer in params["layers"].values():  # small layer outputs: the residual stream ≈ the token's embedding
-        for var in (layer["attn"]["o"], layer["mlp"]["down"]):
-            var.set_value(var.get_value() * 0.1)
+    layers = params["layers"]  # every layer's weights, stacked
+    for var in (layers["attn"]["o"], layers["mlp"]["down"]):  # small layer outputs: the residual stream ≈ the token's embedding
+        var.set_value(var.get_value() * 0.1)
     emb = np.asarray(params["embed"].get_value())
     head = np.zeros((D_MODEL, cfg.vocab_size), np.float32)
     for src, dst in transitions:  # logit(dst | src) ≈ 12 after the final RMS norm; every other ≈ 0

@@ -132,7 +132,7 @@ def forced():
     cfg = ModelConfig(vocab_size=vocab, embed_dim=d, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                       mlp_dim=8, tie_embeddings=False)
     graphdef, params = split_model(create_model(cfg, seed=0))
-    layer = params["layers"][0]
+    layer = params["layers"]  # the one layer, stacked
     layer["attn"]["o"].set_value(jnp.zeros_like(layer["attn"]["o"].get_value()))
     layer["mlp"]["down"].set_value(jnp.zeros_like(layer["mlp"]["down"].get_value()))
     embed = np.zeros((vocab, d), np.float32)
