@@ -528,7 +528,7 @@ def _rollout_metrics(trajs, rewards: np.ndarray, group_ids: np.ndarray, kept: np
         "critic/advantages/mean": 0.0,
         "train/kept_groups": group_share(kept, group_ids),
         **{k: 0.0 for k in ("mem/reward/mean", "mem/p_full/mean", "mem/p_mem/mean", "mem/advantage/std", "mem/turns",
-                            "mem/excluded_malformed", "train/rows", "train/seq_len")},
+                            "mem/excluded_malformed", "train/rows", "train/tokens", "train/seq_len")},
         **rollout_metrics(trajs),
     }
 
@@ -548,5 +548,6 @@ def _update_metrics(rows, mem_out, r_mem: np.ndarray, scored: np.ndarray, a_t: n
         "mem/turns": float(len(rows.mem_turn)),
         "mem/excluded_malformed": float(len(rows.mem_turn) - scored.sum()),
         "train/rows": float(rows.input_ids.shape[0]),
+        "train/tokens": float(rows.valid.sum()),  # the rows' real tokens: timing/update_s per token
         "train/seq_len": float(rows.input_ids.shape[1]),
     }

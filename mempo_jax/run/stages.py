@@ -241,7 +241,7 @@ def sft_stage(ctx: RunContext, learner, sft_file, stack) -> None:
 # ``<mem>`` turns, means over its turns, totals, maxima (``global_rl_metrics``).
 _PER_MEM_TURN = ("mem/reward/mean", "mem/p_full/mean", "mem/p_mem/mean", "mem/advantage/std")
 _PER_TURN = ("format_fail/rate",)
-_TOTALS = ("mem/turns", "train/rows")
+_TOTALS = ("mem/turns", "train/rows", "train/tokens")
 _MAXIMA = ("train/seq_len",)
 
 
@@ -251,7 +251,7 @@ def global_rl_metrics(m: dict, trajs, sync) -> dict:
     PPO metrics (``actor/*``) are already global. Means over trajectories are weighted by each
     process's trajectories, ``_PER_MEM_TURN`` by its ``<mem>`` turns (exact for the means;
     ``mem/advantage/std`` becomes a weighted mean of the processes' stds), ``format_fail/rate`` by
-    its turns; ``mem/turns`` and ``train/rows`` are summed, ``train/seq_len`` is the maximum.
+    its turns; ``mem/turns``, ``train/rows`` and ``train/tokens`` are summed, ``train/seq_len`` is the maximum.
     """
     if not sync.multiprocess:
         return m
