@@ -212,12 +212,14 @@ def test_a_save_killed_midway_is_never_taken_for_a_complete_one(tmp_path):
                           timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == -9
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert names[0] == "1" and (names[1:] == ["2"] or names[1].startswith("2.orbax-checkpoint-tmp")), names
+    # Step 2's folder: complete, partial, or not yet created (the kill can land before the
+    # background writer makes its temporary folder: seen on a loaded machine).
+    assert names[0] == "1" and (names[1:] in (["2"], []) or names[1].startswith("2.orbax-checkpoint-tmp")), names
     ck = Checkpointer(tmp_path / "ck")
     steps = ck.steps()
     ck.close()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [str(s) for s in steps]  # no partial folder left
-    if names[1:] != ["2"]:  # the usual case: the kill beat the write
+    if names[1:] != ["2"]:  # the usual case: the kill beat the write (or its start)
         assert steps == [1]
         assert read_checkpoint(tmp_path / "ck")[1]["params"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
