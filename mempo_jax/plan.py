@@ -10,23 +10,26 @@ attention materialises ``[rows, heads, L, S]`` float32 scores and probabilities;
 logical-axis rules (rows over data × fsdp, heads / mlp / vocab over tensor), for each phase of a
 step:
 
-Every pass scans the stacked decoder layers, so each phase also holds one stacked copy of the
-layer parameters (sharded as at rest; in the rollout dtype for sampling).
+Every pass scans the decoder layers as they are stored (stacked, ``[num_layers, ...]``): no
+program holds a copy of them; an fsdp mesh gathers one layer's weights at a time.
 
 * sampling: KV cache + prefill (``[rows, P, vocab]`` logits, one layer's transients);
 * log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
   packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
   which this bound covers; a packed call may pick 2× or 4× that length when it computes fewer
   positions, capped at the longest precompiled length only after ``RLConfig.precompile``: not
-  covered): one chunk's logits and their log-softmax terms;
+  covered): the LM-head matrix as its matmul reads it, one chunk's logits and their log-softmax
+  terms, and the larger stage of one layer (its MLP or its attention);
 * memory-reward scoring, packed (``MemoryRewardScorer.packed_logprobs``: ``[R, L]`` calls of the
   stacked ``[full; mem]`` rows packed end to end, segment-masked attention ``[R, heads, L, L]``,
-  the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row);
+  the LM head only at the ``L // ANSWER_FRACTION`` answer positions of each packed row), counted
+  as the log-probs;
 * update (one PPO micro-batch; its rows packed end to end at the same length): activations
-  saved for the backward pass of every layer (each layer's input only under remat, plus a stacked
-  copy of the layer parameters that the rematerialised scan reads) and two layers' backward
-  transients, one chunk's float32 logits and their gradient, plus the gradient accumulator and
-  one micro-batch's gradient.
+  saved for the backward pass of every layer (each layer's input only under remat) and the
+  recomputed layer's, one chunk's float32 logits and their gradient, the embedding / LM-head
+  copies and gradients, plus the gradient accumulator and one micro-batch's gradient.
+
+Each phase's terms are in ``MemoryPlan.terms`` (and the printed table), so the one to lower is named.
 
 Peak per device = parameters + optimizer state + reference + the largest phase. With LoRA
 (``LoraConfig.rank > 0``) the optimizer state, the gradients and the reference copy are those of
@@ -53,8 +56,9 @@ GIB = 2**30
 # 8-device fsdp mesh, plan within [1, 1.3] x XLA). Bytes per attention-score element live in one
 # layer's forward (one float32 buffer: XLA fuses the mask, exponentials and normalisation) and kept for
 # its backward (probabilities and the scores' gradient); float32 logits blocks live per phase (the
-# sampler's prefill logits, log-softmax and scaled copy; one LM-head chunk or the scorer's answer
-# columns elsewhere); and the embedding / LM-head matrices the update holds whole per device (the
+# sampler's prefill logits, log-softmax and scaled copy; in the log-prob and scoring passes one
+# LM-head chunk, and a second that XLA's packing of the layer and LM-head scans reserves beside it;
+# the update's chunk and its gradient); and the embedding / LM-head matrices the update holds whole per device (the
 # gathered table, the head's and the lookup's gradients and their sum) when fsdp shards them.
 ATTENTION_BYTES = 4
 SAMPLER_ATTENTION_BYTES = 16  # the sampler's prefill over the cache: scores, masked, exponentials, probabilities
@@ -62,7 +66,7 @@ SAVED_ATTENTION_BYTES = 8
 # the blocked attention's backward pass, per element of one query block's scores over every key:
 # the rematerialised block's scores, probabilities and their gradient (float32)
 SAVED_BLOCKED_ATTENTION_BYTES = 12
-LOGIT_COPIES = {"sampling": 3, "logprobs": 1, "scoring": 1, "update": 2}
+LOGIT_COPIES = {"sampling": 3, "logprobs": 2, "scoring": 2, "update": 2}
 EMBEDDING_COPIES = 4
 
 
@@ -76,7 +80,11 @@ class MemoryPlan:
       mesh: ``{"data", "fsdp", "tensor"}`` sizes.
       params, opt_state, reference, kv_cache: resident / cache bytes per device.
       phases: ``{"sampling", "logprobs", "scoring", "update"}`` transient bytes per device
-        (``sampling`` includes the KV cache, ``update`` the gradients).
+        (``sampling`` includes the KV cache, ``update`` the gradients): the sum of ``terms[phase]``.
+      terms: ``{phase: {term: bytes}}``, what each phase holds: ``kv_cache``, ``logits`` (the float32
+        LM-head blocks), ``layer`` (one decoder layer's live activations), ``rollout_weights`` (the
+        sampler's cast copy), ``weights`` (gathered weights), ``gradients``, ``embedding`` (the
+        embedding / LM-head copies of the update) and ``saved`` (activations kept for the backward).
       shapes: the row / length sizes the estimate used.
       peak: parameters + optimizer state + reference + max(phases).
       budget: ``hbm_fraction * hbm_bytes``.
@@ -94,6 +102,7 @@ class MemoryPlan:
     reference: int
     kv_cache: int
     phases: dict
+    terms: dict
     shapes: dict
     peak: int
     budget: int
@@ -274,20 +283,26 @@ class _Act:
     def logits(self, rows, length) -> int:
         return self.elems(("batch", "seq", "vocab"), (rows, length, self.c.vocab_size))
 
+    def head(self) -> int:
+        """Bytes of the LM-head matrix as its matmul reads it: the embedding table (tied) or the head
+        in the activation dtype, gathered whole over ``fsdp`` and split over ``tensor`` like the
+        logits; a cast or transposed copy of the stored matrix, or the gathered one on an fsdp mesh."""
+        return self.act * self.elems(("vocab", None), (self.c.vocab_size, self.c.embed_dim))
+
     def layer_forward(self, rows, length, slots, attention_bytes: int = ATTENTION_BYTES) -> int:
-        """Live bytes of one layer's forward (nothing kept for a backward pass): the layer's
-        projections and ``attention_bytes`` per element of the ``[rows, heads, length, slots]``
-        attention scores; on a mesh with a ``tensor`` axis the o_proj and down_proj partial sums
-        (two residual-width buffers before their all-reduce), and on the blocked attention path
-        the queries and the output laid out in blocks (two query-width buffers)."""
+        """Live bytes at the peak of one layer's forward in a scan over the layers (nothing kept
+        for a backward pass): the larger of its two stages. The MLP stage holds the residual
+        stream, the gate, the up projection and their product; the attention stage the residual
+        stream and the normalised input, q / k / v, the rotated queries (on the blocked path also
+        the queries and the output laid out in blocks) and ``attention_bytes`` per element of the
+        ``[rows, heads, length, slots]`` scores (``scores``)."""
         c, a = self.c, self.act
-        residual = 4 + (2 if dict(self.mesh.shape).get("tensor", 1) > 1 else 0)
+        residual, mlp = self.width(rows, length, "embed", c.embed_dim), self.width(rows, length, "mlp", c.mlp_dim)
         queries = 3 + (2 if self.blocked(length, slots) else 0)
-        return (a * (residual * self.width(rows, length, "embed", c.embed_dim)
-                     + queries * self.heads(rows, length, "heads", c.num_heads)
-                     + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads)
-                     + 3 * self.width(rows, length, "mlp", c.mlp_dim))
-                + attention_bytes * self.scores(rows, length, slots))
+        attention = (a * (2 * residual + queries * self.heads(rows, length, "heads", c.num_heads)
+                          + 2 * self.heads(rows, slots, "kv_heads", c.num_kv_heads))
+                     + attention_bytes * self.scores(rows, length, slots))
+        return max(a * (residual + 3 * mlp), attention)
 
     def layer_saved(self, rows, length) -> int:
         """Bytes one layer keeps for the backward pass: residual and normalised inputs (and their
@@ -357,10 +372,15 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     # time, and the embedding / LM head are held whole (the update also their gradients:
     # EMBEDDING_COPIES).
     gathered_all = _gathered_bytes(abstract, ps, mesh, rules)
-    embedding = model_cfg.weight_dtype.itemsize * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
+    w_size = model_cfg.weight_dtype.itemsize
+    embedding = w_size * act.elems((None, "vocab", None), (1, model_cfg.vocab_size,
                                                                                     model_cfg.embed_dim))
     heads = embedding * (1 if model_cfg.tie_embeddings else 2)
-    forward_weights = (gathered_all - heads) // max(n_layers, 1) + heads if gathered_all else 0
+    # one layer's gathered weights (the head's matrix is the passes' "head" term)
+    forward_weights = (gathered_all - heads) // max(n_layers, 1) if gathered_all else 0
+    # an fsdp mesh that stores the head wider than the activations gathers it in its stored dtype
+    # and casts it: both copies are live at once, before the layers run
+    gather_stage = forward_weights + act.head() + (embedding if gathered_all and w_size != act.act else 0)
     embedding_copies = EMBEDDING_COPIES if gathered_all else 2  # unsharded: the two gradients only
     if cfg.execution.remat == "none":  # every layer's saved activations + two layers' backward transients
         saved = (n_layers + 2) * act.layer_saved(micro, train_len)
@@ -369,19 +389,26 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
                  + act.layer_saved(micro, train_len))
     # The sampler's copy of the weights while the rollout runs: in bfloat16 (ExecutionConfig.rollout_dtype)
     # the weight sync's cast copy of float32 weights; otherwise it samples from the policy's own arrays
-    w_size = model_cfg.weight_dtype.itemsize
     rollout_copy = p_bytes * 2 // w_size if cfg.execution.rollout_dtype == "bfloat16" and w_size != 2 else 0
-    phases = {  # float32 logits copies per phase: LOGIT_COPIES
-        "sampling": c_bytes + LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt)
-        + act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES)
-        + rollout_copy,
-        "logprobs": forward_weights + LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len))
-        + act.layer_forward(lp_rows, train_len, train_len),
-        "scoring": forward_weights + LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION))
-        + act.layer_forward(s_rows, s_len, s_len),
-        "update": gradient_bytes + embedding_copies * embedding + saved
-        + LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len)),
+    def forward_terms(logits: int, layer: int) -> dict:
+        """A forward-only pass (log-probs, scoring): held together, as XLA's buffer packing of the
+        layer scan and the LM-head scan leaves them; ``gather`` is what the head's gather stage
+        holds beyond that, where it does."""
+        held = {"weights": forward_weights, "head": act.head(), "logits": logits, "layer": layer}
+        return {**held, "gather": max(gather_stage - sum(held.values()), 0)}
+
+    terms = {  # float32 logits copies per phase: LOGIT_COPIES
+        "sampling": {"kv_cache": c_bytes, "logits": LOGIT_COPIES["sampling"] * 4 * act.logits(rows, prompt),
+                     "layer": act.layer_forward(rows, prompt, size, SAMPLER_ATTENTION_BYTES),
+                     "rollout_weights": rollout_copy},
+        "logprobs": forward_terms(LOGIT_COPIES["logprobs"] * 4 * act.logits(lp_rows, min(chunk, train_len)),
+                                  act.layer_forward(lp_rows, train_len, train_len)),
+        "scoring": forward_terms(LOGIT_COPIES["scoring"] * 4 * act.logits(s_rows, min(chunk, s_len // ANSWER_FRACTION)),
+                                 act.layer_forward(s_rows, s_len, s_len)),
+        "update": {"gradients": gradient_bytes, "embedding": embedding_copies * embedding, "saved": saved,
+                   "logits": LOGIT_COPIES["update"] * 4 * act.logits(micro, min(chunk, train_len))},
     }
+    phases = {phase: sum(t.values()) for phase, t in terms.items()}
     shapes["gradient_bytes"] = gradient_bytes
     # the reference copies the trainable part (float32; bfloat16 with ExecutionConfig.reference_dtype); LoRA shares the base
     ref_bytes = t_bytes // 2 if cfg.execution.reference_dtype == "bfloat16" else t_bytes
@@ -389,7 +416,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
     return MemoryPlan(model_source(cfg), model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
                       tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, ref_bytes, c_bytes, phases,
-                      shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
+                      terms, shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
 
 
 def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
@@ -467,6 +494,11 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f} GiB"
 
 
+def _terms(terms: dict) -> str:
+    """``terms`` as ``name GiB`` pairs, the non-zero ones, largest first."""
+    return ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v)
+
+
 def format_plan(plan: MemoryPlan, source: str = "") -> str:
     """The plan as a table of GiB per device (what the command prints)."""
     s = plan.shapes
@@ -488,7 +520,7 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
         f"    gradients (update)         {_gib(s['gradient_bytes'])}",
         "  phases (transient, per device):",
     ]
-    lines += [f"    {name:<26} {_gib(value)}{'   <- peak' if name == plan.peak_phase else ''}"
+    lines += [f"    {name:<26} {_gib(value)}  ({_terms(plan.terms[name])}){'   <- peak' if name == plan.peak_phase else ''}"
               for name, value in plan.phases.items()]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  peak {_gib(plan.peak)} of budget {plan.budget / GIB:.2f} GiB "
@@ -601,7 +633,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
               f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "
               f"HBM of a {plan.chip} chip); the largest phase is '{plan.peak_phase}' "
-              f"({plan.phases[plan.peak_phase] / GIB:.2f} GiB). Use more chips, a larger fsdp/tensor split, fewer "
+              f"({plan.phases[plan.peak_phase] / GIB:.2f} GiB: {_terms(plan.terms[plan.peak_phase])}). Use more chips, a larger fsdp/tensor split, fewer "
               f"rollout rows, shorter contexts, or smaller micro-batch / chunk rows.", file=sys.stderr)
         return 1
     return 0
