@@ -106,8 +106,10 @@ def test_fixed_shape_ppo_update_equals_the_natural_one():
             m = learner.ppo_update(rows, LossConfig(), 2, np.random.default_rng(1), max_rows=bound)
         out.append((m, [np.asarray(x) for x in jax.tree.leaves(learner.params)]))
     (m0, p0), (m1, p1) = out
+    # the two shapes group rows into micro-batches differently (float32 summation order); Adam
+    # divides near-zero gradients by their own size, so allow 1e-5 absolute on steps of ~1e-2
     for a, b in zip(p0, p1):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert m0.keys() == m1.keys()
     np.testing.assert_allclose([m0[k] for k in sorted(m0)], [m1[k] for k in sorted(m1)], rtol=1e-4, atol=1e-6)
 
@@ -170,6 +172,26 @@ def test_roofline_script_json(tmp_path):
     for part in ("peak", "update", "decode"):
         assert res[part]["flop_s"] > 0
     assert res["update"]["flops_analytic"] > 0
+
+
+def test_update_script_json(tmp_path, smollm2_dir):
+    """The update benchmark times the recipe's learner and a binding's side by side on the real checkpoint."""
+    res = _script("bench_update", tmp_path, "--checkpoint", str(smollm2_dir),
+                  "--against", "ExecutionConfig.micro_batch_rows=2")
+    assert res["recipe"]["rows"] == res["bindings"]["rows"] == 8 and res["recipe"]["tokens"] > 8 * 128 * 0.2
+    assert (res["recipe"]["micro_batch_rows"], res["bindings"]["micro_batch_rows"]) == (8, 2)
+    assert all(r["epoch_s"] > 0 and r["s_per_row"] == r["epoch_s"] / 8 and r["peak_rss_gib"] > 0 for r in res.values())
+
+
+def test_synthetic_update_rows_are_right_padded_with_loss_on_their_last_quarter():
+    from bench_update import synthetic_rows
+
+    rows = synthetic_rows(32, 100, 50, seed=3)
+    n = rows["valid"].sum(1)
+    assert ((n >= 20) & (n <= 80)).all()
+    np.testing.assert_array_equal(rows["valid"], np.arange(100)[None] < n[:, None])
+    np.testing.assert_array_equal(rows["loss_mask"].sum(1), n // 4)  # the last quarter, never column 0
+    assert not rows["loss_mask"][:, 0].any() and ((rows["loss_mask"] > 0) <= rows["valid"]).all()
 
 
 def test_attention_script_json(tmp_path):

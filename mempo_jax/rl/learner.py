@@ -106,6 +106,34 @@ def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
     return x.reshape((n_micro, x.shape[0] // n_micro) + x.shape[1:])
 
 
+def fill_whole_micro_batches(batch: Mapping[str, np.ndarray], micro: int, tail: int) -> dict[str, np.ndarray]:
+    """``batch``'s rows reordered for an update whose last micro-batch runs ``tail`` rows at a
+    time (``Learner._ppo_step``): the rows with loss tokens fill whole micro-batches of ``micro``
+    rows from the first, and the rest of them (fewer than ``micro``, or what those micro-batches
+    cannot hold) start the last micro-batch; rows without loss tokens fill the gaps. The update
+    skips a micro-batch without loss tokens, so it computes the loss rows rounded up to ``micro``
+    rows, then to ``tail`` rows, instead of to ``micro`` rows. Rows are independent and the loss
+    denominator is the whole batch's, so values do not change (summation order aside).
+
+    Args:
+      batch: ``[B, L]`` arrays with ``loss_mask``; ``B`` a multiple of ``micro``.
+      micro, tail: rows per micro-batch and per micro-batch of the last one (``tail`` divides
+        ``micro``; ``tail >= micro``: no split, ``batch`` is returned as it is).
+
+    Returns:
+      The same keys, rows permuted.
+    """
+    has = np.asarray(batch["loss_mask"]).reshape(len(batch["loss_mask"]), -1).any(axis=1)
+    n_big = len(has) // micro - 1
+    if tail >= micro or n_big < 0:
+        return dict(batch)
+    content, empty = np.flatnonzero(has), np.flatnonzero(~has)
+    q = min(len(content) // micro, n_big)  # whole micro-batches of loss rows
+    gap = (n_big - q) * micro
+    order = np.concatenate([content[: q * micro], empty[:gap], content[q * micro :], empty[gap:]])
+    return {k: np.asarray(v)[order] for k, v in batch.items()}
+
+
 class Learner:
     """Policy parameters, optimizer state and the jitted steps that use them.
 
@@ -173,7 +201,7 @@ class Learner:
         # The steps take (trainable, frozen, opt_state, batch) and return the new trainable part.
         self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
                                  in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
-        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(4, 5), donate_argnums=(0, 2),
+        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(4, 5, 6), donate_argnums=(0, 2),
                                  in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
 
     def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
@@ -269,7 +297,8 @@ class Learner:
                           for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
             if self.packs_update:
                 batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
-            self._ppo_step.lower(*split_trainable(self.params), self.opt_state, batch, int(n_micro), loss_cfg).compile()
+            self._ppo_step.lower(*split_trainable(self.params), self.opt_state, batch, int(n_micro), loss_cfg,
+                                 self.tail_rows(ppo_rows // int(n_micro))).compile()
         return (2 if logprobs else 1) * len(lengths)
 
     # ---- SFT -------------------------------------------------------------------------------
@@ -308,11 +337,28 @@ class Learner:
         return {k: float(v) for k, v in jax.device_get(m).items()}
 
     # ---- PPO -------------------------------------------------------------------------------
-    def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig):
+    def tail_rows(self, micro: int) -> int:
+        """Rows per micro-batch of an update's last micro-batch, which ``ppo_update`` runs as
+        ``micro // tail_rows`` smaller ones (``fill_whole_micro_batches``): the smallest multiple
+        of the mesh's batch shards, at least a quarter of ``micro``, that divides ``micro``;
+        ``micro`` itself (no split) where there is none."""
+        shards = batch_shards(self.mesh, self.rules)
+        return next((t for t in range(max(micro // 4, 1), micro) if t % shards == 0 and micro % t == 0), micro)
+
+    def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig, tail_rows: int = 0):
         # A batch with ``segment_ids`` / ``positions`` holds rows packed end to end (``ppo_update``):
         # the packed forward and per-sequence aggregation give each sequence what it gets alone.
+        # With ``0 < tail_rows < rows // n_micro`` the last micro-batch runs tail_rows rows at a time.
         denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch.get("segment_ids")), 1.0)
-        micro = self._split_micro_sharded(batch, n_micro)
+        rows = batch["input_ids"].shape[0]
+        micro_rows = rows // n_micro
+        if 0 < tail_rows < micro_rows:
+            cut = rows - micro_rows
+            parts = [(jax.tree.map(lambda x: x[:cut], batch), n_micro - 1),
+                     (jax.tree.map(lambda x: x[cut:], batch), micro_rows // tail_rows)]
+        else:
+            parts = [(batch, n_micro)]
+        parts = [self._split_micro_sharded(part, n) for part, n in parts if n]
 
         def loss_fn(p, mb):
             seg = mb.get("segment_ids")
@@ -336,9 +382,11 @@ class Learner:
             return jax.lax.cond(jnp.any(mb["loss_mask"] > 0), accumulate, lambda c, _: c, carry, mb), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
-        m0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0)
-        (grads, msum), _ = jax.lax.scan(body, (zeros, m0), micro)
+        m0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], parts[0]))[1])
+        carry = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0))
+        for micro in parts:
+            carry, _ = jax.lax.scan(body, carry, micro)
+        grads, msum = carry
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
@@ -365,8 +413,10 @@ class Learner:
         mini-batch is then laid out in the plan's fixed row count (``ppo_plan``): packed end to
         end (``packing.pack_token_rows``, same length) when the ``logits_fn`` has the packed call
         (``packs_update``), else one row per row, then padded with all-invalid rows, and split
-        into micro-batches of ``micro_batch_rows``; micro-batches without loss tokens (the
-        padding that packing leaves at the end) are skipped inside the program, and a
+        into micro-batches of ``micro_batch_rows``, the last of them run ``tail_rows`` rows at a
+        time, with the rows that carry loss tokens filling whole micro-batches first
+        (``fill_whole_micro_batches``); micro-batches without loss tokens (the padding that
+        packing leaves) are skipped inside the program, and a
         mini-batch without loss tokens is not run at all (no optimizer step: Adam's momentum
         would otherwise move the parameters on a zero gradient), nor, with
         ``loss_cfg.zero_advantage = "skip"``, one whose loss tokens all carry advantage 0;
@@ -400,6 +450,7 @@ class Learner:
         n = rows["input_ids"].shape[0]
         order = rng.permutation(n)
         plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
+        tail = self.tail_rows(plan.micro)
         out: dict[str, list[float]] = {}
         zero_skipped = []
         for start, stop in mini_batch_slices(n, num_mini_batches):
@@ -417,9 +468,10 @@ class Learner:
                 mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
             else:
                 mb = {k: np.pad(v[idx], [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in rows.items()}
+            mb = fill_whole_micro_batches(mb, plan.micro, tail)
             trainable, frozen = split_trainable(self.params)
             trainable, self.opt_state, m = self._ppo_step(trainable, frozen, self.opt_state, self._place_batch(mb),
-                                                          plan.rows // plan.micro, loss_cfg)
+                                                          plan.rows // plan.micro, loss_cfg, tail)
             self.params = join(trainable, frozen)
             self.num_updates += 1
             for k, v in jax.device_get(m).items():
@@ -544,4 +596,4 @@ def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
 
 
-__all__ = ["Learner", "OptimConfig", "PPOPlan", "make_optimizer", "mini_batch_slices", "ppo_plan"]
+__all__ = ["Learner", "OptimConfig", "PPOPlan", "fill_whole_micro_batches", "make_optimizer", "mini_batch_slices", "ppo_plan"]

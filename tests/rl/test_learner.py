@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mempo_jax.rl.learner import Learner, mini_batch_slices, ppo_plan
+from mempo_jax.rl.learner import Learner, fill_whole_micro_batches, mini_batch_slices, ppo_plan
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.model.forward import make_logits_fn
 from toy_agent import toy_model
@@ -35,13 +35,14 @@ class _Recorder:
         self.inner, self.run, self.calls = learner._ppo_step, run, []
         learner._ppo_step = self
 
-    def __call__(self, params, frozen, opt_state, batch, n_micro, loss_cfg):
+    def __call__(self, params, frozen, opt_state, batch, n_micro, loss_cfg, tail=0):
         before = [np.array(x) for x in jax.tree.leaves(params)]  # copied: the program donates params
         batch = {k: np.asarray(v) for k, v in batch.items()}
+        self.layouts = getattr(self, "layouts", []) + [(len(batch["loss_mask"]) // n_micro, tail)]
         if not self.run:
             self.calls.append((batch, before, before))
             return params, opt_state, {"actor/pg_loss": 0.0}
-        params, opt_state, m = self.inner(params, frozen, opt_state, batch, n_micro, loss_cfg)
+        params, opt_state, m = self.inner(params, frozen, opt_state, batch, n_micro, loss_cfg, tail)
         self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(params)]))
         return params, opt_state, m
 
@@ -129,6 +130,34 @@ def test_ppo_update_feeds_even_mini_batches_of_one_shape(n, k, micro, bound, siz
     assert learner.num_updates == k
 
 
+def _computed_rows(batch, micro, tail):
+    """Rows the update program computes: its micro-batches with a loss token (the last one split
+    into micro-batches of ``tail`` rows), times their rows."""
+    has = (np.asarray(batch["loss_mask"]) > 0).reshape(len(batch["loss_mask"]), -1).any(1)
+    head, last = has[: len(has) - micro], has[len(has) - micro :]
+    return micro * int(head.reshape(-1, micro).any(1).sum()) + tail * int(last.reshape(-1, tail).any(1).sum())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([(8, 2), (8, 4), (4, 1), (16, 4), (8, 8)]), st.data())
+def test_fill_whole_micro_batches_computes_the_loss_rows_rounded_to_the_tail(n_micro, layout, data):
+    """Whatever rows carry loss tokens, the reordered batch is a permutation of the rows whose
+    update computes ceil(loss rows / micro) whole micro-batches at most, the remainder rounded up
+    to ``tail`` rows: never more than the loss rows plus ``tail - 1``."""
+    micro, tail = layout
+    rows = n_micro * micro
+    has = np.array(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    batch = {"loss_mask": np.where(has[:, None], 1.0, 0.0) * np.ones((rows, 3)), "row": np.arange(rows)}
+    out = fill_whole_micro_batches(batch, micro, tail)
+    assert sorted(out["row"].tolist()) == list(range(rows))
+    np.testing.assert_array_equal(out["loss_mask"], batch["loss_mask"][out["row"]])
+    k = int(has.sum())
+    if tail < micro:
+        whole = min(k // micro, n_micro - 1)  # micro-batches of loss rows before the last one
+        computed = _computed_rows(out, micro, tail)
+        assert computed == whole * micro + -(-(k - whole * micro) // tail) * tail <= k + tail - 1
+
+
 def _reference_loss(logits_fn, params, b, temperature, cfg: LossConfig):
     """verl ``compute_policy_loss`` (dual clip) + kl_coef · low_var_kl, token-mean, written out
     here from the formulas (not the project's loss code) on the unpadded rows ``b``."""
@@ -163,6 +192,9 @@ def test_ppo_update_gradient_of_each_mini_batch_equals_a_reference(fn_kw):
     rec = _Recorder(learner)
     learner.ppo_update(rows, loss_cfg, k, np.random.default_rng(3), max_rows=256)
     assert rec.real_rows() == [65, 65]  # before: [128, 2]
+    for (batch, _, _), (micro, tail) in zip(rec.calls, rec.layouts):  # micro 32, the last run 8 rows at a time
+        loss_rows = int((batch["loss_mask"] > 0).any(1).sum())
+        assert (micro, tail) == (32, 8) and _computed_rows(batch, micro, tail) == -(-loss_rows // tail) * tail
     treedef = jax.tree.structure(learner.params)
     logits_fn = make_logits_fn(graphdef)
     for batch, before, after in rec.calls:
