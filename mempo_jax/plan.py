@@ -414,6 +414,7 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     ref_bytes = t_bytes // 2 if cfg.execution.reference_dtype == "bfloat16" else t_bytes
     peak = p_bytes + ref_bytes + o_bytes + max(phases.values())
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), mesh_cfg.shape(tpu.num_devices)))
+    shapes["num_heads"], shapes["num_kv_heads"] = model_cfg.num_heads, model_cfg.num_kv_heads
     return MemoryPlan(model_source(cfg), model_cfg.num_params(), tpu.accelerator_type, tpu.chip.name,
                       tpu.num_devices, tpu.hbm_bytes, mesh_shape, p_bytes, o_bytes, ref_bytes, c_bytes, phases,
                       terms, shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
@@ -522,6 +523,10 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
     ]
     lines += [f"    {name:<26} {_gib(value)}  ({_terms(plan.terms[name])}){'   <- peak' if name == plan.peak_phase else ''}"
               for name, value in plan.phases.items()]
+    t = m["tensor"]
+    if s["num_heads"] % t or s["num_kv_heads"] % t:
+        lines.append(f"  note     tensor={t} does not divide the {s['num_heads']} query / {s['num_kv_heads']} KV heads: "
+                     f"attention runs replicated over tensor, with more memory than planned")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  peak {_gib(plan.peak)} of budget {plan.budget / GIB:.2f} GiB "
                  f"({plan.budget / plan.hbm_bytes:.0%} of {plan.hbm_bytes / GIB:.0f} GiB): {verdict} "

@@ -304,3 +304,13 @@ def test_plan_is_within_band_of_xlas_own_figure(recipe, request):
     ratios = {phase: ours[phase] / xla[phase]["total"] for phase in xla}
     assert set(ratios) == {"update", "logprobs", "scoring"}
     assert all(1.0 <= r <= 1.3 for r in ratios.values()), ratios
+
+
+def test_a_tensor_axis_that_does_not_divide_the_heads_is_named(capsys):
+    """Qwen2.5-0.5B's 14 query / 2 KV heads over a 4-way tensor axis: the plan says the attention
+    runs replicated (XLA keeps its dense scores whole there); a 2-way axis divides them."""
+    path = str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")
+    plan.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=2", "--gin_param=MeshConfig.tensor=4"])
+    assert "tensor=4 does not divide the 14 query / 2 KV heads" in capsys.readouterr().out
+    plan.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=4", "--gin_param=MeshConfig.tensor=2"])
+    assert "does not divide" not in capsys.readouterr().out
