@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 
-from common import REPO, parser, setup_platform, table, write_json
+from common import REPO, add_binding_arms, child_figures, parser, setup_platform, smollm2_checkpoint, table, write_json
 
 MODES = ("lora", "full")
 
@@ -78,37 +77,24 @@ def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int, bi
 
 def main(argv=None) -> int:
     p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default=None, help="converted SmolLM2 folder (default: python -m mempo_jax.model.smollm2's)")
+    add_binding_arms(p, "gin binding of a second run of each mode, reported over the first (repeatable)")
     p.add_argument("--rows", type=int, default=8, help="rows per step (default 8: the recipe's micro-batch)")
     p.add_argument("--length", type=int, default=512, help="tokens per row (default 512: the recipe's packed rows)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode after the compiling one")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default: both)")
-    p.add_argument("--against", action="append", default=[], metavar="BINDING",
-                   help="gin binding of a second run of each mode, reported over the first (repeatable)")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     setup_platform(a.device)
     if a.small:
         a.rows, a.length, a.steps = 2, 64, 1
-    if a.checkpoint is None:
-        from mempo_jax.model.smollm2 import default_dir
-
-        a.checkpoint = str(default_dir())
+    a.checkpoint = smollm2_checkpoint(a.checkpoint)
     if a.mode:  # the child: one mode, its figures as the last stdout line
         print(json.dumps(_one_mode(a.mode, a.checkpoint, a.rows, a.length, a.steps, a.binding)))
         return 0
     arms = [(m, m, ()) for m in a.modes] + [(f"{m} + bindings", m, a.against) for m in a.modes if a.against]
-    results = {}
-    for name, mode, bindings in arms:
-        cmd = [sys.executable, __file__, "--mode", mode, "--checkpoint", a.checkpoint, "--rows", str(a.rows),
-               "--length", str(a.length), "--steps", str(a.steps), "--device", a.device]
-        cmd += [x for b in bindings for x in ("--binding", b)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            return out.returncode
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    args = ["--checkpoint", a.checkpoint, "--rows", str(a.rows), "--length", str(a.length), "--steps", str(a.steps),
+            "--device", a.device]
+    results = {name: child_figures(__file__, ["--mode", mode, *args], bindings) for name, mode, bindings in arms}
     keys = ("trained_params", "first_step_s", "step_s", "peak_rss_gib")
     rows = [[m] + [r[k] for k in keys] for m, r in results.items()]
     pairs = [("lora", "full")] if {"lora", "full"} <= set(results) else []

@@ -25,11 +25,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
-from common import REPO, parser, setup_platform, table, write_json
+from common import REPO, add_binding_arms, child_figures, parser, setup_platform, smollm2_checkpoint, table, write_json
 
 
 def synthetic_rows(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
@@ -84,38 +83,25 @@ def _one_arm(checkpoint: str, rows: int, length: int, epochs: int, rows_npz: str
 def main(argv=None) -> dict:
     """Run the arms; print the table; return (and with ``--json`` write) the figures."""
     p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default=None, help="converted SmolLM2 folder (default: python -m mempo_jax.model.smollm2's)")
+    add_binding_arms(p, "gin binding of a second arm, reported over the recipe's (repeatable)")
     p.add_argument("--rows", type=int, default=64, help="training rows (default 64: one RL step of the recipe)")
     p.add_argument("--length", type=int, default=512, help="columns per row (default 512: the recipe's row bucket)")
     p.add_argument("--epochs", type=int, default=2, help="timed epochs after the compiling one")
     p.add_argument("--rows_npz", default=None, help="replay these rows (an .npz of [R, L] arrays) instead")
-    p.add_argument("--against", action="append", default=[], metavar="BINDING",
-                   help="gin binding of a second arm, reported over the recipe's (repeatable)")
     p.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     setup_platform(a.device)
     if a.small:
         a.rows, a.length, a.epochs = 8, 128, 1
-    if a.checkpoint is None:
-        from mempo_jax.model.smollm2 import default_dir
-
-        a.checkpoint = str(default_dir())
+    a.checkpoint = smollm2_checkpoint(a.checkpoint)
     if a.arm:  # the child: one arm, its figures as the last stdout line
         print(json.dumps(_one_arm(a.checkpoint, a.rows, a.length, a.epochs, a.rows_npz, a.binding)))
         raise SystemExit(0)
     arms = {"recipe": ()} | ({"bindings": tuple(a.against)} if a.against else {})
-    results = {}
-    for name, bindings in arms.items():
-        cmd = [sys.executable, __file__, "--arm", "--checkpoint", a.checkpoint, "--rows", str(a.rows),
-               "--length", str(a.length), "--epochs", str(a.epochs), "--device", a.device]
-        cmd += (["--rows_npz", os.path.abspath(a.rows_npz)] if a.rows_npz else [])
-        cmd += [x for b in bindings for x in ("--binding", b)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(out.returncode)
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    args = ["--arm", "--checkpoint", a.checkpoint, "--rows", str(a.rows), "--length", str(a.length),
+            "--epochs", str(a.epochs), "--device", a.device] + (["--rows_npz", os.path.abspath(a.rows_npz)]
+                                                                  if a.rows_npz else [])
+    results = {name: child_figures(__file__, args, bindings) for name, bindings in arms.items()}
     keys = ("first_epoch_s", "epoch_s", "s_per_row", "peak_rss_gib")
     lines = [[name, r["micro_batch_rows"], r["remat"]] + [r[k] for k in keys] for name, r in results.items()]
     if a.against:

@@ -13,6 +13,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -35,6 +36,36 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------ arguments
+
+
+def child_figures(script: str, args: Sequence[str], bindings: Sequence[str] = ()) -> dict:
+    """Run ``script`` (a benchmark's own path) as a child process with ``args`` and each gin
+    binding as ``--binding B``, so that its peak RSS is its own; return the JSON object it prints
+    on its last stdout line. A failing child: its stderr's tail, then ``SystemExit`` with its status."""
+    cmd = [sys.executable, script, *args, *[x for b in bindings for x in ("--binding", b)]]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(out.returncode)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def add_binding_arms(p: argparse.ArgumentParser, against: str) -> None:
+    """The options of a benchmark whose arms run the SmolLM2 recipe's learner in child processes:
+    ``--checkpoint``, ``--against BINDING`` (repeatable; ``against`` is its help) and the
+    children's hidden ``--binding``."""
+    p.add_argument("--checkpoint", default=None, help="converted SmolLM2 folder (default: python -m mempo_jax.model.smollm2's)")
+    p.add_argument("--against", action="append", default=[], metavar="BINDING", help=against)
+    p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def smollm2_checkpoint(folder: str | None) -> str:
+    """``folder``, or the converted SmolLM2-135M-Instruct folder of ``python -m mempo_jax.model.smollm2``."""
+    if folder is not None:
+        return folder
+    from mempo_jax.model.smollm2 import default_dir
+
+    return str(default_dir())
 
 
 def parser(description: str) -> argparse.ArgumentParser:
