@@ -109,7 +109,7 @@ def run(args, hooks=None) -> dict:
     from mempo_jax.run.experiment import check_qa_inputs
     from mempo_jax.run.resume import FaultHooks
     from mempo_jax.run.context import open_run, setup_compilation_cache
-    from mempo_jax.model.lora import reference_params
+    from mempo_jax.model.lora import reference_params, split_trainable
 
     setup_compilation_cache()
     run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
@@ -134,6 +134,11 @@ def run(args, hooks=None) -> dict:
         # RL builds its own optimizer state: the SFT one (and a restored SFT checkpoint's) is freed first
         _free(learner.opt_state, ctx.sft_state[1] if ctx.sft_state is not None else None)
         learner = stages.rl_stage(ctx, learner.params, ref_params, stack)
+        # The RL evaluation and the export read the policy alone: the optimizer state, the frozen
+        # reference's own arrays (with adapters the base is the policy's) and a restored RL
+        # checkpoint's optimizer state are freed before the evaluation's KV cache is built
+        _free(learner.opt_state, split_trainable(ref_params)[0], ctx.rl_state[1] if ctx.rl_state is not None else None)
+        learner.opt_state = ref_params = None
         evals["rl"], per_q["rl"] = stages.evaluate_stage(ctx, "rl", learner, ctx.point.eval_rl, ctx.rl_ckpt,
                                                          cfg.rl.steps)
         exported = None

@@ -31,6 +31,7 @@ from mempo_jax.agent.rollout import Engine, RolloutConfig, new_trajectories, pla
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import FULL, TrainingRows, Trajectory, Turn, build_training_rows
 from mempo_jax.core.batching import bucket_length, length_buckets
+from mempo_jax.core.host_memory import release_free_memory
 from mempo_jax.rl.group_filter import GROUP_FILTERS, group_share, kept_trajectories, zero_std_group_share
 from mempo_jax.rl.interfaces import MemoryScorer, PolicyLearner
 from mempo_jax.rl.learner import TRAIN_MIN_LENGTH
@@ -453,6 +454,7 @@ def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemorySc
     trajs = new_trajectories(fmt, questions, cfg.group_size)
     rollout(engine, params, trajs, fmt, tool_env, cfg.rollout, key, progress, traj_offset)
     del params  # the rollout's weights (a stacked copy): not held through scoring and the update
+    release_free_memory()  # the rollout's KV cache and weights: not kept as free heap under the update
     timings["timing/rollout_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -493,6 +495,7 @@ def rl_step(learner: PolicyLearner, ref_params, engine: Engine, scorer: MemorySc
         "advantages": adv.astype(np.float32),
     }
     upd = _ppo_epochs(learner, batch, cfg, rng)
+    release_free_memory()  # the update's activations: not kept as free heap under the next rollout
     timings["timing/update_s"] = time.perf_counter() - t2
 
     metrics.update(_update_metrics(rows, mem_out, r_mem, scored, a_t, a_m))

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mempo_jax.core import distributed
+from mempo_jax.core.host_memory import release_free_memory
 from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
 from mempo_jax.run.preemption import Preempted
@@ -60,6 +61,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
         rollout_cfg = dataclasses.replace(rollout_cfg, num_slots=cfg.eval.num_slots)
     out, per_q, per_f1, records = {}, {}, {}, []
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
+        release_free_memory()  # what the stage before left as free heap: not under this mode's KV cache
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
         res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, rollout_cfg,
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
