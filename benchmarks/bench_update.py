@@ -10,7 +10,10 @@ valid, loss_mask, old_logprobs, ref_logprobs, advantages [R, L]``).
 
 The first epoch compiles and is not timed; the next ``--epochs`` are, on the same rows and the
 same shuffle. Each arm runs in a process of its own, so its peak RSS (``ru_maxrss``: weights,
-optimizer state, XLA's buffers) is its own. ``--against BINDING`` (repeatable, e.g.
+optimizer state, XLA's buffers) is its own. Page faults per timed epoch (``ru_minflt``) count
+the pages the update touches fresh: on CPU, XLA buffers over glibc's mmap threshold (32 MiB at
+most, 64 MiB in a thread's arena) are mapped and unmapped on every use, so each use re-faults them
+(docs/results.md, "Host memory between phases"). ``--against BINDING`` (repeatable, e.g.
 ``ExecutionConfig.micro_batch_rows=2`` or ``ExecutionConfig.remat="none"``) adds an arm with those
 bindings and prints it over the recipe's.
 
@@ -68,16 +71,17 @@ def _one_arm(checkpoint: str, rows: int, length: int, epochs: int, rows_npz: str
                       temperature=rl.rollout.temperature, micro_batch_rows=ex.micro_batch_rows)
     batch = dict(np.load(rows_npz)) if rows_npz else synthetic_rows(rows, length, model_cfg.vocab_size)
     n = len(batch["valid"])
-    times = []
+    times, faults = [], []
     for epoch in range(epochs + 1):
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         learner.ppo_update(batch, rl.loss, rl.num_mini_batches, np.random.default_rng(0), max_rows=training_row_bound(rl))
         jax.block_until_ready(learner.params)
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     epoch_s = float(np.median(times[1:]))
     return {"rows": n, "tokens": int(np.asarray(batch["valid"]).sum()), "micro_batch_rows": ex.micro_batch_rows,
             "remat": ex.remat, "first_epoch_s": times[0], "epoch_s": epoch_s, "epochs_s": times[1:],
-            "s_per_row": epoch_s / n, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "s_per_row": epoch_s / n, "page_faults": float(np.median(faults[1:])), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def main(argv=None) -> dict:
@@ -102,7 +106,7 @@ def main(argv=None) -> dict:
             "--epochs", str(a.epochs), "--device", a.device] + (["--rows_npz", os.path.abspath(a.rows_npz)]
                                                                   if a.rows_npz else [])
     results = {name: child_figures(__file__, args, bindings) for name, bindings in arms.items()}
-    keys = ("first_epoch_s", "epoch_s", "s_per_row", "peak_rss_gib")
+    keys = ("first_epoch_s", "epoch_s", "s_per_row", "page_faults", "peak_rss_gib")
     lines = [[name, r["micro_batch_rows"], r["remat"]] + [r[k] for k in keys] for name, r in results.items()]
     if a.against:
         lines.append(["bindings / recipe", "", ""] + [results["bindings"][k] / results["recipe"][k] for k in keys])
@@ -110,7 +114,7 @@ def main(argv=None) -> dict:
     title = (f"PPO update, SmolLM2-135M-Instruct, {r['rows']} rows ({r['tokens']} tokens) x {a.length} columns"
              + (f"; bindings: {' '.join(a.against)}" if a.against else ""))
     print(table(title, ["arm", "micro-batch", "remat", "first epoch s (compile)", "epoch s", "s per row",
-                        "peak RSS GiB"], lines))
+                        "page faults / epoch", "peak RSS GiB"], lines))
     return write_json(a.json, "update", {"rows": a.rows, "length": a.length, "epochs": a.epochs,
                                          "rows_npz": a.rows_npz, "checkpoint": a.checkpoint, "against": a.against},
                       results)

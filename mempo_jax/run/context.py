@@ -31,6 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mempo_jax.core import distributed
+from mempo_jax.core.host_memory import release_free_memory
 
 from mempo_jax.run import lockstep
 from mempo_jax.run.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
@@ -263,6 +264,7 @@ class RunContext:
         """Save ``learner``'s trainable parameters (the adapters of a LoRA run: the base is rebuilt
         from the config) and optimizer state as checkpoint ``step`` of ``ckpt``."""
         ckpt.save(step, trainable_part(learner.params), learner.opt_state, meta)
+        release_free_memory()  # the save's host copies (an asynchronous save's: the previous one's)
 
 
 def check_mesh_sizes(cfg, mesh, rules) -> None:

@@ -106,6 +106,7 @@ def evaluate_stage(ctx: RunContext, stage: str, learner, stored, ckpt, step: int
                                  for key in ("em", "f1")}
     with ctx.interruptible():
         out, per_q, per_f1, records = _evaluate(ctx, stage, learner)
+    release_free_memory()  # the evaluation's KV cache and weights: not kept as free heap under the next stage
     if ckpt is not None:
         ckpt.wait()
     per = {"em": {k: np.asarray(v, np.float64) for k, v in per_q.items()},
