@@ -10,7 +10,7 @@ cache) grows on top of it: resident memory becomes the *sum* of the phases, not 
 largest phase's. Within a phase nothing changes: its own buffers are reused as before, which is
 what keeps glibc fast (an allocator that returns pages on every free re-faults them on every step).
 
-Elsewhere (jemalloc or tcmalloc preloaded, musl, macOS) the call is a no-op that says so.
+Elsewhere (jemalloc or tcmalloc preloaded, musl, macOS) the call does nothing and returns False.
 """
 
 from __future__ import annotations
