@@ -16,13 +16,12 @@ Elsewhere (jemalloc or tcmalloc preloaded, musl, macOS) the call does nothing an
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 
 @functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Optional[ctypes._CFuncPtr]:
+def _malloc_trim() -> Optional[Callable[[int], int]]:
     """glibc's ``malloc_trim`` as the process resolves it, or None where the C library lacks it or
     a preloaded allocator replaces malloc (its ``malloc_trim`` would free nothing of ours)."""
     try:
@@ -45,8 +44,9 @@ def _preloaded_allocator(libc) -> bool:
 def release_free_memory() -> bool:
     """Return the C allocator's free pages to the OS (``malloc_trim(0)``).
 
-    Call between phases, never inside a step's loop: it walks every arena (milliseconds for a
-    multi-GiB heap) and the next phase re-faults the pages it then touches.
+    Call between phases, never inside a step's loop: it walks every arena and unmaps the free
+    pages (about 0.1 s per GiB returned here: 186 ms for 2 GiB on a 2-core EPYC) and the next
+    phase re-faults the pages it then touches.
 
     Returns:
       True when glibc's ``malloc_trim`` ran and released memory, False when it released none or
