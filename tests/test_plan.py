@@ -252,7 +252,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
 def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     """With ``LoraConfig``: the policy is a bfloat16 base plus float32 adapters; the optimizer state,
     gradients and reference copy are the adapters' (byte counts equal the real learner's shards)."""
-    from mempo_jax.model import lora
+    from mempo_jax.model import adapters, lora
 
     mesh_config.register()
     cfg = config_lib.load_config([], SMALL + ["LoraConfig.rank = 8", 'LoraConfig.base_dtype = "bfloat16"'])
@@ -260,7 +260,7 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     p = plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     mesh = make_mesh(1, 4, 2)
     _, base = init_sharded_params(plan.model_config(cfg), 0, mesh)
-    _, graphdef, params = lora.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
+    _, graphdef, params = adapters.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     assert p.params == _device_bytes(learner.params)
     assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 4
