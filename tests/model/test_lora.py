@@ -102,8 +102,8 @@ def test_learner_trains_the_adapters_alone_and_the_reference_shares_the_base():
              zip(jax.tree.leaves(lora.trainable_part(learner.params)), jax.tree.leaves(lora.trainable_part(ref)))]
     assert all(moved)
     # the reference is the policy before training: its log-probs are the base's (B = 0)
-    lp_ref = learner.logprobs(ref, np.asarray(ids), np.asarray(valid))
-    base_learner_lp = learner.logprobs(lora.join(jax.tree.map(jnp.zeros_like, lora.trainable_part(ref)), frozen),
+    lp_ref = learner.detached_logprobs(ref, np.asarray(ids), np.asarray(valid))
+    base_learner_lp = learner.detached_logprobs(lora.join(jax.tree.map(jnp.zeros_like, lora.trainable_part(ref)), frozen),
                                        np.asarray(ids), np.asarray(valid))
     np.testing.assert_array_equal(lp_ref, base_learner_lp)
 
