@@ -42,7 +42,8 @@ def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int, bi
 
     from mempo_jax.config import load_config
     from mempo_jax.model.forward import make_logits_fn
-    from mempo_jax.model.lora import add_adapters, split_trainable
+    from mempo_jax.model.adapters import add_adapters
+    from mempo_jax.model.lora import split_trainable
     from mempo_jax.rl.learner import Learner, make_optimizer
     from mempo_jax.run.experiment import load_checkpoint_policy
 

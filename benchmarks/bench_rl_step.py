@@ -57,6 +57,7 @@ def main(argv=None) -> dict:
     from mempo_jax import config as config_lib
     from mempo_jax.run.experiment import build_experiment
     from mempo_jax.rl.learner import Learner, make_optimizer
+    from mempo_jax.rl.interfaces import RLCluster
     from mempo_jax.rl.step import precompile_rl_step, rl_step
 
     small = args.small
@@ -87,6 +88,7 @@ def main(argv=None) -> dict:
     learner = Learner(exp.logits_fn, params, make_optimizer(cfg.optim), temperature=cfg.rl.rollout.temperature,
                       micro_batch_rows=32)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
+    cluster = RLCluster(learner, ref_params, exp.engine, exp.scorer, exp.fmt, exp.tool_env)
     rl_key = jax.random.PRNGKey(cfg.seed)
     order = np.random.default_rng(cfg.seed).permutation(len(exp.train_questions))
     q = cfg.rl.questions_per_step
@@ -96,16 +98,14 @@ def main(argv=None) -> dict:
     pre = None
     if not args.no_precompile:  # what RLConfig.precompile does inside the first rl_step, timed apart here
         mark = counter.count
-        pre = precompile_rl_step(learner, ref_params, exp.engine, exp.scorer, exp.tokenizer, cfg.rl,
-                                 jax.random.PRNGKey(1))
+        pre = precompile_rl_step(cluster, cfg.rl, jax.random.PRNGKey(1))
         pre["compilations"] = counter.count - mark
         print(f"[bench_rl_step] precompile: {pre}", flush=True)
     for step in range(steps):
         mark = counter.count
         qs = [exp.train_questions[int(i)] for i in order[step * q : (step + 1) * q]]
         t = time.perf_counter()
-        m, _ = rl_step(learner, ref_params, exp.engine, exp.scorer, qs, exp.fmt, exp.tool_env, cfg.rl,
-                       jax.random.fold_in(rl_key, step), np.random.default_rng([cfg.seed, step]))
+        m, _ = rl_step(cluster, qs, cfg.rl, jax.random.fold_in(rl_key, step), np.random.default_rng([cfg.seed, step]))
         wall = time.perf_counter() - t
         row = {"step": step, "wall_s": wall, "rollout_s": m["timing/rollout_s"], "scoring_s": m["timing/scoring_s"],
                "old_logprobs_s": m.get("timing/old_logprobs_s", 0.0), "update_s": m["timing/update_s"],

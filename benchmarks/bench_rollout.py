@@ -334,7 +334,7 @@ def child_main(args) -> dict:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from mempo_jax.agent.rollout import new_trajectories, rollout
+    from mempo_jax.agent.rollout import new_trajectories
     from mempo_jax.agent.trajectory import parse_context_steps
     from mempo_jax.core import sharding
     from mempo_jax.core.rollout_mesh import rollout_mesh
@@ -362,7 +362,7 @@ def child_main(args) -> dict:
         multihost_utils.sync_global_devices(f"bench_rollout {mode}")  # every process starts its rollout together
         mark = counter.count
         t0 = time.perf_counter()
-        rollout(engine, local, trajs, fmt, env, cfg, jax.random.PRNGKey(0), traj_offset=mine.start * args.group)
+        engine.rollout(local, trajs, fmt, env, cfg, jax.random.PRNGKey(0), traj_offset=mine.start * args.group)
         wall = time.perf_counter() - t0
         gen = generated_tokens(trajs)
         out["modes"][mode] = {"wall_s": wall, "compile_s": counter.seconds_since(mark),
@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from mempo_jax.agent.rollout import new_trajectories, rollout
+    from mempo_jax.agent.rollout import new_trajectories
     from mempo_jax.agent.trajectory import parse_context_steps
 
     small = args.small
@@ -529,7 +529,7 @@ def main(argv=None) -> dict:
             else:
                 restore = pos.patch_cached()
                 try:
-                    rollout(engine_obj, params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+                    engine_obj.rollout(params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
                 finally:
                     restore()
             wall = time.perf_counter() - t0

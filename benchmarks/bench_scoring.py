@@ -5,11 +5,12 @@ M synthetic ``<mem>`` turns: a full-history context (``--full_len`` tokens, vari
 context (``--mem_len`` tokens, varied) and an answer Z (4 tokens). Three ways to get
 ``P(Z | full)`` and ``P(Z | mem)`` (docs/algorithm.md §3):
 
-* stacked packed: ``MemoryRewardScorer`` (default ``packing``) with ``chunk_rows = 2M`` — one
-  jitted call over the stacked rows packed end to end (segment ids, per-segment positions,
-  LM head on Z's tokens only; ``mempo_jax.core.packing``);
-* stacked padded: the same scorer with ``packing=False`` — one call over the stacked ``[2M, L]``
-  batch, every row padded to the longest (the reference's single ``compute_log_prob``);
+* stacked packed: ``MemoryRewardScorer`` with ``chunk_rows = 2M`` — one jitted call over the
+  stacked rows packed end to end (segment ids, per-segment positions, LM head on Z's tokens only;
+  ``mempo_jax.core.packing``);
+* stacked padded: one call over the stacked ``[2M, L]`` batch (``build_scoring_batch``), every
+  row padded to the longest (the reference's single ``compute_log_prob``), scored by
+  ``token_stats`` and ``answer_likelihood``;
 * two calls: the padded program on the ``[M, L_full]`` full rows, then on the ``[M, L_mem]``
   memory rows (each padded to its own length bucket);
 * transformers: forward passes of the exported model on the same two padded batches
@@ -41,9 +42,9 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from mempo_jax.core.batching import bucket_length, pad_sequences
-    from mempo_jax.model.forward import make_logits_fn
-    from mempo_jax.rl.memory_reward import MemoryRewardScorer, build_scoring_batch
+    from mempo_jax.core.batching import bucket_length
+    from mempo_jax.model.forward import make_logits_fn, token_stats
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer, answer_likelihood, build_scoring_batch
 
     small = args.small
     m = args.turns or (4 if small else 16)
@@ -56,7 +57,10 @@ def main(argv=None) -> dict:
     answers = [rng.integers(3, cfg.vocab_size, 4).tolist() for _ in range(m)]
     prefix = [1, 2]
     rows = bucket_length(2 * m, 8)
-    scorer = MemoryRewardScorer(make_logits_fn(graphdef), 0, prefix, chunk_rows=rows, min_length=16, packing=False)
+    fn = make_logits_fn(graphdef)
+    likelihoods = jax.jit(lambda p, ids, valid, am: answer_likelihood(token_stats(fn, p, ids, valid=valid,
+                                                                                  grad=False)[0], am))
+    stacked_b = build_scoring_batch(full, mem, answers, prefix, 0, pad_rows_to_bucket=True, min_rows=8)
     packed = MemoryRewardScorer(make_logits_fn(graphdef), 0, prefix, chunk_rows=rows, min_length=16)
     packed_shapes = []
     call = packed.packed_logprobs
@@ -73,11 +77,12 @@ def main(argv=None) -> dict:
         out["packed"] = packed(params, full, mem, answers)
 
     def stacked():
-        out["stacked"] = scorer(params, full, mem, answers)
+        p = np.asarray(jax.device_get(likelihoods(params, *stacked_b)))
+        out["stacked"] = (p[:m], p[m : 2 * m])
 
     def two_calls():
-        pf = np.asarray(jax.device_get(scorer.likelihoods(params, *full_b)))
-        pm = np.asarray(jax.device_get(scorer.likelihoods(params, *mem_b)))
+        pf = np.asarray(jax.device_get(likelihoods(params, *full_b)))
+        pm = np.asarray(jax.device_get(likelihoods(params, *mem_b)))
         out["two"] = (pf, pm)
 
     fns = {"stacked_packed": stacked_packed, "stacked": stacked, "two_calls": two_calls}
@@ -106,20 +111,20 @@ def main(argv=None) -> dict:
     tmp.cleanup()
     tokens = int(sum(len(c) + len(prefix) + 4 for c in full + mem))
     res = {"turns": m, "real_tokens": tokens,
-           "shapes": {"stacked": [rows, bucket_length(max(len(c) for c in full) + len(prefix) + 4, 16)],
+           "shapes": {"stacked": list(stacked_b[0].shape),
                       "stacked_packed": packed_shapes[-1], "full": list(full_b[0].shape), "mem": list(mem_b[0].shape)}}
     for k, v in times.items():
         res[f"{k}_s"] = v
         res[f"{k}_tok_s"] = tokens / median(v)
-    s = out["stacked"]
-    res["max_abs_diff_two_calls"] = float(max(np.abs(s.p_full - out["two"][0]).max(), np.abs(s.p_mem - out["two"][1]).max()))
+    s_full, s_mem = out["stacked"]
+    res["max_abs_diff_two_calls"] = float(max(np.abs(s_full - out["two"][0]).max(), np.abs(s_mem - out["two"][1]).max()))
     if "hf" in out:
-        res["max_abs_diff_transformers"] = float(max(np.abs(s.p_full - out["hf"][0]).max(),
-                                                     np.abs(s.p_mem - out["hf"][1]).max()))
+        res["max_abs_diff_transformers"] = float(max(np.abs(s_full - out["hf"][0]).max(),
+                                                     np.abs(s_mem - out["hf"][1]).max()))
         res["ratio_stacked_vs_transformers"] = median(times["transformers"]) / median(times["stacked"])
     res["ratio_stacked_vs_two_calls"] = median(times["two_calls"]) / median(times["stacked"])
     pk = out["packed"]
-    res["max_abs_diff_packed_vs_padded"] = float(max(np.abs(pk.p_full - s.p_full).max(), np.abs(pk.p_mem - s.p_mem).max()))
+    res["max_abs_diff_packed_vs_padded"] = float(max(np.abs(pk.p_full - s_full).max(), np.abs(pk.p_mem - s_mem).max()))
     res["packed_time_over_two_calls"] = median(times["stacked_packed"]) / median(times["two_calls"])
     res["target_packed_le_0_8_of_two_calls"] = bool(res["packed_time_over_two_calls"] <= 0.8)
     base = median(times["stacked_packed"])

@@ -60,7 +60,7 @@ def _one_arm(checkpoint: str, rows: int, length: int, epochs: int, rows_npz: str
     from mempo_jax.config import load_config
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.learner import Learner, make_optimizer
-    from mempo_jax.rl.step import training_row_bound
+    from mempo_jax.rl.bounds import training_row_bound
     from mempo_jax.run.experiment import load_checkpoint_policy
 
     cfg = load_config([str(REPO / "configs" / "smollm2_hotpotqa.gin")],

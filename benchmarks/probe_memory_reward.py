@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     from mempo_jax.agent.trajectory import FULL
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
-    from mempo_jax.rl.step import memory_contexts
+    from mempo_jax.rl.memory_views import memory_contexts
     from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.run.experiment import answer_prefix_ids
 

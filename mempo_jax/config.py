@@ -35,7 +35,7 @@ from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.lora import LoraConfig
-from mempo_jax.rl.step import RLConfig
+from mempo_jax.rl.config import RLConfig
 from mempo_jax.core.validation import check, require
 
 
@@ -187,9 +187,8 @@ class ExecutionConfig:
         default ``learner.DEFAULT_MICRO_BATCH_ROWS``).
       sft_micro_batch_rows: the same for an SFT step; 0 = ``SFTConfig.batch_rows`` (the whole
         batch in one micro-batch). Must divide ``SFTConfig.batch_rows``.
-      logprob_chunk_rows: rows per detached log-prob call: the reference and old log-probs'
-        packed calls (``rl.step.detached_logprobs``), or ``Learner.logprobs`` where packing does
-        not apply (default ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
+      logprob_chunk_rows: most packed rows per detached log-prob call: the reference and old
+        log-probs (``rl.step.detached_logprobs``; default ``learner.DEFAULT_LOGPROB_CHUNK_ROWS``).
       scoring_chunk_rows: rows per memory-reward scorer call (``MemoryRewardScorer.chunk_rows``,
         a power of two); 0 = the scorer's ``memory_reward.DEFAULT_CHUNK_ROWS``.
       logit_chunk_tokens: sequence positions per LM-head chunk wherever log-probs are taken (the

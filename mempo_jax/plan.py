@@ -437,12 +437,12 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from mempo_jax.core.logprobs import PackedLogprobs
     from mempo_jax.core.sharding import logical_to_sharding, make_mesh
     from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
     from mempo_jax.rl.learner import Learner, make_optimizer
     from mempo_jax.rl.losses import LossConfig
     from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
+    from mempo_jax.rl.packed_logprobs import PackedLogprobs
     from mempo_jax.model.lora import split_trainable
 
     n = tpu.num_devices

@@ -28,7 +28,7 @@ COUNTER = CompileCounter()  # one listener per process (listeners cannot be remo
 def _rl_setup(monkeypatch, precompile=True):
     from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.agent.rollout import RolloutConfig
-    from mempo_jax.rl.step import RLConfig
+    from mempo_jax.rl.config import RLConfig
     from mempo_jax.agent.engine import RolloutEngine
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
 
@@ -63,6 +63,7 @@ def _rl_setup(monkeypatch, precompile=True):
 
 
 def test_rl_steps_compile_nothing_after_precompile(monkeypatch):
+    from mempo_jax.rl.interfaces import RLCluster
     from mempo_jax.rl.step import rl_step
 
     tok, env, questions, rl, sample_fn, scorer, learner, ref = _rl_setup(monkeypatch)
@@ -70,8 +71,8 @@ def test_rl_steps_compile_nothing_after_precompile(monkeypatch):
     for step in range(4):
         mark = COUNTER.count
         qs = [questions[(2 * step + i) % len(questions)] for i in range(2)]
-        m, _ = rl_step(learner, ref, sample_fn, scorer, qs, AgentFormat.plain(tok), env, rl, jax.random.PRNGKey(step),
-                       np.random.default_rng(step))
+        m, _ = rl_step(RLCluster(learner, ref, sample_fn, scorer, AgentFormat.plain(tok), env), qs, rl,
+                       jax.random.PRNGKey(step), np.random.default_rng(step))
         per_step.append(COUNTER.since(mark))
         mem_turns.append(m["mem/turns"])
         assert np.isfinite(m["actor/pg_loss"])

@@ -20,7 +20,7 @@ from mempo_jax.rl.learner import Learner, make_optimizer
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.decoder import init_cache
-from mempo_jax.model.forward import make_logits_fn
+from mempo_jax.model.forward import make_logits_fn, token_stats
 from mempo_jax.agent.slot_sampler import SlotSampler
 from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
 from mempo_jax.model.placement import cache_shardings, init_sharded_params
@@ -85,10 +85,11 @@ def _temp(compiled) -> int:
 
 
 def _update_batch(mesh, length: int, rows: int = 16) -> dict:
-    """A zero PPO micro-batch ``[rows, length]`` laid out over the mesh's batch axes."""
+    """A zero packed PPO micro-batch ``[rows, length]`` laid out over the mesh's batch axes."""
     sh = logical_to_sharding(("batch", None), mesh, shape=(rows, length))
     return {k: jax.device_put(np.zeros((rows, length), dt), sh)
-            for k, dt in [("input_ids", np.int32), ("valid", bool), ("loss_mask", np.float32),
+            for k, dt in [("input_ids", np.int32), ("segment_ids", np.int32), ("positions", np.int32),
+                          ("valid", bool), ("loss_mask", np.float32),
                           ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
 
 
@@ -101,8 +102,7 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     s = p.shapes
     rows_sh = lambda shape: logical_to_sharding(("batch", None), mesh, shape=shape)  # noqa: E731
     b = _update_batch(mesh, s["train_len"])
-    xla = {"update": _temp(learner._ppo_step.lower(learner.params, None, learner.opt_state, b, 1, LossConfig()).compile()),
-           "logprobs": _temp(learner._logprobs.lower(learner.params, b["input_ids"], b["valid"]).compile())}
+    xla = {"update": _temp(learner._ppo_step.lower(learner.params, None, learner.opt_state, b, 1, LossConfig()).compile())}
     rows, prompt = s["rollout_rows"], s["prompt_len"]
     slots = SlotSampler(graphdef, model_cfg, (2,), 0, mesh=mesh, rules=tuple(pod.mesh.rules))
     state = slots.init_state(rows, s["cache_len"], 8)
@@ -116,7 +116,8 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     at = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"] // ANSWER_FRACTION), np.int32), rows_sh(None))
     # the packed call the scorer makes (ids, segment ids, positions [R, L]; logits_at, targets [R, K])
     xla["scoring"] = _temp(scorer.packed_logprobs.lower(learner.params, z, z, z, at, at).compile())
-    padded = _temp(scorer.likelihoods.lower(learner.params, z, z > 0, z > 0).compile())
+    padded_logprobs = jax.jit(lambda p, i, v: token_stats(scorer.logits_fn, p, i, valid=v, grad=False)[0])
+    padded = _temp(padded_logprobs.lower(learner.params, z, z > 0).compile())
     assert xla["scoring"] < padded  # the LM head at the answer positions only
     assert all(p.phases[ph] == sum(p.terms[ph].values()) for ph in p.phases)
     for phase in ("sampling", "update"):  # the log-prob and scoring programs: the band test at real shapes
@@ -252,7 +253,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
 def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     """With ``LoraConfig``: the policy is a bfloat16 base plus float32 adapters; the optimizer state,
     gradients and reference copy are the adapters' (byte counts equal the real learner's shards)."""
-    from mempo_jax.model import lora
+    from mempo_jax.model import adapters, lora
 
     mesh_config.register()
     cfg = config_lib.load_config([], SMALL + ["LoraConfig.rank = 8", 'LoraConfig.base_dtype = "bfloat16"'])
@@ -260,7 +261,7 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     p = plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     mesh = make_mesh(1, 4, 2)
     _, base = init_sharded_params(plan.model_config(cfg), 0, mesh)
-    _, graphdef, params = lora.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
+    _, graphdef, params = adapters.add_adapters(plan.model_config(cfg), base, cfg.lora, 0, mesh=mesh)
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     assert p.params == _device_bytes(learner.params)
     assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 4

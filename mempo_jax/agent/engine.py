@@ -133,13 +133,13 @@ def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill],
 
 def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
                    progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
-    """``rollout.rollout`` on ``sampler``'s programs: the trajectories are finished in place and returned.
+    """``Engine.rollout`` on ``sampler``'s programs: the trajectories are finished in place and returned.
 
     Args:
       sampler: the policy's ``SlotSampler``; every program runs on its (host-local) mesh.
       params: the policy parameters, placed by ``sampler.place`` first (a no-op when they are already
         on the sampler's mesh; with params on a mesh spanning processes, a collective).
-      trajs, fmt, tool_env, cfg, key: as ``rollout.rollout``.
+      trajs, fmt, tool_env, cfg, key: as ``Engine.rollout``.
       progress: optional callback ``(turn, generating slots)`` once per cycle.
       traj_offset: global index of ``trajs[0]`` (this process's first trajectory): trajectory i
         draws its keys as trajectory ``traj_offset + i``.
@@ -255,7 +255,7 @@ def warm_engine(sampler: SlotSampler, params, cfg, num_trajectories: int, key: j
 
 class RolloutEngine:
     """The policy's rollout engine: a ``SlotSampler`` (device half) driven by ``rollout_cached``
-    (host half). What ``rollout.rollout`` runs and what the trainer, the evaluation command and the
+    (host half). What ``Engine.rollout`` runs and what the trainer, the evaluation command and the
     benchmarks build (``experiment.make_engine``).
 
     Args:

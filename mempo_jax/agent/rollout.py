@@ -1,6 +1,6 @@
 """Multi-turn rollout: sampling on device with the cached engine, tools on the host (docs/algorithm.md §2).
 
-``rollout`` runs fresh trajectories to the end of their episodes on a ``RolloutEngine``
+``Engine.rollout`` runs fresh trajectories to the end of their episodes on a ``RolloutEngine``
 (``mempo_jax.agent.engine``: the KV cache kept across turns, stopped rows refilled). The sampled
 ids, their log-probs, the ``<mem>`` span (found on the ids) and the encoded tool result are
 appended to each trajectory; ``full_traj[t]`` / ``mem_traj[t]`` are views of that record (see
@@ -24,17 +24,23 @@ from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn
 
 @runtime_checkable
 class Engine(Protocol):
-    """What ``rollout`` runs on (``engine.RolloutEngine``; tests give it scripted engines)."""
+    """What a rollout runs on (``engine.RolloutEngine``; tests give it scripted engines)."""
 
     def place(self, params):
         """The parameters on the engine's (host-local) mesh."""
 
     def rollout(self, params, trajs: list, fmt, tool_env, cfg: "RolloutConfig", key: jax.Array,
                 progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
-        """Run ``trajs`` to the end of their episodes, in place; return them."""
+        """Run fresh trajectories (prompt only, ``new_trajectories``) to the end of their episodes,
+        in place; return them. ``params``: placed first (``place``: a collective when they span
+        processes). ``tool_env``: host tools with ``execute_batch(list[ParsedTurn]) ->
+        list[ToolResult]``. The token at step j of turn u of trajectory i draws with a key that is
+        a pure function of (``key``, ``traj_offset + i``, u, j), so a trajectory samples the same
+        tokens whatever process runs it; ``progress``: optional callback ``(turn, active_rows)``."""
 
     def warm(self, params, cfg: "RolloutConfig", num_trajectories: int, key: jax.Array) -> int:
-        """Compile every program a rollout of ``num_trajectories`` can run; return their count."""
+        """Compile every program a rollout of ``num_trajectories`` can run (a later rollout
+        compiles nothing); return their count."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,55 +95,6 @@ class RolloutConfig:
                 f"{self.max_context_tokens} (no turn would fit the context budget)")
 
 
-def build_prompt(fmt: AgentFormat, question: str) -> list[int]:
-    """The prompt ids of a question: ``fmt.prompt_ids`` (system prompt + question, templated)."""
-    return fmt.prompt_ids(question)
-
-
-def rollout(
-    engine: Engine,
-    params,
-    trajs: list[Trajectory],
-    fmt: AgentFormat,
-    tool_env,
-    cfg: RolloutConfig,
-    key: jax.Array,
-    progress: Optional[Callable[[int, int], None]] = None,
-    traj_offset: int = 0,
-) -> list[Trajectory]:
-    """Run fresh trajectories (prompt only) to the end of their episodes, in place.
-
-    Args:
-      engine: the policy's ``RolloutEngine`` (``experiment.make_engine``).
-      params: the policy parameters (placed on the engine's mesh first: ``place_params``).
-      trajs: trajectories holding only ``prompt_ids`` (the n copies of each question share a group id).
-      fmt: the agent format (tokenizer, tag codec, prompt template).
-      tool_env: host tools with ``execute_batch(list[ParsedTurn]) -> list[ToolResult]``.
-      cfg: rollout options.
-      key: PRNG key; the token at step j of turn u of trajectory i draws with a key that is a pure
-        function of (key, ``traj_offset + i``, u, j) (``slot_sampler``).
-      progress: optional callback ``(turn, active_rows)``.
-      traj_offset: global index of ``trajs[0]`` (a process's first trajectory), so that a
-        trajectory samples the same tokens whatever process runs it.
-
-    Returns:
-      The same trajectories, finished.
-    """
-    return engine.rollout(params, trajs, fmt, tool_env, cfg, key, progress, traj_offset)
-
-
-def place_params(engine: Engine, params):
-    """The policy's parameters on the rollout's (host-local) mesh, ``engine.place``: a collective
-    when ``params`` span processes (every process calls it at the same point, once per step)."""
-    return engine.place(params)
-
-
-def warm_sampler(engine: Engine, params, cfg: RolloutConfig, num_trajectories: int, key: jax.Array) -> int:
-    """Compile every program a ``rollout`` of ``num_trajectories`` can run (``engine.warm``), so
-    that a later ``rollout`` compiles nothing; returns the number of programs run."""
-    return engine.warm(params, cfg, num_trajectories, key)
-
-
 def new_trajectories(fmt: AgentFormat, questions: Sequence, group_size: int, group_offset: int = 0) -> list[Trajectory]:
     """``group_size`` fresh trajectories per question; the group id is the question's index in
     ``questions`` (+ ``group_offset``), assigned before the copies are made (docs/algorithm.md §4).
@@ -170,7 +127,6 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 __all__ = [
-    "ALL_TAG_PIECES", "AgentFormat", "Engine", "FULL", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools", "build_prompt",
-    "encode_observation", "make_turn", "new_trajectories", "place_params", "rollout", "rollout_metrics",
-    "warm_sampler",
+    "ALL_TAG_PIECES", "AgentFormat", "Engine", "FULL", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools",
+    "encode_observation", "make_turn", "new_trajectories", "rollout_metrics",
 ]

@@ -24,7 +24,7 @@ Sampling (``agent.decoding``): ``log softmax(logits / temperature)`` log-probs �
 computes for the same ids at the same temperature (docs/algorithm.md) — top-p, argmax when greedy.
 The PRNG key of step j of turn u of trajectory i is ``fold_in(fold_in(fold_in(key, u), j), i)`` — a
 pure function of (key, trajectory, turn, step), whatever slot, batch, device or process it runs in
-(the rollout numbers a process's trajectories globally, ``rollout.rollout``'s ``traj_offset``).
+(the rollout numbers a process's trajectories globally, ``Engine.rollout``'s ``traj_offset``).
 ``generate`` is a one-shot turn of every prompt row (row b = trajectory b, turn 0).
 """
 

@@ -143,7 +143,7 @@ class TagCodec:
         past it (SmolLM2 writes ``</mem><think>`` as ``</ mem >< think >``: ``><`` holds the next
         tag's ``<``) is replaced by the tokenizer's ids of its bytes up to the close; otherwise, and
         in tokens mode, ``ids`` unchanged. The memory reward's views are built on this
-        (``rl.step.memory_view``), so the scorer's answer prefix or later tool results follow a
+        (``rl.memory_views.memory_view``), so the scorer's answer prefix or later tool results follow a
         block that reads ``…</mem>``, not ``…</mem><``.
 
         Args:

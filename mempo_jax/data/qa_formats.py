@@ -185,22 +185,6 @@ def _hotpot_like(row: dict[str, Any], path: PathLike, where: str, source: str) -
     return QAExample(_id(row, path, where, ("_id", "id")), _question(row, path, where), golds, source)
 
 
-def hotpotqa_example(row: dict[str, Any], path: PathLike, where: str, source: str = "hotpotqa") -> QAExample:
-    """One HotpotQA / 2WikiMultihopQA row as a ``QAExample``, every field it uses checked.
-
-    Args:
-      row: the record (HF or official layout).
-      path, where: its file and location (``records.iter_records``), for messages.
-      source: ``QAExample.source``.
-
-    Raises:
-      ValueError: ``"{path}:{where}: field '{field}': ..."``: a malformed ``context``, an
-        ``answer`` that is not a non-empty string (``42``), a ``question`` that is not a
-        non-empty string (a list), a bad id.
-    """
-    return _hotpot_like(row, path, where, source)
-
-
 def hotpotqa_supporting_titles(row: dict[str, Any], path: PathLike, where: str) -> list[str]:
     """The distinct titles of a HotpotQA row's ``supporting_facts``, in order (HF layout
     ``{"title": [...], "sent_id": [...]}`` or official ``[[title, sent_id], ...]``).

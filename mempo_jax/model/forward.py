@@ -1,12 +1,16 @@
-"""Functional model calls: the uniform contract used by the trainer, the scorer and the rollout.
+"""Functional model calls: the one model contract of the trainer, the scorer and the evaluation.
 
-Everything here is pure: ``(graphdef, params)`` from ``split_model`` and arrays in, arrays out, so
-callers can ``jax.jit`` / ``jax.grad`` them with explicit shardings (tunix-style model contract).
+``LogitsFn`` is the contract (a ``Protocol``): hidden states of padded or packed rows and the LM
+head, which the passes apply in chunks (``token_stats``); ``DecoderLogitsFn`` implements it for the
+``Decoder``. Everything here is pure: ``(graphdef, params)`` from ``split_model`` and arrays in,
+arrays out, so callers can ``jax.jit`` / ``jax.grad`` them with explicit shardings (tunix-style
+model contract).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +70,43 @@ def positions_from_mask(valid_mask: Bool[ArrayLike, "rows length"]) -> Int[Array
     return jnp.maximum(jnp.cumsum(valid_mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
 
 
+@runtime_checkable
+class LogitsFn(Protocol):
+    """The model contract every pass over ``(params, token rows)`` requires.
+
+    Rows come padded (``valid_mask [B, L]`` bool, True on real tokens, any padding layout) or
+    packed end to end (``segment_ids [B, L]`` int32, ``k > 0`` on the row's k-th sequence, 0 on
+    padding, and ``positions [B, L]`` int32 restarting at 0 per segment). ``hidden[:, t]``
+    followed by the head predicts token ``t + 1``; a packed segment's hidden states equal those of
+    the sequence alone in an unpadded row (float32 rounding aside). The caller applies the head,
+    ``project(head(params), hidden[:, chunk])``, ``logit_chunk`` positions at a time
+    (``core.logprobs.target_logprobs``), so no pass builds ``[B, L, vocab]`` logits.
+
+    Attributes:
+      logit_chunk: positions per LM-head chunk (>= 1).
+    """
+
+    logit_chunk: int
+
+    def hidden(self, params: Any, input_ids: Int[ArrayLike, "rows length"], valid_mask: Bool[ArrayLike, "rows length"],
+               remat: str | None = None) -> Float[Array, "rows length embed"]:
+        """``[B, L, embed]`` final hidden states of padded rows; ``remat`` overrides the
+        implementation's rematerialisation (``"none"``: nothing saved for a backward pass)."""
+
+    def packed_hidden(self, params: Any, input_ids: Int[ArrayLike, "rows length"],
+                      segment_ids: Int[ArrayLike, "rows length"], positions: Int[ArrayLike, "rows length"],
+                      remat: str | None = None) -> Float[Array, "rows length embed"]:
+        """``[B, L, embed]`` final hidden states of packed rows (``remat`` as ``hidden``)."""
+
+    def head(self, params: Any) -> Any:
+        """The LM head's weights (a pytree; gradients flow to it): ``project``'s first argument."""
+
+    def project(self, weight: Any, hidden: Float[Array, "rows chunk embed"]) -> Float[Array, "rows chunk vocab"]:
+        """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]``."""
+
+
 def _under_mesh(method):
-    """``method`` traced under its ``LogitsFn``'s ``activation_sharding`` (entered in the call
+    """``method`` traced under its ``DecoderLogitsFn``'s ``activation_sharding`` (entered in the call
     itself, so a backward pass traced later enters it again)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -76,8 +115,9 @@ def _under_mesh(method):
     return call
 
 
-class LogitsFn:
-    """The model's pure calls over ``(params, arrays)``: logits, hidden states and the LM head.
+class DecoderLogitsFn:
+    """``LogitsFn`` of a ``Decoder``: its pure calls over ``(params, arrays)``: logits, hidden
+    states and the LM head.
 
     ``fn(params, input_ids, valid_mask) -> logits``: ``input_ids [B, L]`` int32, ``valid_mask [B, L]``
     bool (True on real tokens, left or right padding or both) → ``logits [B, L, vocab]`` float32,
@@ -191,40 +231,37 @@ class LogitsFn:
 
 def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
                    mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES,
-                   dense_max_len: int = BLOCKED_MIN_LEN) -> LogitsFn:
-    """``LogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=..., dense_max_len=...)``:
-    the uniform model contract of the trainer, the scorers and the evaluation."""
-    return LogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules, dense_max_len=dense_max_len)
+                   dense_max_len: int = BLOCKED_MIN_LEN) -> DecoderLogitsFn:
+    """``DecoderLogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=..., dense_max_len=...)``:
+    the ``LogitsFn`` of the trainer, the scorers and the evaluation."""
+    return DecoderLogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules, dense_max_len=dense_max_len)
 
 
-def token_stats(fn, params, input_ids: Int[ArrayLike, "rows length"], *,
+def token_stats(fn: LogitsFn, params, input_ids: Int[ArrayLike, "rows length"], *,
                 valid: Bool[ArrayLike, "rows length"] | None = None,
                 segment_ids: Int[ArrayLike, "rows length"] | None = None,
                 positions: Int[ArrayLike, "rows length"] | None = None, temperature: float = 1.0,
                 entropy: bool = False, grad: bool = True
                 ) -> tuple[Float[Array, "rows length"], Float[Array, "rows length"] | None]:
     """Per-token log-probs (and entropies) of ``input_ids`` under ``fn``, shift-by-one convention of
-    ``core.logprobs`` (column 0 is 0), without ``[B, L, vocab]`` logits.
+    ``core.logprobs`` (column 0 is 0), without ``[B, L, vocab]`` logits: the hidden states, then
+    the LM head in ``fn.logit_chunk``-position chunks.
 
     Args:
-      fn: a ``LogitsFn`` (hidden states, then the LM head in ``fn.logit_chunk``-position chunks),
-        or any ``(params, ids, valid) -> logits`` callable (its logits chunked the same way).
+      fn: the model (``LogitsFn``).
       params: the model parameters.
       input_ids: ``[B, L]`` int32.
       valid: ``[B, L]`` bool, for padded rows; or ``segment_ids`` and ``positions`` ``[B, L]``
-        int32 for rows packed end to end (``LogitsFn.packed``).
+        int32 for rows packed end to end (``LogitsFn.packed_hidden``).
       temperature: softmax temperature (> 0).
       entropy: also return entropies.
-      grad: the result is differentiated (the decoder layers then follow ``fn.remat``; ``False``:
-        ``"none"``, nothing saved for a backward pass).
+      grad: the result is differentiated (the decoder layers then follow ``fn``'s own
+        rematerialisation; ``False``: ``"none"``, nothing saved for a backward pass).
 
     Returns:
       ``(logp [B, L], entropy [B, L] or None)`` float32.
     """
     ids = input_ids.astype(jnp.int32)
-    if not isinstance(fn, LogitsFn):
-        logits = fn(params, ids, valid) if segment_ids is None else fn.packed(params, ids, segment_ids, positions)
-        return shifted_logprobs(logits, ids, temperature=temperature, entropy=entropy)
     remat = None if grad else "none"
     hidden = (fn.hidden(params, ids, valid, remat) if segment_ids is None
               else fn.packed_hidden(params, ids, segment_ids, positions, remat))

@@ -394,12 +394,7 @@ def _shard_plan(names: dict, flat: dict, max_shard_bytes: int) -> tuple[list[lis
     return plan, sizes
 
 
-def num_checkpoint_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the weights in ``cfg.param_dtype`` (what ``save_hf_checkpoint`` writes)."""
-    return cfg.num_params() * jnp.dtype(cfg.param_dtype).itemsize
-
-
 __all__ = [
     "CheckpointError", "HFName", "config_from_hf", "config_to_hf", "hf_name_map", "load_hf_checkpoint",
-    "read_hf_config", "save_hf_checkpoint", "num_checkpoint_bytes",
+    "read_hf_config", "save_hf_checkpoint",
 ]

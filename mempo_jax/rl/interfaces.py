@@ -1,4 +1,5 @@
-"""What the RL step takes: the policy learner and the memory-reward scorer, as ``Protocol``s.
+"""What the RL step takes: the policy learner and the memory-reward scorer, as ``Protocol``s, and
+``RLCluster``, the one bundle ``rl_step`` is handed.
 
 The rollout engine the step samples with is ``agent.rollout.Engine``. ``rl.learner.Learner``
 (and ``run.lockstep.DistributedLearner``), ``rl.memory_reward.MemoryRewardScorer`` (and
@@ -7,13 +8,19 @@ The rollout engine the step samples with is ``agent.rollout.Engine``. ``rl.learn
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
+from flax import nnx
 from jaxtyping import Bool, Float, Int
 
+from mempo_jax.agent.format import AgentFormat
+from mempo_jax.agent.rollout import Engine
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardOutput
+from mempo_jax.rl.packed_logprobs import PackedLogprobs
+from mempo_jax.tools.search import ToolEnvironment
 
 T = TypeVar("T")
 
@@ -44,12 +51,11 @@ class PolicyLearner(Protocol):
                           valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 per-token log-probs of ``params`` (no gradient), at the sampler's temperature."""
 
-    def packed_logprobs(self) -> Any:
-        """The packed log-prob pass (``core.logprobs.PackedLogprobs``) or ``None`` where it does not apply."""
+    def packed_logprobs(self) -> PackedLogprobs:
+        """The packed log-prob pass of ``detached_logprobs`` (its programs are precompiled apart)."""
 
-    def precompile(self, lengths: Sequence[int], ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
-                   logprob_rows: int | None = None, logprobs: bool = True) -> int:
-        """Compile the update (and the padded log-probs) at ``lengths`` ahead of time; return their count."""
+    def precompile(self, lengths: Sequence[int], ppo_rows: int, n_micro: int, loss_cfg: LossConfig) -> int:
+        """Compile the update at ``lengths`` ahead of time; return the number of programs."""
 
     def precompile_once(self, key: Any, build: Callable[[], T]) -> T | None:
         """``build()`` unless the last build was for ``key``; ``None`` when skipped."""
@@ -59,4 +65,25 @@ class PolicyLearner(Protocol):
         """One PPO epoch over ``rows``, in place; the epoch's metrics."""
 
 
-__all__ = ["MemoryScorer", "PolicyLearner"]
+@dataclasses.dataclass(frozen=True)
+class RLCluster:
+    """Everything an RL step runs on (tunix's ``RLCluster``: the actor, the reference and the rollout).
+
+    Attributes:
+      learner: the policy: parameters, optimizer state and the update (``PolicyLearner``).
+      reference: the frozen reference policy's parameters (the KL term's).
+      engine: the rollout engine (``agent.rollout.Engine``).
+      scorer: the memory-reward scorer (``MemoryScorer``).
+      fmt: the agent format (tokenizer, tags, prompt).
+      tool_env: the host tools.
+    """
+
+    learner: PolicyLearner
+    reference: nnx.State
+    engine: Engine
+    scorer: MemoryScorer
+    fmt: AgentFormat
+    tool_env: ToolEnvironment
+
+
+__all__ = ["MemoryScorer", "PolicyLearner", "RLCluster"]

@@ -1,4 +1,4 @@
-"""Jitted numeric steps of training: log-probs, the SFT step and the PPO update.
+"""Jitted numeric steps of training: detached log-probs, the SFT step and the PPO update.
 
 The learner owns the policy parameters and the optimizer state. All functions are jitted once
 per (rows, seq) bucket; mini-batches are split into micro-batches that accumulate gradients
@@ -19,12 +19,13 @@ from jaxtyping import Bool, Float, Int
 
 from mempo_jax.core.batching import bucket_length
 from mempo_jax.core.packing import pack_token_rows
-from mempo_jax.model.forward import token_stats
+from mempo_jax.model.forward import LogitsFn, token_stats
 from mempo_jax.rl.losses import LossConfig, loss_denominator, mempo_loss
 from mempo_jax.core.sharding import (DEFAULT_RULES, batch_shards, logical_to_sharding, mesh_or_local, opt_state_shardings,
                                 param_shardings, replicated)
 from mempo_jax.core.validation import check
 from mempo_jax.model.lora import join, split_trainable
+from mempo_jax.rl.packed_logprobs import PackedLogprobs
 
 T = TypeVar("T")
 TRAIN_MIN_LENGTH = 128  # smallest length bucket of the RL step's training rows (tokens)
@@ -139,9 +140,8 @@ class Learner:
 
     Args:
       logits_fn: the model (``model.forward.LogitsFn``: its hidden states and LM head, the head
-        applied in chunks, ``token_stats``; its ``remat`` rematerialises the decoder layers of the
-        update and SFT step), or any ``(params, input_ids [B,L] int32, valid [B,L] bool) -> logits
-        [B,L,V] f32`` callable.
+        applied in chunks, ``token_stats``; its own rematerialisation applies to the decoder
+        layers of the update and SFT step).
       params: the policy parameters (a pytree; nnx.State), or their ``jax.ShapeDtypeStruct``s
         (nothing allocated: the programs can be lowered and compiled, not run). With LoRA adapters
         (``nnx.LoRAParam`` leaves, ``model.lora``) only they are trained: the SFT and PPO steps
@@ -150,6 +150,8 @@ class Learner:
       optimizer: an optax transformation.
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       micro_batch_rows: rows per micro-batch in gradient accumulation.
+      logprob_chunk_rows: most packed rows per call of the detached log-prob pass
+        (``packed_logprobs``).
       mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh).
         ``params`` (an ``nnx.State``) are placed by their logical-axis rules, the optimizer state
         by ``opt_state_shardings``, batches ``[B, L]`` over the ``batch`` rule, and every jitted
@@ -160,14 +162,9 @@ class Learner:
         its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
         ``resume.FaultHooks.update_rows``).
       pad_id: the id on padding of packed update rows.
-
-    Attributes:
-      packs_update: ``ppo_update`` packs each mini-batch's rows end to end (the ``logits_fn``
-        has the packed call, ``logits_fn.packed``): a micro-batch then holds several short rows,
-        and the computed positions fall by the rows' padding.
     """
 
-    def __init__(self, logits_fn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
+    def __init__(self, logits_fn: LogitsFn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
                  micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
                  logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
                  before_update=None, pad_id: int = 0):
@@ -182,7 +179,6 @@ class Learner:
         self.pad_id = int(pad_id)
         self._packed_logprobs = None  # packed_logprobs(), built on first use
         self._precompiled_for = None  # precompile_once's last key
-        self.packs_update = getattr(logits_fn, "packed", None) is not None
         self.mesh = mesh = mesh_or_local(mesh)
         self.rules = rules
         ps = self.param_shardings = param_shardings(params, mesh, rules)
@@ -197,7 +193,6 @@ class Learner:
         else:
             self.params = jax.device_put(params, ps)
             self.opt_state = init(split_trainable(self.params)[0])
-        self._logprobs = jax.jit(self._logprobs_impl, in_shardings=(ps, bs, bs), out_shardings=rep)
         # The steps take (trainable, frozen, opt_state, batch) and return the new trainable part.
         self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
                                  in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
@@ -225,81 +220,28 @@ class Learner:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
 
-    # ---- log-probs -------------------------------------------------------------------------
-    def _logprobs_impl(self, params, ids, valid):
-        return token_stats(self.logits_fn, params, ids, valid=valid, temperature=self.temperature, grad=False)[0]
-
-    def logprobs(self, params, input_ids: Int[np.ndarray, "rows length"], valid: Bool[np.ndarray, "rows length"],
-                 chunk_rows: int | None = None) -> Float[np.ndarray, "rows length"]:
-        """Per-token log-probs of ``params`` (no gradient), in fixed-shape row chunks.
-
-        Every device call is ``[chunk_rows, L]`` (``chunk_rows`` rounded up to a multiple of the
-        mesh's batch shards): the last (or only) chunk is padded with all-invalid rows, so the
-        program compiles once per length ``L`` whatever the row count.
-
-        Args:
-          params: policy or reference parameters.
-          input_ids: ``[R, L]`` int32.
-          valid: ``[R, L]`` bool, True on real tokens.
-          chunk_rows: rows per device call (default ``self.logprob_chunk_rows``, the
-            ``logprob_chunk_rows`` constructor argument: ``ExecutionConfig.logprob_chunk_rows`` in a run).
-
-        Returns:
-          ``[R, L]`` float32 natural-log probabilities (``core.logprobs`` convention).
-        """
-        out = []
-        target = self._logprob_call_rows(chunk_rows)
-        params = jax.device_put(params, self.param_shardings)
-        for s in range(0, input_ids.shape[0], target):
-            ids, v = input_ids[s : s + target], valid[s : s + target]
-            n = ids.shape[0]
-            if n < target:
-                ids = np.pad(ids, ((0, target - n), (0, 0)))
-                v = np.pad(v, ((0, target - n), (0, 0)))
-            ids, v = jax.device_put((ids, v), self.batch_sharding)
-            lp = self._logprobs(params, ids, v)
-            out.append(np.asarray(lp)[:n])
-        return np.concatenate(out, axis=0)
-
-    def _logprob_call_rows(self, chunk_rows: int | None) -> int:
-        """Rows of one ``logprobs`` device call: ``chunk_rows`` (default ``logprob_chunk_rows``)
-        rounded up to a multiple of the mesh's batch shards."""
-        shards = batch_shards(self.mesh, self.rules)
-        rows = self.logprob_chunk_rows if chunk_rows is None else chunk_rows
-        return -(-int(rows) // shards) * shards
-
-    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig,
-                   logprob_rows: int | None = None, logprobs: bool = True) -> int:
-        """Compile the log-prob and PPO programs ahead of time (``jit.lower(...).compile()``;
-        nothing runs, no buffer is donated) at every length in ``lengths``.
+    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig) -> int:
+        """Compile the PPO update program ahead of time (``jit.lower(...).compile()``; nothing
+        runs, no buffer is donated) at every length in ``lengths``.
 
         Args:
           lengths: sequence lengths ``L`` (the training-row length buckets).
           ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
             (``ppo_plan(...).rows`` and ``rows // micro``).
           loss_cfg: the loss options (a static argument of the PPO program).
-          logprob_rows: the ``chunk_rows`` that ``logprobs`` will be called with (default
-            ``logprob_chunk_rows``).
-          logprobs: also compile the padded ``logprobs`` program (``False`` where the caller
-            scores rows with a packed pass instead, ``rl.step.detached_logprobs``).
 
         Returns:
           The number of programs built.
         """
-        lp_rows = self._logprob_call_rows(logprob_rows)
         sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, sharding=self.batch_sharding)  # noqa: E731
         for length in lengths:
-            if logprobs:
-                self._logprobs.lower(self.params, sds(lp_rows, length, jnp.int32),
-                                     sds(lp_rows, length, jnp.bool_)).compile()
             batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
             batch.update({k: sds(ppo_rows, length, jnp.float32)
                           for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
-            if self.packs_update:
-                batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
+            batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
             self._ppo_step.lower(*split_trainable(self.params), self.opt_state, batch, int(n_micro), loss_cfg,
                                  self.tail_rows(ppo_rows // int(n_micro))).compile()
-        return (2 if logprobs else 1) * len(lengths)
+        return len(lengths)
 
     # ---- SFT -------------------------------------------------------------------------------
     def _sft_step_impl(self, params, frozen, opt_state, batch, n_micro):
@@ -346,10 +288,10 @@ class Learner:
         return next((t for t in range(max(micro // 4, 1), micro) if t % shards == 0 and micro % t == 0), micro)
 
     def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig, tail_rows: int = 0):
-        # A batch with ``segment_ids`` / ``positions`` holds rows packed end to end (``ppo_update``):
+        # The batch holds rows packed end to end (``segment_ids`` / ``positions``, ``ppo_update``):
         # the packed forward and per-sequence aggregation give each sequence what it gets alone.
         # With ``0 < tail_rows < rows // n_micro`` the last micro-batch runs tail_rows rows at a time.
-        denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch.get("segment_ids")), 1.0)
+        denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch["segment_ids"]), 1.0)
         rows = batch["input_ids"].shape[0]
         micro_rows = rows // n_micro
         if 0 < tail_rows < micro_rows:
@@ -361,9 +303,9 @@ class Learner:
         parts = [self._split_micro_sharded(part, n) for part, n in parts if n]
 
         def loss_fn(p, mb):
-            seg = mb.get("segment_ids")
+            seg = mb["segment_ids"]
             logp, ent = token_stats(self.logits_fn, join(p, frozen), mb["input_ids"], valid=mb["valid"],
-                                    segment_ids=seg, positions=mb.get("positions"), temperature=self.temperature,
+                                    segment_ids=seg, positions=mb["positions"], temperature=self.temperature,
                                     entropy=True)
             ent = ent if loss_cfg.entropy_coef else jax.lax.stop_gradient(ent)
             total, part_denom, metrics = mempo_loss(logp, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
@@ -410,9 +352,8 @@ class Learner:
         Rows are shuffled and split evenly into ``num_mini_batches`` contiguous mini-batches of
         the shuffled order (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in
         2 → [65, 65], 1,100 in 4 → [275] · 4; this fixes which rows share an update). Each
-        mini-batch is then laid out in the plan's fixed row count (``ppo_plan``): packed end to
-        end (``packing.pack_token_rows``, same length) when the ``logits_fn`` has the packed call
-        (``packs_update``), else one row per row, then padded with all-invalid rows, and split
+        mini-batch is then packed end to end into the plan's fixed row count (``ppo_plan``;
+        ``packing.pack_token_rows``, same length; the rest all-invalid rows), and split
         into micro-batches of ``micro_batch_rows``, the last of them run ``tail_rows`` rows at a
         time, with the rows that carry loss tokens filling whole micro-batches first
         (``fill_whole_micro_batches``); micro-batches without loss tokens (the padding that
@@ -431,7 +372,7 @@ class Learner:
           num_mini_batches: optimizer steps per epoch (fewer when a mini-batch is all padding).
           rng: numpy generator for the shuffle.
           max_rows: an upper bound on ``R`` that depends on the config only (e.g.
-            ``rl_step.training_row_bound``): every mini-batch is then ``[ppo_plan(...).rows, L]``
+            ``bounds.training_row_bound``): every mini-batch is then ``[ppo_plan(...).rows, L]``
             whatever ``R`` is, so the update compiles once per length bucket. ``None``: the
             mini-batch rows follow ``R`` (one program per row bucket).
 
@@ -464,10 +405,7 @@ class Learner:
                 if zero_skipped[-1]:
                     self.num_updates += 1
                     continue
-            if self.packs_update:
-                mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
-            else:
-                mb = {k: np.pad(v[idx], [(0, plan.rows - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in rows.items()}
+            mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
             mb = fill_whole_micro_batches(mb, plan.micro, tail)
             trainable, frozen = split_trainable(self.params)
             trainable, self.opt_state, m = self._ppo_step(trainable, frozen, self.opt_state, self._place_batch(mb),
@@ -488,13 +426,8 @@ class Learner:
         (``run.lockstep.DistributedLearner`` runs it over every process's rows)."""
         return fn(params, input_ids, valid)
 
-    def packed_logprobs(self):
-        """This learner's ``core.logprobs.PackedLogprobs`` (built on first use and kept), or ``None``
-        where the packed pass does not apply (``packs_update`` is False)."""
-        from mempo_jax.core.logprobs import PackedLogprobs
-
-        if not self.packs_update:
-            return None
+    def packed_logprobs(self) -> PackedLogprobs:
+        """This learner's ``PackedLogprobs`` (built on first use and kept)."""
         if self._packed_logprobs is None:
             self._packed_logprobs = PackedLogprobs(
                 self.logits_fn, self.temperature, rows_per_call=self.logprob_chunk_rows,
@@ -505,12 +438,9 @@ class Learner:
     def detached_logprobs(self, params, input_ids: Int[np.ndarray, "rows length"],
                           valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 per-token log-probs of ``params`` over ``input_ids [R, L]`` (no
-        gradient), at the learner's temperature: one packed pass (``packed_logprobs``) where it
-        applies, else the padded ``logprobs``; over the global rows on several processes."""
-        calc = self.packed_logprobs()
-        if calc is None:
-            return self.logprobs(params, input_ids, valid)
-        return self.on_global_rows(calc, params, input_ids, valid)
+        gradient), at the learner's temperature: one packed pass (``packed_logprobs``), over the
+        global rows on several processes."""
+        return self.on_global_rows(self.packed_logprobs(), params, input_ids, valid)
 
     def precompile_once(self, key, build: Callable[[], T]) -> T | None:
         """``build()`` when ``key`` (e.g. the ``RLConfig``) differs from the key of the last build

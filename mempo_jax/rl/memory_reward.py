@@ -9,12 +9,10 @@ are stacked into one batch ``[full_0 .. full_{M-1}; mem_0 .. mem_{M-1}]`` with Z
 and scored with one jitted call (reference: one ``compute_log_prob`` over the stacked batch).
 Its values enter the advantage as constants (``jax.lax.stop_gradient``).
 
-With a model that has the packed call contract (``logits_fn.packed``, from
-``model.forward.make_logits_fn``) the stacked rows are *packed* end to end (``mempo_jax.core.packing``:
-segment ids, per-segment RoPE positions, attention inside each segment) instead of each being
-padded to the longest row, and the LM head runs on Z's tokens only: the same P values (float32
-rounding aside) for far fewer computed positions. A ``logits_fn`` without ``.packed`` (a test
-table, a custom model) is scored padded, as before.
+The stacked rows are *packed* end to end (``mempo_jax.core.packing``: segment ids, per-segment
+RoPE positions, attention inside each segment) instead of each being padded to the longest row,
+and the LM head runs on Z's tokens only: the P values of the padded layout (``build_scoring_batch``,
+``answer_likelihood``; float32 rounding aside) for far fewer computed positions.
 """
 
 from __future__ import annotations
@@ -35,6 +33,8 @@ from mempo_jax.core.batching import bucket_length, pad_sequences
 from mempo_jax.core.batching import length_buckets as _length_buckets
 from mempo_jax.core.logprobs import target_logprobs
 from mempo_jax.core.packing import pack, plan_packing
+from mempo_jax.model.forward import LogitsFn
+from mempo_jax.rl.advantage import MEMORY_NORMS
 
 
 def answer_likelihood(logp: Float[ArrayLike, "rows length"],
@@ -154,7 +154,7 @@ MEMORY_REWARD_SCALES: Registry[Callable[[MemoryRewardOutput], np.ndarray]] = Reg
 MEMORY_BASELINES: Registry[Callable[[int | str], int | str]] = Registry("memory reward baseline")
 MEMORY_TRAJECTORIES: Registry[Callable[[np.ndarray], np.ndarray]] = Registry("memory reward trajectory selection")
 MEMORY_GROUPINGS: Registry[Callable[..., tuple[np.ndarray, int]]] = Registry("memory reward grouping")
-MEMORY_ANSWERS = ("gold", "generated")  # the Z scored: MemoryRewardConfig.answer (``step.memory_contexts``)
+MEMORY_ANSWERS = ("gold", "generated")  # the Z scored: MemoryRewardConfig.answer (``memory_views.memory_contexts``)
 MEMORY_PREFIXES = ("empty_mem", "think", "none")  # MemoryRewardConfig.prefix (``experiment.answer_prefix_ids``)
 
 
@@ -292,8 +292,6 @@ class MemoryRewardConfig:
     group: str = "question"
 
     def __post_init__(self):
-        from mempo_jax.rl.advantage import MEMORY_NORMS
-
         check(self, "answer", str, choices=MEMORY_ANSWERS)
         check(self, "prefix", str, choices=MEMORY_PREFIXES)
         check(self, "include_malformed", bool)
@@ -306,9 +304,13 @@ class MemoryRewardConfig:
 class MemoryRewardScorer:
     """Scores P(Z | full) and P(Z | mem) for all turns of a batch in one detached jitted call.
 
+    The stacked rows are packed into calls ``[R, L]`` with ``L`` a length bucket
+    (``packing.plan_packing``: the cheapest of ``bucket(longest row)`` and its doublings) and
+    ``R = bucket_length(packed rows, min_rows) <= rows_per_call``; the LM head runs on
+    ``K = L // ANSWER_FRACTION`` columns per row (Z's tokens).
+
     Args:
-      logits_fn: ``logits_fn(params, input_ids [B, L] int32, valid_mask [B, L] bool) -> logits
-        [B, L, V]`` (the policy's uniform call contract; ``logits[:, t]`` predicts token t + 1).
+      logits_fn: the policy (``model.forward.LogitsFn``).
       pad_id: padding id.
       answer_prefix: ids placed between context and Z on both views (e.g. ``[id("<answer>")]``).
       full_prefix: ids placed on the full view only, before ``answer_prefix`` (see
@@ -319,23 +321,13 @@ class MemoryRewardScorer:
       batch_sharding: optional ``jax.sharding.Sharding`` for the ``[R, L]`` batch arrays.
       param_shardings: optional shardings of ``params`` (e.g. ``mempo_jax.core.sharding.param_shardings``);
         with ``batch_sharding`` (a ``NamedSharding``), the jitted call declares
-        ``in_shardings=(param_shardings, batch, batch, batch)`` and a replicated ``[R]`` output.
-      chunk_rows: rows per device call (a power of two; ``None``: ``DEFAULT_CHUNK_ROWS``, raised
-        to ``min_rows`` when smaller). The stacked 2M rows are scored ``chunk_rows`` at a time in
-        calls of fixed shape ``[chunk_rows, L_c]`` (the last chunk padded with all-invalid rows),
-        each chunk padded to its own length bucket ``L_c = bucket_length(longest row of the
-        chunk, min_length)``. The values equal one call over all rows (rows are independent);
-        the shapes depend on the config, not on M, so the program compiles once per length
-        bucket (``length_buckets`` lists them, ``precompile`` builds them ahead of time). With
-        2M ≤ ``chunk_rows`` the whole stacked batch is one call, as in the reference.
+        ``in_shardings=(param_shardings, batch × 5)`` and a replicated output.
+      chunk_rows: most packed rows per device call (a power of two; ``None``:
+        ``DEFAULT_CHUNK_ROWS``, raised to ``min_rows`` when smaller): ``rows_per_call``. The
+        values do not depend on it (rows are independent); the shapes depend on the config, not
+        on M, so the program compiles once per (row bucket, length bucket) (``length_buckets``
+        lists the lengths, ``precompile`` builds them ahead of time).
       min_length: smallest length bucket (a power of two).
-      packing: pack the stacked rows (default True) when ``logits_fn`` has the packed contract
-        ``logits_fn.packed(params, ids, segment_ids, positions, logits_at)``. Packed calls are
-        ``[R, L]`` with ``L`` a length bucket (``packing.plan_packing``: the cheapest of
-        ``bucket(longest row)`` and its doublings) and ``R = bucket_length(packed rows,
-        min_rows) <= rows_per_call``; the LM head runs on ``K = L // ANSWER_FRACTION`` columns
-        per row (Z's tokens). ``False``, or a ``logits_fn`` without ``.packed``: every row padded
-        to its chunk's length bucket, full logits (the reference layout).
 
     Raises:
       ValueError: if ``temperature <= 0``.
@@ -343,7 +335,7 @@ class MemoryRewardScorer:
 
     def __init__(
         self,
-        logits_fn: Callable[..., jax.Array],
+        logits_fn: LogitsFn,
         pad_id: int,
         answer_prefix: Sequence[int],
         temperature: float = 1.0,
@@ -354,7 +346,6 @@ class MemoryRewardScorer:
         chunk_rows: int | None = None,
         min_length: int = DEFAULT_MIN_LENGTH,
         full_prefix: Sequence[int] = (),
-        packing: bool = True,
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -372,46 +363,28 @@ class MemoryRewardScorer:
         self.min_length = int(min_length)
         self.rows_per_call = bucket_length(DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows,
                                            max(self.min_rows, 1))
-        self.packed_fn = getattr(logits_fn, "packed", None) if packing else None
         self._length_cap = None  # set by ``precompile``: packed lengths never exceed the compiled ones
         if param_shardings is not None and isinstance(batch_sharding, jax.sharding.NamedSharding):
             rep = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
             bs = batch_sharding
-            self.likelihoods = jax.jit(self._likelihoods, in_shardings=(param_shardings, bs, bs, bs),
-                                       out_shardings=rep)
             self.packed_logprobs = jax.jit(self._packed_logprobs, in_shardings=(param_shardings,) + (bs,) * 5,
                                            out_shardings=rep)
         else:
-            self.likelihoods = jax.jit(self._likelihoods)
             self.packed_logprobs = jax.jit(self._packed_logprobs)
-
-    def _likelihoods(self, params, input_ids, valid, answer_mask) -> jax.Array:
-        """``(params, ids [R, L], valid [R, L], answer_mask [R, L]) -> P [R]`` float32, no grad."""
-        from mempo_jax.model.forward import token_stats
-
-        params = jax.lax.stop_gradient(params)
-        logp, _ = token_stats(self.logits_fn, params, input_ids, valid=valid, temperature=self.temperature, grad=False)
-        return jax.lax.stop_gradient(answer_likelihood(logp, answer_mask))
 
     def _packed_logprobs(self, params, input_ids, segment_ids, positions, logits_at, targets) -> jax.Array:
         """``(params, ids, segment_ids, positions [R, L], logits_at, targets [R, K]) -> logp [R, K]``
-        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad; with a ``LogitsFn`` the
-        LM head runs on the hidden states at ``logits_at`` in ``logit_chunk``-column chunks."""
-        from mempo_jax.model.forward import LogitsFn
-
+        float32: ``log softmax(logits[logits_at] / T)[targets]``, no grad; the LM head runs on the
+        hidden states at ``logits_at`` in ``logit_chunk``-column chunks."""
         params = jax.lax.stop_gradient(params)
         fn = self.logits_fn
-        if isinstance(fn, LogitsFn):
-            hidden = fn.packed_hidden(params, input_ids, segment_ids, positions, remat="none")
-            hidden = jnp.take_along_axis(hidden, logits_at[..., None].astype(jnp.int32), axis=1)  # [R, K, D]
-            logp, _ = target_logprobs(hidden, targets, fn.project, fn.head(params), self.temperature, fn.logit_chunk)
-        else:
-            logits = self.packed_fn(params, input_ids, segment_ids, positions, logits_at)
-            logp, _ = target_logprobs(logits, targets, temperature=self.temperature)
+        hidden = fn.packed_hidden(params, input_ids, segment_ids, positions, remat="none")
+        hidden = jnp.take_along_axis(hidden, logits_at[..., None].astype(jnp.int32), axis=1)  # [R, K, D]
+        logp, _ = target_logprobs(hidden, targets, fn.project, fn.head(params), self.temperature, fn.logit_chunk)
         return jax.lax.stop_gradient(logp)
 
     def _score_packed(self, params, rows, spans) -> np.ndarray:
-        """``P [len(rows)]`` float32 of the stacked rows, packed (see the ``packing`` argument)."""
+        """``P [len(rows)]`` float32 of the stacked rows, packed."""
         sizes = [len(r) for r in rows]
         zlens = [e - s for s, e in spans]
         length, calls = plan_packing(sizes, self.min_length, self.rows_per_call, self.min_rows, zlens, ANSWER_FRACTION,
@@ -478,22 +451,7 @@ class MemoryRewardScorer:
         rows, spans = _stacked_rows(full_contexts, mem_contexts, answers, self.answer_prefix, self.full_prefix)
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
-        if self.packed_fn is not None:
-            p = self._score_packed(params, rows, spans)
-            p_full, p_mem = p[:m], p[m : 2 * m]
-            return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
-        c = self.rows_per_call
-        parts = []
-        for s in range(0, len(rows), c):
-            chunk = rows[s : s + c]
-            length = bucket_length(max(len(r) for r in chunk), self.min_length)
-            ids, valid = pad_sequences(chunk + [[]] * (c - len(chunk)), self.pad_id, length)
-            answer_mask = _answer_mask(valid.shape, spans[s : s + c])
-            batch = (ids, valid, answer_mask)
-            if self.batch_sharding is not None:
-                batch = tuple(jax.device_put(x, self.batch_sharding) for x in batch)
-            parts.append(np.asarray(jax.device_get(self.likelihoods(params, *batch)), np.float32)[: len(chunk)])
-        p = np.concatenate(parts)
+        p = self._score_packed(params, rows, spans)
         p_full, p_mem = p[:m], p[m : 2 * m]
         return MemoryRewardOutput(p_mem - p_full, p_full, p_mem)
 
@@ -506,10 +464,9 @@ class MemoryRewardScorer:
         """Compile the scoring programs at each ``L`` in ``lengths`` ahead of time
         (``jit.lower(...).compile()``; nothing runs). Later calls at these shapes compile nothing.
 
-        Padded scoring: ``[rows_per_call, L]``. Packed scoring: ``[R, L]`` for every row bucket
-        ``R`` from ``min_rows`` to ``rows_per_call`` (with ``[R, L // ANSWER_FRACTION]`` answer
-        columns); later packed calls keep to lengths ``<= max(lengths)`` unless a single row is
-        longer.
+        ``[R, L]`` for every row bucket ``R`` from ``min_rows`` to ``rows_per_call`` (with
+        ``[R, L // ANSWER_FRACTION]`` answer columns); later calls keep to lengths
+        ``<= max(lengths)`` unless a single row is longer.
 
         Args:
           params: the parameters the scorer will be called with (their shardings count).
@@ -525,11 +482,6 @@ class MemoryRewardScorer:
         built = 0
         for length in lengths:
             length = int(length)
-            if self.packed_fn is None:
-                shape = (self.rows_per_call, length)
-                self.likelihoods.lower(params, *[sds(shape, dt) for dt in (jnp.int32, jnp.bool_, jnp.bool_)]).compile()
-                built += 1
-                continue
             r = max(self.min_rows, 1)
             while r <= self.rows_per_call:
                 k = length // ANSWER_FRACTION
@@ -537,6 +489,6 @@ class MemoryRewardScorer:
                                            *[sds((r, k), jnp.int32)] * 2).compile()
                 built += 1
                 r *= 2
-        if self.packed_fn is not None and lengths:
+        if lengths:
             self._length_cap = max(int(x) for x in lengths)
         return built

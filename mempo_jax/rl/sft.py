@@ -25,6 +25,7 @@ import numpy as np
 
 from mempo_jax.agent.trajectory import FULL, Trajectory, build_training_rows
 from mempo_jax.core.batching import bucket_length, pad_sequences
+from mempo_jax.rl.memory_views import answer_ids_of, gold_answer_ids, memory_view
 
 
 def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: float, pad_id: int,
@@ -123,12 +124,12 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
     For each chosen trajectory (``rng.random() < fraction``, one draw per trajectory) with a
     final answer turn T that wrote a ``<mem>``, two rows, the loss on the answer ids only:
 
-    * memory view: ``mem_traj[T] + answer_prefix + A`` (the scorer's view, ``step.memory_view``),
+    * memory view: ``mem_traj[T] + answer_prefix + A`` (the scorer's view, ``memory_views.memory_view``),
       A the trajectory's own answer ids
-      (``step.answer_ids_of``): the answer its memory supports, so a memory that lost a fact
+      (``memory_views.answer_ids_of``): the answer its memory supports, so a memory that lost a fact
       teaches a low ``P(gold | mem)`` and a complete one a high one;
     * full view: ``full_traj[T] + full_prefix + answer_prefix + G`` with ``G`` the gold Z
-      (``step.gold_answer_ids``), of ``full_trajs[i]`` where given (a diligent replay of the same
+      (``memory_views.gold_answer_ids``), of ``full_trajs[i]`` where given (a diligent replay of the same
       question) else of ``trajs[i]``: the whole history holds every fact a search returned.
 
     ``answer_prefix`` and ``full_prefix`` are the scorer's (``experiment.answer_prefix_ids``);
@@ -148,8 +149,6 @@ def reader_rows(trajs: Sequence[Trajectory], tokenizer, codec, answer_prefix: Se
     Raises:
       ValueError: ``full_trajs`` of another length than ``trajs``.
     """
-    from mempo_jax.rl.step import answer_ids_of, gold_answer_ids, memory_view
-
     if full_trajs is not None and len(full_trajs) != len(trajs):
         raise ValueError(f"reader_rows: {len(full_trajs)} full_trajs for {len(trajs)} trajectories")
     out = []

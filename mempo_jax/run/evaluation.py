@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories
 from mempo_jax.agent.trajectory import Trajectory, mode_name
 from mempo_jax.rl.rewards import score_trajectories
 
@@ -132,7 +132,7 @@ def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: Ro
     """Run the policy once on each question in one context mode.
 
     Args:
-      engine, params, fmt, tool_env: as for ``rollout.rollout`` (``fmt``: an ``AgentFormat``).
+      engine, params, fmt, tool_env: as for ``Engine.rollout`` (``fmt``: an ``AgentFormat``).
       questions: items with ``id``, ``question``, ``golds``.
       base: rollout options; ``context_steps`` and ``temperature`` are replaced.
       context_steps: ``FULL`` or k.
@@ -152,7 +152,7 @@ def evaluate_policy(engine, params, questions: Sequence, fmt, tool_env, base: Ro
     trajs: list[Trajectory] = []
     for s in range(0, len(questions), chunk):
         batch = new_trajectories(fmt, questions[s : s + chunk], 1, group_offset=s)
-        rollout(engine, params, batch, fmt, tool_env, cfg, key, traj_offset=first + s)
+        engine.rollout(params, batch, fmt, tool_env, cfg, key, traj_offset=first + s)
         trajs += batch
         if progress is not None:
             progress(len(trajs))

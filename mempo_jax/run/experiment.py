@@ -22,7 +22,8 @@ from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import make_logits_fn
 from mempo_jax.agent.engine import RolloutEngine
-from mempo_jax.model.lora import add_adapters, base_config, with_trainable
+from mempo_jax.model.adapters import add_adapters, base_config
+from mempo_jax.model.lora import with_trainable
 from mempo_jax.rl.memory_reward import MEMORY_PREFIXES, MemoryRewardScorer
 from mempo_jax.text.tokenizer import train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
@@ -408,7 +409,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                      scoring_chunk_rows: int | None = None) -> Experiment:
     """Build questions, corpus, BM25 tools, tokenizer (cached), model and jitted callables.
 
-    With ``cfg.lora.enabled`` the model gets LoRA adapters (``model.lora.add_adapters``, seeded by
+    With ``cfg.lora.enabled`` the model gets LoRA adapters (``model.adapters.add_adapters``, seeded by
     ``cfg.seed``) on its base (the checkpoint's weights or the seed's random init, in
     ``LoraConfig.base_dtype``): the trainer then trains and checkpoints the adapters alone.
 

@@ -9,7 +9,7 @@ had). ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained
 ``python -m mempo_jax.evaluate --hf_checkpoint RUN_DIR/hf_export`` evaluates it.
 
 A LoRA run (``LoraConfig.rank > 0``) is exported both ways: ``hf_export`` holds the merged weights
-(``W + (alpha / r) A B``, ``model.lora.merge_adapters``), and ``RUN_DIR/peft_adapter`` the adapters
+(``W + (alpha / r) A B``, ``model.adapters.merge_adapters``), and ``RUN_DIR/peft_adapter`` the adapters
 alone as a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) that
 ``peft.PeftModel.from_pretrained`` loads onto the source checkpoint.
 
@@ -69,7 +69,7 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     if not isinstance(tokenizer, HFTokenizer):
         raise ValueError("only a policy with a Hugging Face tokenizer (a run from ModelOptions.checkpoint) can be "
                          "exported as a Hugging Face checkpoint; this one has a SentencePiece model")
-    from mempo_jax.model.lora import merge_adapters
+    from mempo_jax.model.adapters import merge_adapters
 
     model_cfg, params = merge_adapters(model_cfg, params)  # a LoRA policy: its merged weights
     folder = pathlib.Path(folder)
@@ -91,14 +91,14 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
 
 def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | os.PathLike) -> pathlib.Path:
     """Write a LoRA policy's adapters as a PEFT folder over the ``source`` checkpoint
-    (``model.lora.save_peft_adapter``), as ``FOLDER.tmp`` renamed into place when complete.
+    (``model.adapters.save_peft_adapter``), as ``FOLDER.tmp`` renamed into place when complete.
 
     Raises:
       ValueError: the policy has no adapters, or its embedding rows differ from the source's
         (protocol tags added as tokens: the adapters alone do not describe the policy then).
     """
     from mempo_jax.model.hf_io import read_hf_config
-    from mempo_jax.model.lora import save_peft_adapter
+    from mempo_jax.model.adapters import save_peft_adapter
 
     base = read_hf_config(source)
     if base.vocab_size != model_cfg.vocab_size:

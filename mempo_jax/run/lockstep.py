@@ -15,10 +15,10 @@ objects' calls):
 
 * ``DistributedScorer(scorer, sync)`` — scores every process's ``<mem>`` turns in one global
   stacked batch, returns this process's.
-* ``DistributedLearner(...)`` — a ``Learner`` whose ``logprobs`` / ``ppo_update`` /
-  ``sft_step`` take this process's rows, run on the concatenated global batch, and return this
-  process's slice (log-probs) or the global metrics; ``on_global_rows`` does the same for any
-  per-row function (the packed log-prob pass).
+* ``DistributedLearner(...)`` — a ``Learner`` whose ``ppo_update`` / ``sft_step`` take this
+  process's rows, run on the concatenated global batch, and return the global metrics;
+  ``on_global_rows`` runs any per-row function (the packed log-prob pass) the same way and
+  returns this process's slice.
 
 Source: JAX "Multi-process environments" (every process runs the same programs; host-local data
 is assembled into global arrays); the header protocol is this project's.
@@ -155,11 +155,6 @@ class DistributedLearner(Learner):
         out = fn(params, g["input_ids"], g["valid"])
         start = int(counts[: jax.process_index()].sum())
         return out[start : start + input_ids.shape[0], : input_ids.shape[1]]
-
-    def logprobs(self, params, input_ids: np.ndarray, valid: np.ndarray, chunk_rows: int | None = None) -> np.ndarray:
-        """``Learner.logprobs`` of this process's ``[R_p, L_p]`` rows, computed in the global batch."""
-        return self.on_global_rows(lambda p, i, v: super(DistributedLearner, self).logprobs(p, i, v, chunk_rows),
-                                   params, input_ids, valid)
 
     def ppo_update(self, rows, loss_cfg, num_mini_batches, rng, *, max_rows=None):
         """``Learner.ppo_update`` on the concatenation of every process's rows (process order).

@@ -23,6 +23,8 @@ from mempo_jax.core import distributed
 from mempo_jax.core.host_memory import release_free_memory
 from mempo_jax.agent.trajectory import mode_name, parse_context_steps
 from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
+from mempo_jax.rl.interfaces import RLCluster
+from mempo_jax.rl.step import rl_step
 from mempo_jax.run.preemption import Preempted
 from mempo_jax.run.resume import (EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, PREDICTIONS_FILE, FaultCounter,
                                   check_sft_step)
@@ -49,13 +51,12 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode, prediction
     records)``: the records (``run.evaluation.prediction_records``) of every process's questions,
     mode by mode, in the single-process order."""
-    from mempo_jax.agent.rollout import place_params
     from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_records
 
     cfg, exp = ctx.cfg, ctx.exp
     held, held_mine = heldout(ctx)
     first = distributed.process_slice(len(held)).start if ctx.multi else 0
-    params = place_params(ctx.engine, learner.params)  # onto the rollout mesh, once (a collective)
+    params = ctx.engine.place(learner.params)  # onto the rollout mesh, once (a collective)
     rollout_cfg = cfg.rl.rollout
     if cfg.eval.num_slots:
         rollout_cfg = dataclasses.replace(rollout_cfg, num_slots=cfg.eval.num_slots)
@@ -318,7 +319,7 @@ class _RLRun:
 
     The learner's ``before_update`` hook commits the step (a SIGTERM no longer abandons it) and
     applies the test fault hooks; ``FaultHooks.before_sample`` runs once per rollout cycle of either
-    engine (``_progress``, the ``progress`` callback of ``rollout.rollout``).
+    engine (``_progress``, the ``progress`` callback of ``Engine.rollout``).
     """
 
     def __init__(self, ctx: RunContext, params):
@@ -365,8 +366,6 @@ class _RLRun:
         """Roll out, score and update on RL step ``step``'s questions (a SIGTERM before the update
         abandons the step: its state is unchanged, and saved). Returns ``(metrics, trajectories,
         first group)``."""
-        from mempo_jax.rl.step import rl_step
-
         ctx, cfg = self.ctx, self.ctx.cfg
         ctx.progress.rl_step = step
         before = self.record()
@@ -377,8 +376,8 @@ class _RLRun:
                 if ctx.multi:  # this process's questions: its rollouts, tool calls and parsing
                     mine = distributed.process_slice(len(qs))
                     qs, first = qs[mine], mine.start
-                m, trajs = rl_step(self.learner, ref_params, ctx.engine, ctx.scorer, qs, ctx.exp.fmt,
-                                   ctx.exp.tool_env, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
+                cluster = RLCluster(self.learner, ref_params, ctx.engine, ctx.scorer, ctx.exp.fmt, ctx.exp.tool_env)
+                m, trajs = rl_step(cluster, qs, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
                                    np.random.default_rng([cfg.seed, RL_STREAM, step]),
                                    traj_offset=first * cfg.rl.group_size, progress=self._progress)
         except Preempted:

@@ -9,7 +9,7 @@
   filter that does not HTML-escape, the ``{% generation %}`` block, and the named special tokens
   (``bos_token``, ``eos_token``, …) as variables. transformers is not imported (test-only).
 * ``PlainTemplate`` — the from-scratch SentencePiece tokenizer's "template": today's
-  ``f"{SYSTEM_PROMPT}\\nQuestion: {question}\\n"`` prompt of ``rollout.build_prompt`` (BOS id first).
+  ``f"{SYSTEM_PROMPT}\\nQuestion: {question}\\n"`` prompt of ``AgentFormat.prompt_ids`` (BOS id first).
 * ``encode_rendered`` — ids of a rendered string, special-token strings (``<|im_start|>``) as their
   ids, as ``apply_chat_template(tokenize=True)`` does (it encodes with ``add_special_tokens=False``).
 * ``system_prompt`` — the MemPO protocol (``prompts/mempo_system.txt``, shipped with the package,
@@ -328,7 +328,7 @@ class PlainTemplate:
     ``render`` writes a system message as ``"{content}\\n"``, a user message as
     ``"Question: {content}\\n"``, an assistant message verbatim (the sampled stream) and a tool
     message as ``"<information>{content}</information>"``; ``add_generation_prompt`` adds nothing.
-    So ``[system SYSTEM_PROMPT, user question]`` renders today's ``rollout.build_prompt`` text
+    So ``[system SYSTEM_PROMPT, user question]`` renders today's ``AgentFormat.prompt_ids`` text
     ``f"{SYSTEM_PROMPT}\\nQuestion: {question}\\n"`` and ``prompt_ids`` gives its ids bitwise.
     """
 
@@ -363,7 +363,7 @@ class PlainTemplate:
     def prompt_ids(self, tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                    **kwargs) -> list[int]:
         """BOS id (when the tokenizer has one) + ``encode_rendered(tokenizer, render(messages))``:
-        exactly ``rollout.build_prompt`` for ``[system SYSTEM_PROMPT, user question]``.
+        exactly ``AgentFormat.prompt_ids`` for ``[system SYSTEM_PROMPT, user question]``.
 
         Raises:
           ValueError: as ``render``.
@@ -447,7 +447,7 @@ def system_prompt(enabled_tools: Sequence[str], path: str | os.PathLike | None =
 
 def question_messages(question: str, system: str) -> list[dict[str, str]]:
     """``[{"role": "system", "content": system}, {"role": "user", "content": question}]``: the
-    conversation a rollout starts from (the plain template renders it as ``build_prompt`` does)."""
+    conversation a rollout starts from (the plain template renders it as ``AgentFormat.prompt_ids`` does)."""
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 

@@ -21,7 +21,7 @@ from common import CompileCounter  # noqa: E402
 from toy_agent import toy_model, toy_world  # noqa: E402
 
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
-from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout, warm_sampler  # noqa: E402
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories  # noqa: E402
 from reference_rollout import ReferenceEngine  # noqa: E402
 from mempo_jax.model.attention import AttentionMask, blocked_attention  # noqa: E402
 from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
@@ -46,7 +46,7 @@ def _run(world, cfg, key=0, group=2, reference=False):
     """``rollout`` on the world's engine (``reference``: the re-prefill loop over its one-shot generate)."""
     fmt, env, questions, params, engine = world
     trajs = new_trajectories(fmt, questions, group)
-    rollout(ReferenceEngine(engine) if reference else engine, params, trajs, fmt, env, cfg, jax.random.PRNGKey(key))
+    (ReferenceEngine(engine) if reference else engine).rollout(params, trajs, fmt, env, cfg, jax.random.PRNGKey(key))
     return trajs
 
 
@@ -159,7 +159,7 @@ def test_no_compilation_after_warm_up(world, slots):
     differed from the programs' outputs)."""
     fmt, env, questions, params, engine = world
     cfg = dataclasses.replace(BASE, temperature=1.0, num_slots=slots, prefill_chunk=4)
-    warm_sampler(engine, params, cfg, 8, jax.random.PRNGKey(0))
+    engine.warm(params, cfg, 8, jax.random.PRNGKey(0))
     mark = COUNTER.count
     for key in (1, 2):
         _run(world, cfg, key=key)
@@ -215,7 +215,7 @@ def test_cached_engine_gives_todays_turns_on_smollm2(smollm2_first_layers, share
     out = []
     for e in (ReferenceEngine(engine), engine):
         trajs = new_trajectories(fmt, held[:2], 2)
-        rollout(e, params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+        e.rollout(params, trajs, fmt, env, cfg, jax.random.PRNGKey(0))
         out.append(trajs)
     _assert_same(*out, logprob_atol=1e-4)
     assert all(len(tr.turns) == 2 for tr in out[0])
@@ -251,7 +251,7 @@ def test_cached_engine_on_a_mesh_gives_the_one_device_turns(world, shape):
     cfg = dataclasses.replace(BASE, min_rows_bucket=8)
     ref = _run(world, cfg)
     trajs = new_trajectories(fmt, questions, 2)
-    rollout(mesh_engine, shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
+    mesh_engine.rollout(shard_params(params, mesh), trajs, fmt, env, cfg, jax.random.PRNGKey(0))
     _assert_same(ref, trajs)
     slots = mesh_engine.sampler
     state = slots.init_state(8, 128, 10)
@@ -304,10 +304,10 @@ def test_bfloat16_rollout_weights_are_the_trainers_rounded_to_bfloat16(world):
                            else x, params)
     cfg = dataclasses.replace(BASE, temperature=1.0)
     got, want = new_trajectories(fmt, questions, 2), new_trajectories(fmt, questions, 2)
-    rollout(bf16, params, got, fmt, env, cfg, jax.random.PRNGKey(5))
-    rollout(engine, rounded, want, fmt, env, cfg, jax.random.PRNGKey(5))
+    bf16.rollout(params, got, fmt, env, cfg, jax.random.PRNGKey(5))
+    engine.rollout(rounded, want, fmt, env, cfg, jax.random.PRNGKey(5))
     _assert_same(want, got, logprob_atol=1e-6)
     own = new_trajectories(fmt, questions, 2)
-    rollout(engine, params, own, fmt, env, cfg, jax.random.PRNGKey(5))
+    engine.rollout(params, own, fmt, env, cfg, jax.random.PRNGKey(5))
     first = lambda trajs: np.asarray(trajs[0].turns[0].output_logprobs[:1])  # noqa: E731 (same first token)
     assert np.abs(first(own) - first(got)).max() > 0  # the rounding is visible: the test sees the cast

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mempo_jax.text.protocol import ALL_TAG_PIECES, INFORMATION, MEM
-from mempo_jax.agent.rollout import RolloutConfig, apply_tools, make_turn, new_trajectories, rollout
+from mempo_jax.agent.rollout import RolloutConfig, apply_tools, make_turn, new_trajectories
 from mempo_jax.agent.trajectory import FULL, build_training_rows
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
 from mempo_jax.agent.format import AgentFormat
@@ -146,7 +146,7 @@ def test_sampled_rollout_bookkeeping(setup):
     trajs = new_trajectories(AgentFormat.plain(tok), world.train[:4], 3)
     assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=12, context_steps=1)
-    rollout(engine, params, trajs, AgentFormat.plain(tok), env, rcfg, jax.random.PRNGKey(0))
+    engine.rollout(params, trajs, AgentFormat.plain(tok), env, rcfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.done and 1 <= len(tr.turns) <= 3
         for t, turn in enumerate(tr.turns):

@@ -155,7 +155,7 @@ def test_memory_view_reads_the_close_then_the_scorers_prefix(tok, codec):
     ``</ mem >< think >``): ``mem_traj`` ends in the straddling ``><``; ``memory_view`` ends at
     ``</mem>``, so view + the scorer's answer prefix reads ``…</mem><think></think><answer>``
     and a hindsight view ``…</mem><information>``, not ``…</mem><<think>``."""
-    from mempo_jax.rl.step import memory_contexts, memory_view
+    from mempo_jax.rl.memory_views import memory_contexts, memory_view
     from mempo_jax.run.experiment import answer_prefix_ids
 
     out = tok.encode("<mem> Paris</mem><think> next</think><search> France</search>")
@@ -321,7 +321,7 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     """``build_experiment`` on a checkpoint (here: the forced model exported with SmolLM2's
     tokenizer) keeps the tokenizer as it is, and its rollout stops every turn where the codec says;
     ``experiment.make_engine`` builds the same engine."""
-    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories
     from mempo_jax.config import ExperimentConfig, ModelOptions
     from mempo_jax.data.world import WorldConfig
     from mempo_jax.run.experiment import make_engine
@@ -339,7 +339,7 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=512, max_observation_tokens=8,
                          temperature=1.0, context_steps=1, min_rows_bucket=8)
     trajs = new_trajectories(exp.fmt, exp.train_questions[:8], group_size=1)
-    rollout(exp.engine, exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
+    exp.engine.rollout(exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
     turns = [t for tr in trajs for t in tr.turns]
     stopped = 0
     for t in turns:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mempo_jax.text.protocol import STOP_TAGS
-from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+from mempo_jax.agent.rollout import RolloutConfig, new_trajectories
 from mempo_jax.core.batching import pad_sequences
 from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.core.sharding import make_mesh
@@ -30,7 +30,7 @@ def _greedy_rollout(model, mesh):
     rc = RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=12,
                        temperature=0.0, context_steps=1, min_rows_bucket=8)
     trajs = new_trajectories(AgentFormat.plain(tok), questions, 2)
-    rollout(engine, params, trajs, AgentFormat.plain(tok), env, rc, jax.random.PRNGKey(0))
+    engine.rollout(params, trajs, AgentFormat.plain(tok), env, rc, jax.random.PRNGKey(0))
     return trajs, engine
 
 

@@ -48,7 +48,7 @@ def ppo_batch(model):
     lengths = rng.integers(SEQ // 2, SEQ + 1, ROWS)
     valid = np.arange(SEQ)[None] < lengths[:, None]
     loss_mask = (valid & (np.arange(SEQ)[None] >= 6)).astype(np.float32)
-    lp = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig())).logprobs(params, ids, valid)
+    lp = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig())).detached_logprobs(params, ids, valid)
     return {
         "input_ids": ids, "valid": valid, "loss_mask": loss_mask,
         # old policy a little off the current one (ratios clip), reference further off (KL > 0)
@@ -63,7 +63,7 @@ def _ppo(model, batch, mesh):
     params = jax.tree.map(lambda x: x.copy(), params)
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       micro_batch_rows=4, mesh=mesh)
-    lp = learner.logprobs(learner.params, batch["input_ids"], batch["valid"])
+    lp = learner.detached_logprobs(learner.params, batch["input_ids"], batch["valid"])
     # two mini-batches = two optimizer steps (the warm-up schedule gives the first one lr = 0)
     metrics = learner.ppo_update(batch, LossConfig(), num_mini_batches=2, rng=np.random.default_rng(1))
     return learner, lp, metrics
@@ -103,7 +103,7 @@ def test_mesh_of_one_device_equals_no_mesh(model, ppo_batch, ppo_reference):
     _, _, _, _, graphdef, params = model
     plain = Learner(make_logits_fn(graphdef), jax.tree.map(lambda x: x.copy(), params),
                     make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)), micro_batch_rows=4)
-    np.testing.assert_allclose(plain.logprobs(plain.params, ppo_batch["input_ids"], ppo_batch["valid"]), ref_lp,
+    np.testing.assert_allclose(plain.detached_logprobs(plain.params, ppo_batch["input_ids"], ppo_batch["valid"]), ref_lp,
                                rtol=1e-6, atol=1e-6)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mempo_jax.agent.engine import RolloutEngine
-from mempo_jax.model import lora
+from mempo_jax.model import adapters, lora
 from mempo_jax.model.config import LORA_TARGETS, ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
 from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
@@ -21,7 +21,7 @@ def _adapted(seed=0, targets=tuple(LORA_TARGETS), noise=0.05):
     """``(cfg, graphdef, base params, adapted params)``; the adapters' B are set to noise (B = 0
     would make the adapted model its base)."""
     graphdef0, base = split_model(create_model(CFG, seed))
-    cfg, graphdef, params = lora.add_adapters(CFG, base, lora.LoraConfig(rank=4, alpha=8.0, target_modules=targets),
+    cfg, graphdef, params = adapters.add_adapters(CFG, base, lora.LoraConfig(rank=4, alpha=8.0, target_modules=targets),
                                               seed)
     trainable, frozen = lora.split_trainable(params)
     keys = iter(jax.random.split(jax.random.key(seed + 7), len(jax.tree.leaves(trainable))))
@@ -36,7 +36,7 @@ def _batch(seed=0, b=3, t=12):
 
 def test_fresh_adapters_leave_the_base_exactly():
     graphdef0, base = split_model(create_model(CFG, 3))
-    cfg, graphdef, params = lora.add_adapters(CFG, base, ADAPTERS, 3)
+    cfg, graphdef, params = adapters.add_adapters(CFG, base, ADAPTERS, 3)
     ids, valid = _batch()
     assert bool(jnp.all(make_logits_fn(graphdef)(params, ids, valid) == make_logits_fn(graphdef0)(base, ids, valid)))
     # the same seed draws the same base weights with or without adapters (own init stream)
@@ -58,7 +58,7 @@ def test_adapted_forward_equals_the_merged_weights(targets):
     assert set(lora.trainable_part(params)["layers"]["attn"]) == {
         f"{LORA_TARGETS[t][1]}_lora_{x}" for t in targets if LORA_TARGETS[t][0] == "attn" for x in "ab"}
     ids, valid = _batch(1)
-    base_cfg, merged = lora.merge_adapters(cfg, params)
+    base_cfg, merged = adapters.merge_adapters(cfg, params)
     assert base_cfg == CFG and not lora.has_adapters(merged)
     graphdef_m, _ = split_model(create_model(base_cfg, 0))
     got = make_logits_fn(graphdef)(params, ids, valid)
@@ -102,8 +102,8 @@ def test_learner_trains_the_adapters_alone_and_the_reference_shares_the_base():
              zip(jax.tree.leaves(lora.trainable_part(learner.params)), jax.tree.leaves(lora.trainable_part(ref)))]
     assert all(moved)
     # the reference is the policy before training: its log-probs are the base's (B = 0)
-    lp_ref = learner.logprobs(ref, np.asarray(ids), np.asarray(valid))
-    base_learner_lp = learner.logprobs(lora.join(jax.tree.map(jnp.zeros_like, lora.trainable_part(ref)), frozen),
+    lp_ref = learner.detached_logprobs(ref, np.asarray(ids), np.asarray(valid))
+    base_learner_lp = learner.detached_logprobs(lora.join(jax.tree.map(jnp.zeros_like, lora.trainable_part(ref)), frozen),
                                        np.asarray(ids), np.asarray(valid))
     np.testing.assert_array_equal(lp_ref, base_learner_lp)
 
@@ -129,7 +129,7 @@ def test_bad_lora_config_is_one_line_naming_the_field():
 
 def test_bfloat16_base_with_float32_adapters():
     graphdef0, base = split_model(create_model(CFG, 0))
-    cfg, graphdef, params = lora.add_adapters(CFG, base, lora.LoraConfig(rank=4, base_dtype="bfloat16"), 0)
+    cfg, graphdef, params = adapters.add_adapters(CFG, base, lora.LoraConfig(rank=4, base_dtype="bfloat16"), 0)
     trainable, frozen = lora.split_trainable(params)
     assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(trainable)} == {jnp.dtype(jnp.float32)}

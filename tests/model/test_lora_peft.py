@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 
 from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
-from mempo_jax.model import lora  # noqa: E402
+from mempo_jax.model import adapters, lora  # noqa: E402
 from mempo_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 VOCAB = 320
@@ -64,7 +64,7 @@ def _hf_greedy(model, ids, mask):
                                      ("q_proj", "v_proj", "down_proj")])
 def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     cfg0, _, params0 = load_hf_checkpoint(base)
-    cfg, graphdef, params = lora.add_adapters(cfg0, params0, lora.LoraConfig(rank=4, alpha=8.0,
+    cfg, graphdef, params = adapters.add_adapters(cfg0, params0, lora.LoraConfig(rank=4, alpha=8.0,
                                                                              target_modules=targets), 1)
     trainable, frozen = lora.split_trainable(params)
     keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(trainable))))
@@ -78,7 +78,7 @@ def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     assert (ours != plain).any()  # the adapters change the continuations
 
     # the PEFT folder: PEFT's key names and config, loaded onto the base
-    written = lora.save_peft_adapter(tmp_path / "peft", cfg, params, base_model=str(base))
+    written = adapters.save_peft_adapter(tmp_path / "peft", cfg, params, base_model=str(base))
     assert written == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, list(targets))
@@ -92,7 +92,7 @@ def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     np.testing.assert_array_equal(_hf_greedy(with_adapter, ids, mask), ours)
 
     # the merged folder: plain transformers
-    merged_cfg, merged = lora.merge_adapters(cfg, params)
+    merged_cfg, merged = adapters.merge_adapters(cfg, params)
     save_hf_checkpoint(tmp_path / "merged", merged_cfg, merged)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     np.testing.assert_array_equal(_hf_greedy(model, ids, mask), ours)

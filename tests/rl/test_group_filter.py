@@ -11,7 +11,9 @@ from test_memory_reward import _scripted_sample_fn, _toy_learner_and_scorer
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.rl.group_filter import GROUP_FILTERS, kept_trajectories, zero_std_group_share
-from mempo_jax.rl.step import RLConfig, rl_step
+from mempo_jax.rl.config import RLConfig
+from mempo_jax.rl.interfaces import RLCluster
+from mempo_jax.rl.step import rl_step
 
 
 @settings(max_examples=40, deadline=None)
@@ -50,9 +52,9 @@ def _step(answers, filter_groups):
                    rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    m, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
-                       _scripted_sample_fn([[SEARCH] * 6, answers]), scorer, questions[:2], AgentFormat.plain(tok),
-                       env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+    cluster = RLCluster(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+                        _scripted_sample_fn([[SEARCH] * 6, answers]), scorer, AgentFormat.plain(tok), env)
+    m, trajs = rl_step(cluster, questions[:2], cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
     return m, trajs, scorer, before, learner
 
 

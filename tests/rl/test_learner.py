@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mempo_jax.rl import learner as learner_module
 from mempo_jax.rl.learner import Learner, fill_whole_micro_batches, mini_batch_slices, ppo_plan
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.model.forward import make_logits_fn
@@ -184,7 +185,7 @@ def test_ppo_update_gradient_of_each_mini_batch_equals_a_reference(fn_kw):
     n, k = 130, 2
     learner = _learner(params, graphdef, micro=32, **fn_kw)  # SGD, lr 1: params_after = params_before - grad
     rows = _rows(np.random.default_rng(7), n)
-    lp = learner.logprobs(learner.params, rows["input_ids"], rows["valid"])  # a realistic ratio near 1
+    lp = learner.detached_logprobs(learner.params, rows["input_ids"], rows["valid"])  # a realistic ratio near 1
     rows["old_logprobs"] = np.where(rows["loss_mask"] > 0, lp + np.random.default_rng(1).normal(0, 0.3, lp.shape),
                                     0.0).astype(np.float32)
     rows["ref_logprobs"] = np.where(rows["loss_mask"] > 0, lp - 0.2, 0.0).astype(np.float32)
@@ -210,8 +211,17 @@ def test_ppo_update_gradient_of_each_mini_batch_equals_a_reference(fn_kw):
             np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-5 * scale)
 
 
+def _one_sequence_per_row(rows, num_rows, pad_id=0):
+    """The padded layout as a packing (``pack_token_rows``'s contract): every row its own segment,
+    then all-invalid rows up to ``num_rows``."""
+    out = {k: np.pad(np.asarray(v), [(0, num_rows - len(v))] + [(0, 0)] * (np.ndim(v) - 1)) for k, v in rows.items()}
+    out["segment_ids"] = out["valid"].astype(np.int32)
+    out["positions"] = np.maximum(np.cumsum(out["valid"], axis=1) - 1, 0).astype(np.int32)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-def test_packed_update_equals_the_padded_update_in_every_aggregation_mode(mode):
+def test_packed_update_equals_the_padded_update_in_every_aggregation_mode(mode, monkeypatch):
     """Packing changes the layout only: parameters and metrics after one epoch equal the padded
     (one row per row) update's, sequences counted per packed segment."""
     cfg, graphdef, params = toy_model(VOCAB, seed=2)
@@ -223,8 +233,9 @@ def test_packed_update_equals_the_padded_update_in_every_aggregation_mode(mode):
     loss_cfg = LossConfig(kl_coef=0.05, loss_agg_mode=mode)
     out = []
     for packs in (True, False):
+        if not packs:
+            monkeypatch.setattr(learner_module, "pack_token_rows", _one_sequence_per_row)
         learner = _learner(params, graphdef, micro=8)
-        learner.packs_update = packs
         rec = _Recorder(learner)
         m = learner.ppo_update(rows, loss_cfg, 2, np.random.default_rng(5), max_rows=64)
         out.append((m, [np.asarray(x) for x in jax.tree.leaves(learner.params)], rec))

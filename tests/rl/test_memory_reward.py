@@ -17,8 +17,10 @@ from mempo_jax.agent.rollout import RolloutConfig, make_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.agent.trajectory import Trajectory, build_training_rows
 from mempo_jax.rl.memory_reward import MEMORY_TRAJECTORIES, MemoryRewardConfig
-from mempo_jax.rl.step import (RLConfig, answer_ids_of, compute_advantages, memory_contexts, rl_step,
-                               scored_memory_turns)
+from mempo_jax.rl.config import RLConfig
+from mempo_jax.rl.interfaces import RLCluster
+from mempo_jax.rl.memory_views import answer_ids_of, memory_contexts, scored_memory_turns
+from mempo_jax.rl.step import compute_advantages, rl_step
 from toy_agent import WordTokenizer, toy_model, toy_world
 
 TOK = WordTokenizer()
@@ -193,9 +195,8 @@ def test_rl_step_scores_only_well_formed_turns_and_counts_the_rest(include):
                    rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=128,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    m, trajs = rl_step(learner, ref, _scripted_sample_fn([first, [ANSWER]]), scorer, questions[:2],
-                       AgentFormat.plain(tok), env, cfg,
-                       jax.random.PRNGKey(0), np.random.default_rng(0))
+    cluster = RLCluster(learner, ref, _scripted_sample_fn([first, [ANSWER]]), scorer, AgentFormat.plain(tok), env)
+    m, trajs = rl_step(cluster, questions[:2], cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
     assert [tr.turns[0].parsed.error is not None for tr in trajs] == [True, True, False, True, False, False]
     assert m["mem/turns"] == 12.0
     assert m["mem/excluded_malformed"] == (0.0 if include else 3.0)
@@ -226,9 +227,9 @@ def test_rl_step_gives_the_advantages_the_memory_reward_in_the_configured_scale(
                    memory_reward=MemoryRewardConfig(scale=scale, baseline=baseline, hindsight=hindsight), rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
                                          max_observation_tokens=8, temperature=1.0, context_steps=1,
                                          min_rows_bucket=8))
-    m, trajs = rl_step(learner, jax.tree.map(lambda x: x.copy(), learner.params),
-                       _scripted_sample_fn([[VALID] * 6, [VALID] * 6, [ANSWER]]), scorer, questions[:2],
-                       AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+    cluster = RLCluster(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+                        _scripted_sample_fn([[VALID] * 6, [VALID] * 6, [ANSWER]]), scorer, AgentFormat.plain(tok), env)
+    m, trajs = rl_step(cluster, questions[:2], cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
     (out,), (r_mem,), ((views, mems, _),) = scorer.outputs, seen, scorer.calls
     steps = 1 if baseline == "input" else FULL
     later = lambda tr, t: tr.later_observations(t) if hindsight else []  # noqa: E731

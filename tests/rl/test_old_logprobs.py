@@ -1,7 +1,7 @@
 """The PPO "old" log-probs recomputed by the policy before the update.
 
-``PackedLogprobs`` packs the training rows end to end and must give the padded
-``Learner.logprobs`` values on every scored token; ``policy_old_logprobs`` reports the
+``PackedLogprobs`` packs the training rows end to end and must give the padded pass's
+values on every scored token; ``policy_old_logprobs`` reports the
 sampler/trainer gap, checked against a sampler run on the same weights (float32: ~1e-5).
 """
 
@@ -12,11 +12,12 @@ import numpy as np
 
 from mempo_jax.agent.trajectory import TrainingRows
 from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
-from mempo_jax.core.logprobs import PackedLogprobs
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, split_model
+from mempo_jax.rl.packed_logprobs import PackedLogprobs
 from mempo_jax.rl.step import policy_old_logprobs
 from mempo_jax.agent.engine import RolloutEngine
+from padded_reference import padded_logprobs
 
 
 def _model(seed=7, vocab=48):
@@ -25,7 +26,7 @@ def _model(seed=7, vocab=48):
     return cfg, graphdef, params
 
 
-def test_packed_logprobs_equal_the_padded_learner_pass():
+def test_packed_logprobs_equal_the_padded_pass():
     _, graphdef, params = _model()
     fn = make_logits_fn(graphdef)
     rng = np.random.default_rng(0)
@@ -35,8 +36,7 @@ def test_packed_logprobs_equal_the_padded_learner_pass():
     valid = np.arange(length)[None] < lens[:, None]
     valid[4] = np.roll(valid[4], 5)  # left padding on one row
     ids = np.where(valid, rng.integers(3, 48, (n, length)), 0).astype(np.int32)
-    learner = Learner(fn, params, make_optimizer(OptimConfig()), temperature=0.7)
-    want = learner.logprobs(params, ids, valid)
+    want = padded_logprobs(fn, params, ids, valid, 0.7)
     calc = PackedLogprobs(fn, 0.7, rows_per_call=4, min_length=16)
     got = calc(params, ids, valid)
     scored = valid & np.concatenate([np.zeros((n, 1), bool), valid[:, :-1]], axis=1)

@@ -7,7 +7,7 @@ import pytest
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory
 from mempo_jax.rl.sft import reader_rows
-from mempo_jax.rl.step import gold_answer_ids
+from mempo_jax.rl.memory_views import gold_answer_ids
 from mempo_jax.run.experiment import answer_prefix_ids
 
 from toy_agent import small_world  # noqa: E402  (tests/: the embedded world at test size)

@@ -1,8 +1,10 @@
 """Tests for mempo_jax.rl.memory_reward through the real scorer, on a model whose probabilities we set.
 
 The test model is a causal bigram table conditioned on whether a MARKER token has appeared so
-far: ``logits[b, t] = table[seen_marker(b, ≤t), ids[b, t]]``. Only full contexts hold MARKER, so
-the same answer gets a different probability under full and memory contexts.
+far in the sequence: ``logits[b, t] = table[seen_marker(b, ≤t), ids[b, t]]`` (``Bigram``, a
+``LogitsFn`` whose hidden states are these logits and whose head is the identity). Only full
+contexts hold MARKER, so the same answer gets a different probability under full and memory
+contexts.
 """
 
 import math
@@ -12,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mempo_jax.core.logprobs import token_logprobs
+from mempo_jax.core.logprobs import target_logprobs, token_logprobs
 from mempo_jax.rl.memory_reward import MemoryRewardScorer, answer_likelihood, build_scoring_batch
+from padded_reference import padded_scores
 
 V = 16
 PAD, MARKER, PREFIX = 0, 1, 2
@@ -37,24 +40,45 @@ def make_table(p_marker: dict, p_plain: dict, other=0.05) -> jnp.ndarray:
     return jnp.asarray(table, jnp.float32)
 
 
-def bigram_logits(table, ids, valid):
-    seen = jnp.cumsum((ids == MARKER).astype(jnp.int32), axis=1) > 0
-    return table[seen.astype(jnp.int32), ids]
+class Bigram:
+    """The test model as a ``LogitsFn``: ``params`` is the table, the "hidden states" are the
+    logits, the head is the identity. A packed segment sees only its own MARKERs."""
+
+    logit_chunk = 256
+
+    def hidden(self, table, ids, valid, remat=None):
+        seen = jnp.cumsum((ids == MARKER).astype(jnp.int32), axis=1) > 0
+        return table[seen.astype(jnp.int32), ids]
+
+    def packed_hidden(self, table, ids, segment_ids, positions, remat=None):
+        marks = jnp.cumsum((ids == MARKER).astype(jnp.int32), axis=1)
+        start = jnp.arange(ids.shape[1])[None, :] - positions  # the first column of each token's segment
+        before = jnp.take_along_axis(marks - (ids == MARKER).astype(jnp.int32), start, axis=1)
+        return table[(marks - before > 0).astype(jnp.int32), ids]
+
+    def head(self, table):
+        return None
+
+    def project(self, weight, hidden):
+        return hidden
 
 
-def counting(fn):
-    """Wrap a logits_fn: counts Python traces and device executions (via a debug callback)."""
-    counts = {"trace": 0, "exec": 0}
+class Counting(Bigram):
+    """``Bigram`` that counts its packed calls' Python traces and device executions (a debug callback)."""
 
-    def bump():
-        counts["exec"] += 1
+    def __init__(self):
+        self.counts = {"trace": 0, "exec": 0}
 
-    def wrapped(params, ids, valid):
-        counts["trace"] += 1
-        jax.debug.callback(bump)
-        return fn(params, ids, valid)
+    def _bump(self):
+        self.counts["exec"] += 1
 
-    return wrapped, counts
+    def packed_hidden(self, *args, **kwargs):
+        self.counts["trace"] += 1
+        jax.debug.callback(self._bump)
+        return super().packed_hidden(*args, **kwargs)
+
+
+bigram = Bigram()
 
 
 UNIFORM = {PREFIX: 0.72, 5: 0.72, 6: 0.72}
@@ -63,7 +87,8 @@ UNIFORM_MEM = {PREFIX: 0.68, 5: 0.68, 6: 0.68}
 
 def test_spec_example_072_068_with_rows_of_different_lengths():
     table = make_table(UNIFORM, UNIFORM_MEM)
-    fn, counts = counting(bigram_logits)
+    fn = Counting()
+    counts = fn.counts
     scorer = MemoryRewardScorer(fn, PAD, [PREFIX])
     full = [[8, MARKER, 9, 10], [MARKER], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, MARKER, 9, 10, 11]]
     mem = [[8, 11], [12], [8, 9, 10, 11, 12]]
@@ -82,7 +107,7 @@ def test_spec_example_072_068_with_rows_of_different_lengths():
 
 def test_memory_that_keeps_the_marker_gets_zero_reward():
     table = make_table(UNIFORM, UNIFORM_MEM)
-    scorer = MemoryRewardScorer(bigram_logits, PAD, [PREFIX])
+    scorer = MemoryRewardScorer(bigram, PAD, [PREFIX])
     out = scorer(table, [[MARKER, 9], [9, 9]], [[MARKER], [MARKER, 3]], [Z, Z])
     # turn 0: both contexts hold the marker → 0; turn 1: memory gains it → +0.04.
     np.testing.assert_allclose(out.r_mem, [0.0, 0.04], atol=1e-6)
@@ -92,7 +117,7 @@ def test_memory_that_keeps_the_marker_gets_zero_reward():
 def test_p_is_geometric_mean_of_answer_token_probs():
     probs = {PREFIX: 0.9, 5: 0.5, 6: 0.3}
     table = make_table(probs, probs)
-    scorer = MemoryRewardScorer(bigram_logits, PAD, [PREFIX])
+    scorer = MemoryRewardScorer(bigram, PAD, [PREFIX])
     out = scorer(table, [[8, 9]], [[10]], [Z])
     geo = float(np.exp(np.mean(np.log([0.9, 0.5, 0.3]))))  # 0.5130
     np.testing.assert_allclose(out.p_full, [geo], rtol=1e-6)
@@ -104,14 +129,14 @@ def test_p_is_geometric_mean_of_answer_token_probs():
 def test_temperature_divides_logits():
     probs = {PREFIX: 0.9, 5: 0.5, 6: 0.3}
     table = make_table(probs, probs)
-    out = MemoryRewardScorer(bigram_logits, PAD, [PREFIX], temperature=2.0)(table, [[8]], [[9]], [Z])
+    out = MemoryRewardScorer(bigram, PAD, [PREFIX], temperature=2.0)(table, [[8]], [[9]], [Z])
     ps = []
     for prev, nxt in [(PREFIX, 5), (5, 6), (6, 7)]:
         z = np.asarray(table[0, prev], np.float64) / 2.0
         ps.append(np.exp(z[nxt] - np.log(np.exp(z).sum())))
     np.testing.assert_allclose(out.p_full, [np.exp(np.mean(np.log(ps)))], rtol=1e-5)
     with pytest.raises(ValueError):
-        MemoryRewardScorer(bigram_logits, PAD, [PREFIX], temperature=0.0)
+        MemoryRewardScorer(bigram, PAD, [PREFIX], temperature=0.0)
 
 
 def test_build_scoring_batch_layout():
@@ -141,8 +166,8 @@ def test_full_prefix_goes_on_the_full_view_only():
     np.testing.assert_array_equal(np.flatnonzero(am[1]), [2, 3])
     # through the scorer: a full_prefix holding MARKER changes P_full only (0.68 → 0.72)
     table = make_table(UNIFORM, UNIFORM_MEM)
-    plain = MemoryRewardScorer(bigram_logits, PAD, [PREFIX])(table, [[9]], [[9]], [Z])
-    marked = MemoryRewardScorer(bigram_logits, PAD, [PREFIX], full_prefix=[MARKER])(table, [[9]], [[9]], [Z])
+    plain = MemoryRewardScorer(bigram, PAD, [PREFIX])(table, [[9]], [[9]], [Z])
+    marked = MemoryRewardScorer(bigram, PAD, [PREFIX], full_prefix=[MARKER])(table, [[9]], [[9]], [Z])
     np.testing.assert_allclose([plain.p_full[0], plain.p_mem[0]], [0.68, 0.68], atol=1e-6)
     np.testing.assert_allclose([marked.p_full[0], marked.p_mem[0], marked.r_mem[0]], [0.72, 0.68, -0.04], atol=1e-6)
 
@@ -175,22 +200,25 @@ def test_answer_likelihood_direct():
 
 
 def test_empty_batch_does_not_call_the_model():
-    fn, counts = counting(bigram_logits)
+    fn = Counting()
     out = MemoryRewardScorer(fn, PAD, [PREFIX])(None, [], [], [])
     assert all(a.shape == (0,) and a.dtype == np.float32 for a in out)
-    assert counts == {"trace": 0, "exec": 0}
+    assert fn.counts == {"trace": 0, "exec": 0}
 
 
 def test_scores_are_detached():
     table = make_table(UNIFORM, UNIFORM_MEM)
-    scorer = MemoryRewardScorer(bigram_logits, PAD, [PREFIX])
-    ids, valid, am = build_scoring_batch([[MARKER, 9]], [[9]], [Z], [PREFIX], PAD)
-    g = jax.jit(jax.grad(lambda t: scorer.likelihoods(t, ids, valid, am).sum()))(table)
+    scorer = MemoryRewardScorer(bigram, PAD, [PREFIX])
+    ids = jnp.asarray([[MARKER, 9, PREFIX] + Z], jnp.int32)
+    seg, pos = jnp.ones_like(ids), jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    at, tgt = jnp.asarray([[2, 3, 4]], jnp.int32), jnp.asarray([Z], jnp.int32)
+    g = jax.jit(jax.grad(lambda t: scorer.packed_logprobs(t, ids, seg, pos, at, tgt).sum()))(table)
     assert float(jnp.abs(g).max()) == 0.0
     # Without stop_gradient the same expression has a non-zero gradient (the test has teeth).
 
     def raw(t):
-        return answer_likelihood(token_logprobs(bigram_logits(t, ids, valid), ids), am).sum()
+        hidden = jnp.take_along_axis(bigram.packed_hidden(t, ids, seg, pos), at[..., None], axis=1)
+        return target_logprobs(hidden, tgt)[0].sum()
     assert float(jnp.abs(jax.jit(jax.grad(raw))(table)).max()) > 0.0
 
 
@@ -201,7 +229,7 @@ def test_batch_sharding_over_8_devices_matches():
     mesh = Mesh(devices, ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     table = make_table(UNIFORM, UNIFORM_MEM)
-    scorer = MemoryRewardScorer(bigram_logits, PAD, [PREFIX], min_rows=len(devices), batch_sharding=sharding)
+    scorer = MemoryRewardScorer(bigram, PAD, [PREFIX], min_rows=len(devices), batch_sharding=sharding)
     out = scorer(table, [[MARKER, 9]] * 3, [[9]] * 3, [Z] * 3)
     np.testing.assert_allclose(out.r_mem, [-0.04] * 3, atol=1e-6)
 
@@ -242,7 +270,7 @@ def test_packed_scoring_equals_padded_scoring_on_a_real_decoder():
     orig = packed.packed_logprobs
     packed.packed_logprobs = lambda *a: calls.append(a[1].shape) or orig(*a)
     got = packed(params, full, mem, answers)
-    want = MemoryRewardScorer(fn, 0, [1, 2], packing=False, **kw)(params, full, mem, answers)
+    want = padded_scores(fn, params, full, mem, answers, [1, 2], full_prefix=[3])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
     assert got.p_full[3] == 0.0 and got.p_mem[3] == 0.0
@@ -270,7 +298,7 @@ def test_packed_scoring_chunks_and_precompile_compile_nothing_later():
     small._packed_logprobs = lambda *a: traced.append(1) or orig(*a)
     got = small(params, full, mem, answers)
     assert traced == []  # every packed call hit a precompiled shape
-    want = MemoryRewardScorer(fn, 0, [1], chunk_rows=64, min_length=16, packing=False)(params, full, mem, answers)
+    want = padded_scores(fn, params, full, mem, answers, [1])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 

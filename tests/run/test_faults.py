@@ -378,9 +378,11 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     from toy_agent import WordTokenizer
 
     from mempo_jax.text.protocol import MEM
-    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories, rollout
+    from mempo_jax.agent.rollout import RolloutConfig, new_trajectories
     from mempo_jax.agent.trajectory import FULL, build_training_rows
-    from mempo_jax.rl.step import compute_advantages, memory_contexts, score_trajectories
+    from mempo_jax.rl.memory_views import memory_contexts
+    from mempo_jax.rl.rewards import score_trajectories
+    from mempo_jax.rl.step import compute_advantages
     from mempo_jax.agent.slot_sampler import SampleOutput
     from mempo_jax.tools.search import ToolEnvironment
 
@@ -434,7 +436,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
 
     env = ToolEnvironment(_random_backend(data), topk=2)
     trajs = new_trajectories(AgentFormat.plain(tok), questions, group)
-    rollout(ReferenceEngine(sample_fn), None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
+    ReferenceEngine(sample_fn).rollout(None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
 
     for tr in trajs:
         assert tr.done and tr.end_reason in ("answer", "max_turns", "budget") and len(tr.turns) <= cfg.max_turns

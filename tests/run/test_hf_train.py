@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.text.protocol import ALL_TAG_PIECES, MEM, STOP_TAGS, render_turn  # noqa: E402
-from mempo_jax.agent.rollout import RolloutConfig, build_prompt, make_turn, new_trajectories, rollout  # noqa: E402
+from mempo_jax.agent.rollout import RolloutConfig, make_turn, new_trajectories  # noqa: E402
 from mempo_jax.config import ExperimentConfig, ModelOptions  # noqa: E402
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig, scripted_trajectory  # noqa: E402
 from mempo_jax.data.world import WorldConfig, build_world  # noqa: E402
@@ -35,7 +35,9 @@ from mempo_jax.text.hf_tokenizer import HFTokenizer  # noqa: E402
 from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer  # noqa: E402
 from mempo_jax.rl.losses import LossConfig  # noqa: E402
 from mempo_jax.model.hf_io import save_hf_checkpoint  # noqa: E402
-from mempo_jax.rl.step import RLConfig, rl_step  # noqa: E402
+from mempo_jax.rl.config import RLConfig  # noqa: E402
+from mempo_jax.rl.interfaces import RLCluster  # noqa: E402
+from mempo_jax.rl.step import rl_step  # noqa: E402
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BASE_VOCAB = 480
@@ -82,7 +84,7 @@ def checkpoint(tmp_path_factory):
     tagged = base.with_protocol_tags(BASE_VOCAB + SPARE_ROWS)  # the ids build_experiment will assign
     chain, words = _chain_ids(tagged)
     nl, info_close = tagged.encode("\n")[-1], tagged.piece_id("</information>")
-    prompt_end = build_prompt(AgentFormat.plain(tagged), world.train[0].question)[-1]
+    prompt_end = AgentFormat.plain(tagged).prompt_ids(world.train[0].question)[-1]
     assert prompt_end == nl
     # After the prompt ("\n") or a tool result ("</information>") comes <mem>, then the chain.
     transitions = [(nl, chain[0]), (info_close, chain[0])] + list(zip(chain[:-1], chain[1:]))
@@ -141,7 +143,7 @@ def test_tags_become_single_tokens_in_spare_rows(checkpoint):
     text = "<mem> paris; (1) 東京</mem><think> ok</think><answer> naïve</answer>"
     assert tok.decode(tok.encode(text)) == text
     assert set(tok.stop_ids()) == {base.eos_id, base.pad_id, *(tok.piece_id(t) for t in STOP_TAGS)}
-    assert build_prompt(AgentFormat.plain(tok), "who?") == tok.encode("Search, remember in mem, answer.\nQuestion: who?\n")
+    assert AgentFormat.plain(tok).prompt_ids("who?") == tok.encode("Search, remember in mem, answer.\nQuestion: who?\n")
     with pytest.raises(ValueError, match=r"no room for protocol tag '</information>'"):
         base.with_protocol_tags(BASE_VOCAB + 11)
 
@@ -192,7 +194,7 @@ def test_greedy_rollout_stops_at_tag_ids_and_finds_mem_spans(experiment, checkpo
     cfg = RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=16,
                         temperature=0.0, context_steps=1, min_rows_bucket=4)
     trajs = new_trajectories(experiment.fmt, experiment.train_questions[:2], group_size=1)
-    rollout(experiment.engine, experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
+    experiment.engine.rollout(experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.end_reason == "max_turns" and len(tr.turns) == 2
         for turn in tr.turns:
@@ -210,8 +212,8 @@ def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
     ref_params = jax.tree.map(lambda x: x.copy(), exp.params)
     learner = Learner(exp.logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       temperature=1.0, micro_batch_rows=8)
-    metrics, trajs = rl_step(learner, ref_params, exp.engine, exp.scorer, exp.train_questions[:2],
-                             exp.fmt, exp.tool_env, exp.cfg.rl, jax.random.PRNGKey(1),
+    cluster = RLCluster(learner, ref_params, exp.engine, exp.scorer, exp.fmt, exp.tool_env)
+    metrics, trajs = rl_step(cluster, exp.train_questions[:2], exp.cfg.rl, jax.random.PRNGKey(1),
                              np.random.default_rng(1))
     assert len(trajs) == 4 and all(np.isfinite(v) for v in metrics.values()), metrics
     assert sum(t.mem_span is not None for tr in trajs for t in tr.turns) >= 4  # the memory reward had turns

@@ -31,7 +31,7 @@ WORKER_TIMEOUT_S = 240
 def rl_config():
     from mempo_jax.agent.rollout import RolloutConfig
     from mempo_jax.rl.losses import LossConfig
-    from mempo_jax.rl.step import RLConfig
+    from mempo_jax.rl.config import RLConfig
 
     rollout = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=256, max_observation_tokens=12,
                             temperature=1.0, context_steps=1, min_rows_bucket=16)
@@ -52,6 +52,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     from mempo_jax.core.distributed import process_slice
     from mempo_jax.rl.learner import OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
+    from mempo_jax.rl.interfaces import RLCluster
     from mempo_jax.rl.step import rl_step
     from mempo_jax.agent.engine import RolloutEngine
     from mempo_jax.rl.memory_reward import MemoryRewardScorer
@@ -77,8 +78,8 @@ def run_rl_step(params, mesh, seed: int = 0):
                                           pad_id=tok.pad_id)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
     share = process_slice(len(questions))
-    metrics, trajs = rl_step(learner, ref_params, engine, scorer, questions[share], AgentFormat.plain(tok), env,
-                             rl_config(), jax.random.PRNGKey(seed), np.random.default_rng(seed),
+    cluster = RLCluster(learner, ref_params, engine, scorer, AgentFormat.plain(tok), env)
+    metrics, trajs = rl_step(cluster, questions[share], rl_config(), jax.random.PRNGKey(seed), np.random.default_rng(seed),
                              traj_offset=share.start * rl_config().group_size)
     turns = [[list(map(int, t.output_ids)) for t in tr.turns] for tr in trajs]
     if jax.process_count() > 1:
@@ -91,15 +92,15 @@ def _after_the_step(learner, engine, sync, tok, env, questions) -> dict:
     onto its rollout mesh by both, while process 0 goes straight to collectives and waits there."""
     import jax
 
-    from mempo_jax.agent.rollout import new_trajectories, place_params, rollout
+    from mempo_jax.agent.rollout import new_trajectories
     from mempo_jax.core.distributed import gather_lists, mean_metrics
 
     pid = jax.process_index()
     extra = []
-    params = place_params(engine, learner.params)  # the weight sync: a collective
+    params = engine.place(learner.params)  # the weight sync: a collective
     if pid == 1:
         extra = new_trajectories(AgentFormat.plain(tok), questions[:1], 2)
-        rollout(engine, params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
+        engine.rollout(params, extra, AgentFormat.plain(tok), env, rl_config().rollout, jax.random.PRNGKey(7))
     mean = mean_metrics({"x": float(pid + 1), "turns": float(sum(len(t.turns) for t in extra))}, weight=pid + 1,
                         sync=sync)
     return {"mean": mean, "concat": [x for (x,) in gather_lists([[pid]] * (pid + 1))],
@@ -111,7 +112,7 @@ def sft_params():
     import jax
 
     from mempo_jax.text.protocol import parse_turn, render_turn
-    from mempo_jax.agent.rollout import build_prompt, encode_observation
+    from mempo_jax.agent.rollout import encode_observation
     from mempo_jax.core.batching import pad_sequences
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
@@ -122,7 +123,7 @@ def sft_params():
     keywords = {"q0": "alice", "q1": "acme", "q2": "globex", "q3": "carol"}
     rows = []
     for q in questions:
-        prompt = build_prompt(AgentFormat.plain(tok), q.question)
+        prompt = AgentFormat.plain(tok).prompt_ids(q.question)
         first = render_turn(" " + q.question, " search", "search", " " + keywords[q.id])
         obs = encode_observation(AgentFormat.plain(tok), env.execute(parse_turn(first)).observation, 12)
         second = render_turn(" " + keywords[q.id] + " " + q.golds[0][0], " answer", "answer", " " + q.golds[0][0])

@@ -35,7 +35,6 @@ from mempo_jax import evaluate as ev  # noqa: E402
 from mempo_jax import train  # noqa: E402
 from mempo_jax.text.protocol import render_turn  # noqa: E402
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
-from mempo_jax.agent.rollout import build_prompt  # noqa: E402
 from mempo_jax.run.checkpoint import read_checkpoint  # noqa: E402
 from mempo_jax.data.qa_questions import load_qa_questions  # noqa: E402
 from mempo_jax.run.experiment import _tokenizer_texts  # noqa: E402
@@ -93,7 +92,7 @@ def scripted_checkpoint(data, tmp_path_factory):
     chain = tok.encode(render_turn(mem_word, think_word, "search", query))
     assert len(chain) == 9 and len(set(chain)) == 9, tok.decode(chain)
     nl, info_close = tok.encode("\n")[-1], tok.piece_id("</information>")
-    assert {build_prompt(AgentFormat.plain(tok), q.question)[-1] for q in questions} == {nl}
+    assert {AgentFormat.plain(tok).prompt_ids(q.question)[-1] for q in questions} == {nl}
     transitions = [(nl, chain[0]), (info_close, chain[0])] + list(zip(chain[:-1], chain[1:]))
 
     cfg = ModelConfig.tiny(VOCAB + SPARE, embed_dim=D_MODEL, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
