@@ -7,7 +7,7 @@ Arms (every other binding equal; the same SFT checkpoint, seed, question order a
 * ``grpo``      — GRPO: ``RLConfig.memory_coef = 0`` (A = A_T only), k = 1 context;
 * ``grpo_full`` — GRPO with the full history (``RolloutConfig.context_steps = "full"``).
 
-Per seed, ``python -m mempo_jax.train`` (its ``main``, in this process) runs the SFT cold start once
+Per seed, ``python -m mempo_jax.commands.train`` (its ``main``, in this process) runs the SFT cold start once
 (``RLConfig.steps = 0``, folder ``OUT/seed{s}/sft``); each arm's folder starts as a copy of it
 without the RL checkpoint and RL evaluation, so the trainer resumes from the finished SFT
 checkpoint and its stored evaluation and runs only RL (the frozen reference is that SFT policy),
@@ -58,19 +58,19 @@ HARD_KINDS = ("bridge", "multi")  # the kinds whose answers need memory of an ea
 
 
 def train(run_dir: pathlib.Path, gin_file: str, params, cache: pathlib.Path) -> None:
-    """``python -m mempo_jax.train`` (its ``main``) on ``run_dir``; resumes a folder that holds a checkpoint.
+    """``python -m mempo_jax.commands.train`` (its ``main``) on ``run_dir``; resumes a folder that holds a checkpoint.
 
     Raises:
       RuntimeError: the trainer returned a non-zero exit status.
     """
-    from mempo_jax import train as train_lib
+    from mempo_jax.commands import train as train_lib
 
     argv = ["--run_dir", str(run_dir), "--gin_file", gin_file, "--cache_dir", str(cache)]
     for p in params:
         argv += ["--gin_param", p]
     rc = train_lib.main(argv)
     if rc != 0:
-        raise RuntimeError(f"python -m mempo_jax.train {' '.join(argv)} exited with status {rc}")
+        raise RuntimeError(f"python -m mempo_jax.commands.train {' '.join(argv)} exited with status {rc}")
 
 
 def start_arm(sft_dir: pathlib.Path, arm_dir: pathlib.Path) -> None:
@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
     import jax
 
     from mempo_jax.agent.trajectory import parse_context_steps, mode_name
-    from mempo_jax.evaluate import checkpoint_steps
+    from mempo_jax.run.run_folder import checkpoint_steps
     from mempo_jax.run.evaluation import evaluate_policy, question_kind
 
     out = pathlib.Path(args.out or REPO / "runs" / ("ablation_small" if args.small else "ablation"))

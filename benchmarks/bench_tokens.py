@@ -1,6 +1,6 @@
 """Section 5: token efficiency of k = 1 memory-context rollouts vs full-history rollouts.
 
-The trained policy of ``--run_dir`` (default ``runs/tiny``, written by ``python -m mempo_jax.train
+The trained policy of ``--run_dir`` (default ``runs/tiny``, written by ``python -m mempo_jax.commands.train
 --run_dir runs/tiny``) is loaded with ``checkpoint.load_policy`` and evaluated as the evaluate CLI
 does (``evaluate.make_engine``, ``evaluation.evaluate_policy``, the run's own rollout options
 and top-k from its ``config.gin``) on the first ``--limit`` held-out questions of its world, greedy,
@@ -24,7 +24,7 @@ import time
 from common import REPO, parser, setup_platform, table, write_json
 from mempo_jax.agent.format import AgentFormat
 
-TRAIN_COMMAND = "python -m mempo_jax.train --run_dir runs/tiny"
+TRAIN_COMMAND = "python -m mempo_jax.commands.train --run_dir runs/tiny"
 
 
 def main(argv=None) -> dict:
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.evaluate import run_rollout_options
+    from mempo_jax.run.run_folder import run_rollout_options
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.tools.bm25 import BM25Index

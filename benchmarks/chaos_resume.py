@@ -55,8 +55,8 @@ TIMING_PREFIX = "timing/"
 
 
 def train_command(run_dir, params=(), cache_dir=None) -> list[str]:
-    """The ``python -m mempo_jax.train`` command of the small run (extra gin ``params`` last)."""
-    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run_dir)]
+    """The ``python -m mempo_jax.commands.train`` command of the small run (extra gin ``params`` last)."""
+    cmd = [sys.executable, "-m", "mempo_jax.commands.train", "--run_dir", str(run_dir)]
     for p in (*SMALL_PARAMS, *params):
         cmd += ["--gin_param", p]
     if cache_dir is not None:

@@ -54,13 +54,13 @@ def add_binding_arms(p: argparse.ArgumentParser, against: str) -> None:
     """The options of a benchmark whose arms run the SmolLM2 recipe's learner in child processes:
     ``--checkpoint``, ``--against BINDING`` (repeatable; ``against`` is its help) and the
     children's hidden ``--binding``."""
-    p.add_argument("--checkpoint", default=None, help="converted SmolLM2 folder (default: python -m mempo_jax.model.smollm2's)")
+    p.add_argument("--checkpoint", default=None, help="converted SmolLM2 folder (default: python -m mempo_jax.commands.smollm2's)")
     p.add_argument("--against", action="append", default=[], metavar="BINDING", help=against)
     p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
 
 
 def smollm2_checkpoint(folder: str | None) -> str:
-    """``folder``, or the converted SmolLM2-135M-Instruct folder of ``python -m mempo_jax.model.smollm2``."""
+    """``folder``, or the converted SmolLM2-135M-Instruct folder of ``python -m mempo_jax.commands.smollm2``."""
     if folder is not None:
         return folder
     from mempo_jax.model.smollm2 import default_dir
@@ -377,7 +377,7 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     """A tiny-world run's policy and tools, as the trainer evaluates them.
 
     Args:
-      run_dir: a run folder of ``python -m mempo_jax.train`` (``config.gin``, tokenizer, checkpoints).
+      run_dir: a run folder of ``python -m mempo_jax.commands.train`` (``config.gin``, tokenizer, checkpoints).
       stage: ``"rl"`` (``checkpoints/``) or ``"sft"`` (``sft_checkpoint/``).
       step: checkpoint step (default: the newest).
 
@@ -390,7 +390,7 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.evaluate import run_model_options
+    from mempo_jax.run.run_folder import run_model_options
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.experiment import policy_format
     from mempo_jax.tools.bm25 import BM25Index

@@ -30,7 +30,7 @@ import time
 
 from common import REPO, SMALL_WORLD_PARAMS, TINY_WORLD_GIN, parser, setup_platform, table, tiny_world_policy, write_json
 
-TRAIN_COMMAND = "python -m mempo_jax.train --run_dir runs/tiny"
+TRAIN_COMMAND = "python -m mempo_jax.commands.train --run_dir runs/tiny"
 
 
 def budget_for(base, k: int, prompt_tokens: int = 160):
@@ -92,7 +92,7 @@ def write_plot(results: dict, path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mempo_jax.evaluate import save_figure
+    from mempo_jax.run.eval_report import save_figure
 
     ks = [int(k) for k in results]
     modes = list(dict.fromkeys(m for r in results.values() for m in r))
@@ -124,7 +124,7 @@ def _small_policy(cache: str):
 def main(argv=None) -> dict:
     """Run the sweep; print the table; write the plot, Markdown and JSON; return the JSON document."""
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--run_dir", default=str(REPO / "runs" / "tiny"), help="a tiny-world run of mempo_jax.train")
+    p.add_argument("--run_dir", default=str(REPO / "runs" / "tiny"), help="a tiny-world run of mempo_jax.commands.train")
     p.add_argument("--stage", default="rl", choices=("rl", "sft"), help="the RL policy or the SFT one")
     p.add_argument("--objectives", default=None, help="comma-separated K values (default 1,2,4,8; --small 1,2)")
     p.add_argument("--num", type=int, default=None, help="questions per K (default 48; --small 3)")

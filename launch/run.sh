@@ -28,7 +28,7 @@ RUN_DIR="${RUN_DIR:-runs/$CONFIG_NAME}"
 LOG="$(printf '%q' "$(basename "$RUN_DIR").log")"
 location_flags
 
-TRAIN="$(remote_command python3 -m mempo_jax.train --run_dir "$RUN_DIR" --gin_file "$CONFIG" \
+TRAIN="$(remote_command python3 -m mempo_jax.commands.train --run_dir "$RUN_DIR" --gin_file "$CONFIG" \
   "${GIN_PARAMS[@]+"${GIN_PARAMS[@]}"}")"
 REMOTE="mkdir -p ~/mempo_logs && cd ~/mempo_jax && MEMPO_MULTIHOST=1 nohup $TRAIN > ~/mempo_logs/$LOG 2>&1 < /dev/null &"
 gc compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" --command="$REMOTE"

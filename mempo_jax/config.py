@@ -141,7 +141,7 @@ class SFTConfig:
       optim: optimizer options.
       data_path: an SFT trajectory file (JSONL, JSON array or parquet of ``{"messages": [...]}`` rows,
         ``mempo_jax/data/messages.py``) to train on instead of playing the scripted agent ("" = play
-        it; ``python -m mempo_jax.data.write_sft_messages`` writes its conversations in this format).
+        it; ``python -m mempo_jax.commands.write_sft_messages`` writes its conversations in this format).
         Read and validated before the run folder changes; a bad row is one error naming file, line
         and field. ``agent`` is then unused.
 
@@ -179,7 +179,7 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
     """How the device programs split their work: the one place of the execution sizes. They change
-    memory and speed, not the gradient (up to float rounding); ``python -m mempo_jax.plan`` checks
+    memory and speed, not the gradient (up to float rounding); ``python -m mempo_jax.commands.plan`` checks
     a recipe's against the chips' HBM with the same values the run uses.
 
     Attributes:
@@ -358,7 +358,7 @@ class ExperimentConfig:
       corpus_path: a corpus file (``tools.corpus.CORPUS_LAYOUTS``: ``{"id", "contents"}`` rows and others) searched with
         a local BM25 index (``mempo_jax.run.backends.training_backend``).
       retriever_url: a running Search-R1-compatible ``/retrieve`` server instead (e.g.
-        ``python -m mempo_jax.tools.retrieval_server``), reached with ``RemoteSearchBackend``'s
+        ``python -m mempo_jax.commands.retrieval_server``), reached with ``RemoteSearchBackend``'s
         timeouts and retries; checked at start-up (a server that does not answer: one line naming
         the URL, exit 2, run folder untouched). Exclusive with ``corpus_path``. With neither, the
         context paragraphs of the QA files (HotpotQA, 2Wiki, MuSiQue) are the corpus.
@@ -708,7 +708,7 @@ def binds_any(cls) -> bool:
 
 def mesh_requested() -> bool:
     """True when the parsed config binds a ``MeshConfig`` field (a sharded run; call after
-    ``load_config``). Without one, ``python -m mempo_jax.train`` runs on one device as before."""
+    ``load_config``). Without one, ``python -m mempo_jax.commands.train`` runs on one device as before."""
     return binds_any(MeshConfig)
 
 
@@ -767,7 +767,7 @@ class RunConfig(NamedTuple):
 
 
 def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> RunConfig:
-    """Parse a recipe the way ``python -m mempo_jax.train`` does (``train.load_run_config``) (every ``configs/*.gin`` loads).
+    """Parse a recipe the way ``python -m mempo_jax.commands.train`` does (``train.load_run_config``) (every ``configs/*.gin`` loads).
 
     Args:
       gin_files: gin files, parsed in order.

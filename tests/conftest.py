@@ -7,7 +7,7 @@ longest first); ``-n 0`` runs it in one process. The controller
 makes the session folder below and removes it at the end; the workers share it (its path passes
 to them in ``$_MEMPO_TEST_SESSION_DIR``), so every cache and the small run serve both.
 
-Caches. Every trainer run of the session (``python -m mempo_jax.train`` subprocesses, which
+Caches. Every trainer run of the session (``python -m mempo_jax.commands.train`` subprocesses, which
 inherit ``os.environ``, and in-process ``train.main`` / ``evaluate.main``) compiles into one
 persistent XLA cache, ``XLA_CACHE``, with every program kept (``MEMPO_XLA_CACHE_MIN_S=0``), and
 reads its SentencePiece models from one ``SPM_CACHE``: a program or tokenizer compiled for one
@@ -24,7 +24,7 @@ workers), shared by the resume, fault and end-to-end tests. It starts in the bac
 the tests are collected (when a selected test uses it); its programs fill the XLA cache for every
 later one-device run of those shapes.
 
-Markers. ``slow``: the test runs the trainer end to end (a ``python -m mempo_jax.train``
+Markers. ``slow``: the test runs the trainer end to end (a ``python -m mempo_jax.commands.train``
 subprocess, or a whole run in-process). Slow tests run by default (``python -m pytest -q tests``,
 what CI runs); ``-m "not slow"`` leaves them out for a quick pass.
 """
@@ -349,7 +349,7 @@ def smollm2_first_layers(smollm2_dir, tmp_path_factory):
 @contextlib.contextmanager
 def retrieval_server(corpus: pathlib.Path, index_dir: pathlib.Path, num_docs: int, *args: str,
                      timeout_s: float = 90.0):
-    """``python -m mempo_jax.tools.retrieval_server`` over ``corpus`` on a free loopback port, up
+    """``python -m mempo_jax.commands.retrieval_server`` over ``corpus`` on a free loopback port, up
     when ``/health`` reports ``num_docs`` documents; yields its URL and stops it on exit.
 
     Fails the test (with the server's output) if it exits or is not up within ``timeout_s``.
@@ -358,7 +358,7 @@ def retrieval_server(corpus: pathlib.Path, index_dir: pathlib.Path, num_docs: in
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mempo_jax.tools.retrieval_server", "--corpus", str(corpus),
+    cmd = [sys.executable, "-m", "mempo_jax.commands.retrieval_server", "--corpus", str(corpus),
            "--index", str(index_dir), "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

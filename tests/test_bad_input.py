@@ -1,6 +1,6 @@
 """Bad input is caught before work starts, in one line: every config field is
 validated by its dataclass; bad data, tokenizers, gin syntax, a read-only or full run folder stop
-``python -m mempo_jax.train`` at start-up with one ``error:`` line and exit status 2, and a fresh
+``python -m mempo_jax.commands.train`` at start-up with one ``error:`` line and exit status 2, and a fresh
 run folder is not even created. Each case runs the real entry point (``train.main``) on the small
 config; none trains a step."""
 
@@ -25,7 +25,7 @@ from conftest import SPM_CACHE  # noqa: E402  (the session's shared tokenizer ca
 
 def _main(capsys, run_dir, *params, cache=SPM_CACHE):
     """``train.main`` on the small config plus ``params``; returns (exit status, the stderr lines)."""
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(cache)]
     for p in (*SMALL_PARAMS, *params):
@@ -100,7 +100,7 @@ def test_a_bad_config_value_fails_at_start_up_naming_the_field(binding, message,
 
 
 def test_a_bad_value_in_a_gin_file_names_the_file_and_line(tmp_path, capsys):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     gin = tmp_path / "x.gin"
     gin.write_text(f'include "{REPO / "configs" / "tiny_world.gin"}"\nRLConfig.steps = 3\nRLConfig.group_size = 0\n')
@@ -123,7 +123,7 @@ def test_an_unparsable_gin_param_is_one_line_naming_it(text, problem, tmp_path, 
     assert rc == 2 and _one_error(err) == f"error: config error: cannot parse --gin_param {text!r}: {problem}"
     gin = tmp_path / "broken.gin"
     gin.write_text("RLConfig.steps = (3\n")
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", str(gin)]) == 2
     line = _one_error([x for x in capsys.readouterr().err.splitlines() if x.strip()])
@@ -135,7 +135,7 @@ def test_a_missing_gin_file_or_include_is_named(tmp_path, capsys, monkeypatch):
     """A ``--gin_file`` or an ``include`` that names no file: one line naming it, the including
     file and line, and the working directory includes resolve against (gin's own error was
     ``expected str, bytes or os.PathLike object, not NoneType``, naming nothing)."""
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     monkeypatch.chdir(REPO)
     assert train.main(["--run_dir", str(tmp_path / "run"), "--gin_file", "configs/smollm2_hotpot.gin"]) == 2
@@ -190,7 +190,7 @@ def test_check_accepts_exactly_the_values_in_range(value, lo, hi, kind):
 
 
 def test_every_shipped_recipe_still_validates():
-    from mempo_jax.train import load_run_config
+    from mempo_jax.config import load_run_config
 
     for gin in sorted((REPO / "configs").glob("*.gin")):
         load_run_config([str(gin)])

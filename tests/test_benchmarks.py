@@ -206,7 +206,7 @@ def test_attention_script_json(tmp_path):
 
 def test_tokens_script_skips_without_a_run(tmp_path):
     res = _script("bench_tokens", tmp_path, "--run_dir", str(tmp_path / "absent"))
-    assert res["skipped"].startswith("SKIP") and "python -m mempo_jax.train --run_dir runs/tiny" in res["skipped"]
+    assert res["skipped"].startswith("SKIP") and "python -m mempo_jax.commands.train --run_dir runs/tiny" in res["skipped"]
 
 
 @pytest.mark.skipif(not (REPO / "benchmarks" / "run_all.py").is_file(), reason="no run_all")

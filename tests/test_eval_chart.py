@@ -3,7 +3,7 @@ so a chart of all-zero scores is readable (the real matplotlib figure, its text 
 
 from __future__ import annotations
 
-from mempo_jax.evaluate import CHART_PANELS, chart_figure, write_chart
+from mempo_jax.run.eval_report import CHART_PANELS, chart_figure, write_chart
 
 
 def _labels(ax) -> list[str]:

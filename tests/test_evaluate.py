@@ -11,7 +11,7 @@ import pytest
 
 from reference_rollout import ReferenceEngine
 
-from mempo_jax import evaluate as ev
+from mempo_jax.commands import evaluate as ev
 from mempo_jax.run import experiment
 from mempo_jax.run.checkpoint import Checkpointer, save_run_artifacts
 from mempo_jax.data.world import WorldConfig, build_world
@@ -31,7 +31,7 @@ SFT_STEP = 3  # the fixture run's SFT checkpoint (other parameters: seed 1)
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run folder as ``mempo_jax.train`` writes it: tokenizer.model, model_config.json, checkpoints/7,
+    """A run folder as ``mempo_jax.commands.train`` writes it: tokenizer.model, model_config.json, checkpoints/7,
     sft_checkpoint/3."""
     world = build_world(WorldConfig(num_people=30, num_companies=10, num_cities=8, num_countries=3,
                                     num_single=10, num_bridge=10, num_multi=10))

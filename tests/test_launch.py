@@ -82,7 +82,7 @@ def test_setup_copies_head_and_installs_requirements_on_all_workers(stub, tmp_pa
                    "--worker=all", "--zone=us-east5-a", "--project=my-proj"]
     with tarfile.open(fileobj=gzip.open(tarball)) as tar:  # git HEAD, with the package and requirements
         names = set(tar.getnames())
-    assert {"requirements.txt", "mempo_jax/train.py", CONFIG} <= names
+    assert {"requirements.txt", "mempo_jax/commands/train.py", CONFIG} <= names
     assert ssh[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "mempo-7b", "--worker=all", "--zone=us-east5-a"]
     jax_version = next(line.split("==")[1] for line in (REPO / "requirements.txt").read_text().splitlines()
                        if line.startswith("jax=="))
@@ -98,7 +98,7 @@ def test_run_starts_the_config_on_every_worker(stub):
     remote = shlex.split(cmd[9].removeprefix("--command="))
     start = remote.index("MEMPO_MULTIHOST=1")
     assert remote[:start] == ["mkdir", "-p", "~/mempo_logs", "&&", "cd", "~/mempo_jax", "&&"]
-    assert remote[start + 1:] == ["nohup", "python3", "-m", "mempo_jax.train", "--run_dir", "runs/qwen2_5_7b_v5p64",
+    assert remote[start + 1:] == ["nohup", "python3", "-m", "mempo_jax.commands.train", "--run_dir", "runs/qwen2_5_7b_v5p64",
                                   "--gin_file", CONFIG, "--gin_param", "RLConfig.steps=3", ">",
                                   "~/mempo_logs/qwen2_5_7b_v5p64.log", "2>&1", "<", "/dev/null", "&"]
 

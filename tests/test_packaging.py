@@ -142,9 +142,9 @@ def test_include_lookup_logs_nothing(tmp_path, monkeypatch, caplog):
 
 
 def test_usage_names_the_command_as_run(monkeypatch):
-    from mempo_jax.cli import command_name
+    from mempo_jax.commands.cli import command_name
 
     monkeypatch.setattr("sys.argv", ["/venv/bin/mempo-train", "--help"])
-    assert command_name("mempo_jax.train") == "mempo-train"
+    assert command_name("mempo_jax.commands.train") == "mempo-train"
     monkeypatch.setattr("sys.argv", ["/repo/mempo_jax/train.py", "--help"])
-    assert command_name("mempo_jax.train") == "python -m mempo_jax.train"
+    assert command_name("mempo_jax.commands.train") == "python -m mempo_jax.commands.train"

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO
 from mempo_jax import config as config_lib
-from mempo_jax import plan
+from mempo_jax.commands import plan as plan_command
+from mempo_jax.run import memory_plan as plan
 from mempo_jax.core import mesh_config
 from mempo_jax.rl.learner import Learner, make_optimizer
 from mempo_jax.rl.losses import LossConfig
@@ -147,13 +148,13 @@ def test_blocked_attention_below_the_row_length_lowers_the_update_in_the_plan_an
 def test_shipped_pod_configs_fit(name, capsys):
     devices, chip, hbm = CONFIGS[name]
     path = str(REPO / "configs" / f"{name}.gin")
-    assert plan.main([f"--gin_file={path}"]) == 0
+    assert plan_command.main([f"--gin_file={path}"]) == 0
     table = capsys.readouterr().out
     assert "fits" in table and "DOES NOT FIT" not in table
     for line in ("parameters (policy)", "optimizer state", "reference parameters", "KV cache (sampler)",
                  "activations (peak phase)"):
         assert line in table
-    assert plan.main([f"--gin_file={path}", "--json"]) == 0
+    assert plan_command.main([f"--gin_file={path}", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["num_devices"], d["chip"], d["hbm_bytes"]) == (devices, chip, hbm * 2**30) and d["fits"]
     assert d["peak"] == d["params"] + d["reference"] + d["opt_state"] + max(d["phases"].values()) <= d["budget"]
@@ -164,7 +165,7 @@ def test_shipped_pod_configs_fit(name, capsys):
 
 def test_plan_that_does_not_fit_exits_1_with_a_message():
     path = str(REPO / "configs" / "qwen2_5_7b_v5p64.gin")
-    proc = subprocess.run([sys.executable, "-m", "mempo_jax.plan", f"--gin_file={path}",
+    proc = subprocess.run([sys.executable, "-m", "mempo_jax.commands.plan", f"--gin_file={path}",
                            '--gin_param=TPUConfig.accelerator_type="v5litepod-8"', "--gin_param=MeshConfig.tensor=1"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 1, proc.stderr
@@ -183,7 +184,7 @@ def test_plan_that_does_not_fit_exits_1_with_a_message():
     ("MeshConfig.data = 0", "MeshConfig sizes must be"),
 ])
 def test_config_errors_exit_2(binding, message, capsys):
-    assert plan.main([f"--gin_file={REPO / 'configs' / 'qwen2_5_0_5b_v5e8.gin'}", f"--gin_param={binding}"]) == 2
+    assert plan_command.main([f"--gin_file={REPO / 'configs' / 'qwen2_5_0_5b_v5e8.gin'}", f"--gin_param={binding}"]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -228,19 +229,19 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     assert model_cfg == read_hf_config(smollm2_dir)
     assert (model_cfg.num_layers, model_cfg.vocab_size) == (30, 49152)
     assert abs(model_cfg.num_params() - 134.52e6) < 0.01e6
-    plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
+    plan_command.main([f"--gin_file={recipe}", f"--gin_param={binding}", '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
     out = capsys.readouterr().out
     assert f"model    {smollm2_dir}: 0.13 B parameters" in out and "update micro-batch 8 x 1024" in out
     # tags as added tokens: no spare row in SmolLM2, so 12 new rows, rounded up to 64 (49,216)
     tokens = '--gin_param=ModelOptions.tags="tokens"'
-    plan.main([f"--gin_file={recipe}", f"--gin_param={binding}", tokens, "--json",
+    plan_command.main([f"--gin_file={recipe}", f"--gin_param={binding}", tokens, "--json",
                '--gin_param=TPUConfig.accelerator_type="v5litepod-8"'])
     planned = json.loads(capsys.readouterr().out)
     assert planned["num_params"] == model_cfg.replace(vocab_size=49216).num_params() > model_cfg.num_params()
     # not converted yet, and the recipe's preset is the from-scratch "tiny": one line, exit 2 (it used
     # to plan "tiny: 0.00 B parameters ... fits")
     nowhere = f'--gin_param=ModelOptions.checkpoint="{smollm2_dir}/nowhere"'
-    assert plan.main([f"--gin_file={recipe}", nowhere]) == 2
+    assert plan_command.main([f"--gin_file={recipe}", nowhere]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot read {smollm2_dir}/nowhere/config.json" in err
     # a pod recipe's pretrained preset stands for its checkpoint before the download
@@ -273,14 +274,14 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
 
 def test_shipped_lora_pod_config_fits(capsys):
     path = str(REPO / "configs" / "qwen2_5_7b_lora_v5e8.gin")
-    assert plan.main([f"--gin_file={path}", "--json"]) == 0
+    assert plan_command.main([f"--gin_file={path}", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["num_devices"], d["chip"]) == (8, "v5e") and d["fits"]
     assert d["peak"] == d["params"] + d["reference"] + d["opt_state"] + max(d["phases"].values()) <= d["budget"]
     # one bfloat16 base over 8 chips (+ float32 adapters), AdamW moments of the adapters alone
     assert d["num_params"] * 2 / 8 < d["params"] < 1.1 * d["num_params"] * 2 / 8
     assert d["opt_state"] == pytest.approx(2 * d["reference"], rel=1e-3) and d["reference"] < d["params"] / 10
-    assert plan.main([f"--gin_file={path}", "--gin_param=LoraConfig.rank = 0"]) == 1  # full fine-tuning does not
+    assert plan_command.main([f"--gin_file={path}", "--gin_param=LoraConfig.rank = 0"]) == 1  # full fine-tuning does not
 
 
 @pytest.mark.parametrize("recipe", ["smollm2_hotpotqa", "qwen2_5_0_5b_v5e8", "qwen2_5_7b_v5p8"])
@@ -311,7 +312,7 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_named(capsys):
     """Qwen2.5-0.5B's 14 query / 2 KV heads over a 4-way tensor axis: the plan says the attention
     runs replicated (XLA keeps its dense scores whole there); a 2-way axis divides them."""
     path = str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")
-    plan.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=2", "--gin_param=MeshConfig.tensor=4"])
+    plan_command.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=2", "--gin_param=MeshConfig.tensor=4"])
     assert "tensor=4 does not divide the 14 query / 2 KV heads" in capsys.readouterr().out
-    plan.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=4", "--gin_param=MeshConfig.tensor=2"])
+    plan_command.main([f"--gin_file={path}", "--gin_param=MeshConfig.fsdp=4", "--gin_param=MeshConfig.tensor=2"])
     assert "does not divide" not in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The main job end to end on small settings: both context modes train, and real HotpotQA input runs.
 
-Each test runs ``python -m mempo_jax.train`` as a user would (a subprocess) and checks what it
+Each test runs ``python -m mempo_jax.commands.train`` as a user would (a subprocess) and checks what it
 wrote: summary.json's schema, verl-named metrics, <mem>-bearing rollouts, and, for HotpotQA, real
 retrieved passages inside <information>.
 """
@@ -32,7 +32,7 @@ SMALL = [*SMALL_PARAMS, "SFTConfig.steps=4", "RLConfig.steps=2", "RLConfig.group
 def _train(run_dir, params, gin_file="configs/tiny_world.gin"):
     env = dict(os.environ, PYTHONPATH=str(REPO))  # the session's XLA cache (conftest.py)
     env["XLA_FLAGS"] = one_device_flags()  # one CPU device, as a user runs it
-    cmd = [sys.executable, "-m", "mempo_jax.train", "--run_dir", str(run_dir), "--gin_file", gin_file,
+    cmd = [sys.executable, "-m", "mempo_jax.commands.train", "--run_dir", str(run_dir), "--gin_file", gin_file,
            "--cache_dir", str(SPM_CACHE)]
     for p in params:
         cmd += ["--gin_param", p]
@@ -99,7 +99,7 @@ def test_main_job_trains_in_full_context_mode(tmp_path):
 
 def test_main_job_trains_in_k1_context_mode(small_run):
     """k = 1 (the default): the session's small run (``chaos_resume.SMALL_PARAMS``, a
-    ``python -m mempo_jax.train`` subprocess) wrote the same outputs."""
+    ``python -m mempo_jax.commands.train`` subprocess) wrote the same outputs."""
     assert "RolloutConfig.context_steps = 1" in (small_run / "config.gin").read_text().splitlines()
     stdout = (small_run.parent / "output.txt").read_text(errors="replace")
     _check_main_job_outputs(small_run, stdout, SMALL_PARAMS, ("k1",), rl_steps=6)

@@ -1,4 +1,4 @@
-"""``python -m mempo_jax.train`` on a device mesh and on several processes.
+"""``python -m mempo_jax.commands.train`` on a device mesh and on several processes.
 
 * Every shipped recipe (``configs/*.gin``, the pod ones included) loads through the entry point's
   config path, and a mesh that does not fit the devices is a one-line error (exit status 2).
@@ -56,11 +56,11 @@ def _mesh(data, fsdp, tensor):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.gin")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_through_train(path):
-    """``train.load_run_config`` parses each recipe; pod recipes (they bind ``MeshConfig``) ask for a
+    """``config.load_run_config`` (the trainer's) parses each recipe; pod recipes (they bind ``MeshConfig``) ask for a
     mesh that fits their slice, the others run on one device as before."""
-    from mempo_jax import config, train
+    from mempo_jax import config
 
-    rc = train.load_run_config([str(path)])
+    rc = config.load_run_config([str(path)])
     assert rc.experiment.rl.steps >= 0 and rc.experiment.execution.micro_batch_rows >= 1
     pod = "MeshConfig." in path.read_text()
     assert rc.sharded == pod
@@ -78,7 +78,7 @@ def test_every_shipped_config_loads_through_train(path):
     ("MeshConfig.fsdp=16", "MeshConfig data=1 fsdp=16 tensor=1 needs 16 devices, have 8"),
 ])
 def test_bad_mesh_is_one_line_and_leaves_no_run_folder(tmp_path, capsys, binding, message):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     run = tmp_path / "run"
     assert train.main(["--run_dir", str(run), "--gin_param", binding]) == 2
@@ -88,7 +88,7 @@ def test_bad_mesh_is_one_line_and_leaves_no_run_folder(tmp_path, capsys, binding
 
 
 def test_sft_batch_must_divide_over_the_mesh(tmp_path, capsys):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     argv = ["--run_dir", str(tmp_path / "run"), "--gin_param", "SFTConfig.batch_rows=6", *sum(
         (["--gin_param", b] for b in _mesh(2, 2, 2)), [])]

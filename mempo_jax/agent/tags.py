@@ -1,6 +1,6 @@
 """How the protocol tags are written in a tokenizer's ids: one id each, or plain text.
 
-Two modes (``ModelOptions.tags``; ``python -m mempo_jax.evaluate --tags``):
+Two modes (``ModelOptions.tags``; ``python -m mempo_jax.commands.evaluate --tags``):
 
 * ``"tokens"`` — every tag of ``protocol.ALL_TAG_PIECES`` is one id: the from-scratch
   SentencePiece tokenizer (user-defined pieces), or an HF tokenizer with the tags added as tokens.

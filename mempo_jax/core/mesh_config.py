@@ -128,7 +128,7 @@ CHIPS = {
 
 @dataclasses.dataclass(frozen=True)
 class TPUConfig:
-    """The Cloud TPU slice a recipe runs on (read by ``launch/*.sh`` and ``mempo_jax.plan``).
+    """The Cloud TPU slice a recipe runs on (read by ``launch/*.sh`` and ``mempo_jax.commands.plan``).
 
     Attributes:
       accelerator_type: gcloud ``--accelerator-type``: ``v5litepod-N`` (alias ``v5e-N``),
@@ -168,7 +168,7 @@ class TPUConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """The memory planner's own estimates (``python -m mempo_jax.plan``); the sizes the run uses
+    """The memory planner's own estimates (``python -m mempo_jax.commands.plan``); the sizes the run uses
     (micro-batch, log-prob and scoring chunk rows) are ``ExperimentConfig.execution``'s.
 
     Attributes:

@@ -3,7 +3,7 @@
 Every config dataclass (``ExperimentConfig`` and the ones nested in it) checks its own fields
 when it is built, so a bad value (``RLConfig.steps = -1``, ``RLConfig.group_size = 0``) fails
 while the config is parsed, with one line naming the field, before any work starts
-(``python -m mempo_jax.train`` exits 2).
+(``python -m mempo_jax.commands.train`` exits 2).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Observations come from the real tool environment, so SFT data shows real retriev
 The agent plays in text (``scripted_conversation``: a messages conversation, the layout of an SFT
 trajectory file, ``data/messages.py``); ``scripted_trajectory`` reads it back through the same
 converter as a user's file, so the embedded default and a user's data take one path.
-``python -m mempo_jax.data.write_sft_messages`` writes the conversations to a file.
+``python -m mempo_jax.commands.write_sft_messages`` writes the conversations to a file.
 """
 
 from __future__ import annotations

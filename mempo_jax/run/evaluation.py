@@ -100,7 +100,7 @@ def is_kind_metric(name: str) -> bool:
 
 
 def prediction_record(question, trajectory, em: float, f1: float, mode: str, dataset: str) -> dict:
-    """One line of a predictions file (``predictions.jsonl`` of ``mempo_jax.evaluate``,
+    """One line of a predictions file (``predictions.jsonl`` of ``mempo_jax.commands.evaluate``,
     ``eval_<stage>_predictions.jsonl`` of the main job): the question, its golds, the answer given,
     its EM and F1, turns, tool calls, format failures, TT / PT (tokens, as ``summarize``) and how
     the episode ended.

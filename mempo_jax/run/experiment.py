@@ -1,7 +1,7 @@
 """Building a run's components from its config: questions, corpus, tools, tokenizer, model.
 
 ``build_experiment`` is the one place that turns an ``ExperimentConfig`` into objects; the
-training loop (``train.py``) and the evaluation command only consume them.
+training command (``commands/train.py``) and the evaluation command only consume them.
 """
 
 from __future__ import annotations

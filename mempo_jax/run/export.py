@@ -1,38 +1,31 @@
 """Export a trained policy as a Hugging Face checkpoint folder that transformers loads.
 
-``python -m mempo_jax.train`` calls ``export_policy`` after RL for a run from a Hugging Face
+``python -m mempo_jax.commands.train`` calls ``export_policy`` after RL for a run from a Hugging Face
 checkpoint (``ModelOptions.checkpoint``): ``RUN_DIR/hf_export`` holds ``config.json`` and the
 safetensors of ``mempo_jax.model.hf_io.save_hf_checkpoint`` plus the tokenizer (``tokenizer.json``
 with the protocol tags the run added, ``tokenizer_config.json`` incl. its chat template,
 ``chat_template.jinja``, ``generation_config.json``, ``special_tokens_map.json``: those the source
 had). ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` read it, and
-``python -m mempo_jax.evaluate --hf_checkpoint RUN_DIR/hf_export`` evaluates it.
+``python -m mempo_jax.commands.evaluate --hf_checkpoint RUN_DIR/hf_export`` evaluates it.
 
 A LoRA run (``LoraConfig.rank > 0``) is exported both ways: ``hf_export`` holds the merged weights
 (``W + (alpha / r) A B``, ``model.adapters.merge_adapters``), and ``RUN_DIR/peft_adapter`` the adapters
 alone as a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) that
 ``peft.PeftModel.from_pretrained`` loads onto the source checkpoint.
 
-Any checkpoint of a run folder can be exported later (the source checkpoint's token ids and
-context length are carried over when ``ModelOptions.checkpoint`` of ``RUN_DIR/config.gin`` still
-exists)::
-
-    python -m mempo_jax.run.export --run_dir RUN_DIR [--checkpoint STEP] --out DIR [--peft_out DIR]
+Any checkpoint of a run folder can be exported later with ``python -m mempo_jax.commands.export``
+(``mempo-export``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import shutil
-import sys
 from typing import Optional
 
 import jax
-
-from mempo_jax.cli import command_name
 
 EXPORT_DIR = "hf_export"
 PEFT_EXPORT_DIR = "peft_adapter"
@@ -115,49 +108,3 @@ def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | o
             shutil.rmtree(folder)
         os.replace(tmp, folder)
     return folder
-
-
-def _parse_args(argv):
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.export"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--run_dir", required=True, help="run folder of python -m mempo_jax.train (from an HF checkpoint)")
-    p.add_argument("--checkpoint", type=int, default=None, help="RL checkpoint step (default: the newest)")
-    p.add_argument("--out", required=True, help="output folder (created; an existing one is replaced)")
-    p.add_argument("--peft_out", default=None, help="a LoRA run: also write its adapters as a PEFT folder here")
-    return p.parse_args(argv)
-
-
-def run_source_checkpoint(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
-    """The Hugging Face folder a run started from (``ModelOptions.checkpoint`` in
-    ``RUN_DIR/config.gin``) when it still exists, else None."""
-    from mempo_jax.config import load_run_folder_config
-
-    gin_file = pathlib.Path(run_dir) / "config.gin"
-    try:
-        source = load_run_folder_config(gin_file).model.checkpoint if gin_file.is_file() else ""
-    except ValueError:
-        return None
-    return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None
-
-
-def main(argv=None) -> int:
-    """CLI: export a run folder's checkpoint; 0, or 2 after one ``error: …`` line on stderr."""
-    from mempo_jax.run.checkpoint import load_policy
-
-    args = _parse_args(argv)
-    try:
-        tokenizer, model_cfg, _, params = load_policy(args.run_dir, args.checkpoint)
-        source = run_source_checkpoint(args.run_dir)
-        out = export_policy(args.out, model_cfg, params, tokenizer, source=source)
-        if args.peft_out:
-            if source is None:
-                raise ValueError(f"--peft_out: the source checkpoint of {args.run_dir} is not found")
-            export_adapter(args.peft_out, model_cfg, params, source)
-    except (ValueError, FileNotFoundError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -254,7 +254,7 @@ def paired_gains(after: Mapping[str, Mapping[str, Sequence[float]]], before: Map
 
     Args:
       after, before: ``{"em": {mode: [questions]}, "f1": {mode: [questions]}}`` on the same
-        questions in the same order (``evaluate_once`` in ``train.py``).
+        questions in the same order (``run.stages.evaluate_stage``'s per-question scores).
       samples, seed: as ``bootstrap_ci``.
 
     Returns:

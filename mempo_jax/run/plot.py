@@ -1,6 +1,6 @@
-"""Learning curves of one or more run folders as a PNG: ``mempo-plot RUN_DIR [RUN_DIR …] --out curves.png``.
+"""Learning curves of one or more run folders as a PNG (the ``mempo-plot`` command draws them).
 
-Reads each folder's ``metrics.jsonl`` (what ``python -m mempo_jax.train`` writes: one JSON object per
+Reads each folder's ``metrics.jsonl`` (what ``python -m mempo_jax.commands.train`` writes: one JSON object per
 line with ``stage``, ``step`` and the stage's metrics) and draws one panel per metric of the chosen
 training stage (default ``rl``), one line per run, plus a last panel with the held-out F1 of every
 evaluation the runs hold (``eval_<stage>_<mode>`` lines: base, sft, rl; one line per run and
@@ -13,14 +13,11 @@ Matplotlib's Agg backend: no display needed.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import sys
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from mempo_jax.cli import command_name
 from mempo_jax.run.metrics import read_jsonl
 
 # the training reward; the share of groups whose outcome scores are all equal (their outcome advantage
@@ -93,7 +90,7 @@ def plot_runs(run_dirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, k
     for d in run_dirs:
         path = pathlib.Path(d) / "metrics.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no metrics log (is {d} a run folder of mempo_jax.train?)")
+            raise FileNotFoundError(f"{path}: no metrics log (is {d} a run folder of mempo_jax.commands.train?)")
         logs[pathlib.Path(d).resolve().name] = read_jsonl(path)
     present = [k for k in keys if any(np.isfinite(stage_series(r, stage, k)[1]).any() for r in logs.values())]
     if not present:
@@ -133,25 +130,3 @@ def plot_runs(run_dirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, k
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return axes
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.run.plot"), description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dirs", nargs="+", help="run folders of python -m mempo_jax.train")
-    p.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
-    p.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="comma-separated metric names (default %(default)s)")
-    p.add_argument("--stage", default="rl", help="training stage whose steps are the x axis: rl or sft (default rl)")
-    p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (default 5; 1 = none)")
-    p.add_argument("--title", default="", help="figure title")
-    a = p.parse_args(argv)
-    try:
-        plot_runs(a.run_dirs, a.out, [k for k in a.keys.split(",") if k], a.stage, a.smooth, a.title)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(a.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,29 +10,21 @@ docs/algorithm.md §7 (Search-R1 ``search_r1/search/retrieval_server.py`` contra
       → {"document": {"id", "contents"}}; 404 {"detail": …} for an unknown id
     GET  /health → {"status": "ok", "num_docs": int}
 
-Per-request caps (``create_app`` arguments, ``--max_queries`` etc.): a body over
+Per-request caps (``create_app`` arguments): a body over
 ``max_body_bytes`` is answered 413 before it is parsed (declared ``Content-Length`` or counted
 while a chunked body arrives); more than ``max_queries`` queries, or ``queries × min(topk,
 num_docs)`` over ``max_results``, is answered 422. Each answer is ``{"detail": …}`` naming the
 limit, e.g. ``"too many results per request: 300 queries × topk 100 = 30000 > max_results
 16384; send fewer queries per request or a smaller topk"``.
 
-Run::
-
-    python -m mempo_jax.tools.retrieval_server --corpus corpus.jsonl [--index DIR] \\
-        --host 127.0.0.1 --port 8000
-
-``--index DIR``: load the saved index when DIR holds one, otherwise build it from ``--corpus``
-and save it there. Binds 127.0.0.1 by default (loopback only).
+The ``mempo-retrieve-server`` command (``mempo_jax.commands.retrieval_server``) serves it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import fastapi
 import pydantic
@@ -189,39 +181,3 @@ def build_index(corpus: str | None, index_dir: str | None) -> BM25Index:
     if index_dir:
         index.save(index_dir)
     return index
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point (see module doc). Returns the process exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", help="corpus: rows {id, contents} (Search-R1), {id, title, text}, or a HippoRAG "
-                        "JSON array of {title, text} (JSONL, JSON array or parquet)")
-    parser.add_argument("--index", help="folder of a saved BM25 index (built and saved if absent)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--topk", type=int, default=3, help="hits per query when a request gives none")
-    parser.add_argument("--max_queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries per request (422 above)")
-    parser.add_argument("--max_results", type=int, default=DEFAULT_MAX_RESULTS,
-                        help="queries × topk per request (422 above)")
-    parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="request body size in bytes (413 above)")
-    parser.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
-    try:
-        for name in ("topk", "max_queries", "max_results", "max_body_bytes"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-        index = build_index(args.corpus, args.index)
-        app = create_app(index, args.topk, max_queries=args.max_queries, max_results=args.max_results,
-                         max_body_bytes=args.max_body_bytes)
-    except (ValueError, OSError) as exc:
-        print(f"retrieval_server: {exc}", file=sys.stderr)
-        return 2
-    import uvicorn
-
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

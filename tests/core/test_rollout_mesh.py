@@ -43,7 +43,7 @@ def test_weight_sync_places_the_training_params_on_the_rollout_mesh():
                                                   ("qwen2_5_7b_v5p64.gin", 8, {"data": 1, "fsdp": 1, "tensor": 4})])
 def test_plan_gives_each_host_its_rollout_mesh(recipe, hosts, mesh):
     from mempo_jax import config as config_lib
-    from mempo_jax import plan
+    from mempo_jax.run import memory_plan as plan
     from mempo_jax.core import mesh_config
 
     mesh_config.register()
@@ -58,7 +58,7 @@ def test_plan_gives_each_host_its_rollout_mesh(recipe, hosts, mesh):
 
 def test_a_bfloat16_rollout_copy_halves_the_weight_sync():
     from mempo_jax import config as config_lib
-    from mempo_jax import plan
+    from mempo_jax.run import memory_plan as plan
     from mempo_jax.core import mesh_config
 
     mesh_config.register()

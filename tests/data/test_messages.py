@@ -255,7 +255,7 @@ def test_bad_file(tmp_path):
 
 def _cli(args, cwd=REPO):
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "mempo_jax.data.write_sft_messages", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "mempo_jax.commands.write_sft_messages", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -305,7 +305,7 @@ def test_smollm2_text_tags_through_the_same_reader(tmp_path):
     if not (SMOLLM2 / "tokenizer.json").is_file():
         if os.environ.get("CI") == "true":
             pytest.fail(f"SmolLM2 folder missing under CI: {SMOLLM2}")
-        pytest.skip(f"SmolLM2 folder absent: {SMOLLM2} (python -m mempo_jax.model.smollm2)")
+        pytest.skip(f"SmolLM2 folder absent: {SMOLLM2} (python -m mempo_jax.commands.smollm2)")
     try:
         from mempo_jax.agent.tags import TagCodec
         from mempo_jax.text.hf_tokenizer import HFTokenizer
@@ -331,7 +331,7 @@ def test_smollm2_text_tags_through_the_same_reader(tmp_path):
 # ---- the trainer reads SFTConfig.data_path ---------------------------------------------------------
 
 def test_train_rejects_a_bad_messages_file_before_touching_the_run_folder(tmp_path, capfd):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     bad = _write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, {"messages": [U, {"role": "bot", "content": "x"}]}])
     run = tmp_path / "run"
@@ -346,7 +346,7 @@ def test_train_rejects_a_bad_messages_file_before_touching_the_run_folder(tmp_pa
 def test_train_runs_sft_from_a_messages_file(tmp_path, capsys):
     """``SFTConfig.data_path`` end to end: a messages file (not the scripted agent) trains the SFT stage
     (``train.main`` in-process: no signal or second process needed)."""
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     small = ["WorldConfig.num_people=60", "WorldConfig.num_companies=20", "WorldConfig.num_cities=16",
              "WorldConfig.num_countries=4", "WorldConfig.num_single=10", "WorldConfig.num_bridge=10",

@@ -2,7 +2,7 @@
 
 SmolLM2 (Llama layout, tied embeddings, ChatML template; Q4_1-dequantized weights, see
 ``mempo_jax.model.smollm2``) is imported with our loader, exported with ``export_policy`` (what
-``python -m mempo_jax.train`` writes to ``RUN_DIR/hf_export``), and transformers must load the
+``python -m mempo_jax.commands.train`` writes to ``RUN_DIR/hf_export``), and transformers must load the
 export and continue three chat prompts greedily token for token as our sampler does on the
 re-imported export. To stay within the test budget on CPU the model keeps its first
 ``SMOLLM2_LAYERS`` layers (conftest's ``smollm2_first_layers``: real weights, real tokenizer and

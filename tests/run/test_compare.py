@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import REPO
-from mempo_jax.run.compare import Evaluation, compare, format_comparison, load_evaluation, main
+from mempo_jax.commands.compare import main
+from mempo_jax.run.compare import Evaluation, compare, format_comparison, load_evaluation
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS  # noqa: E402
@@ -117,7 +118,7 @@ def test_rl_against_sft_of_a_real_run_equals_its_summary(small_run, tmp_path):
     module) reproduces ``summary.json``'s ``rl_vs_sft`` gains, with the trainer's bootstrap
     settings (``EvalConfig.bootstrap_samples``, seed 0)."""
     samples = next(p.split("=")[1] for p in SMALL_PARAMS if p.startswith("EvalConfig.bootstrap_samples="))
-    out = subprocess.run([sys.executable, "-m", "mempo_jax.run.compare", f"{small_run}:rl", f"{small_run}:sft",
+    out = subprocess.run([sys.executable, "-m", "mempo_jax.commands.compare", f"{small_run}:rl", f"{small_run}:sft",
                           "--json", "--samples", samples], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert out.returncode == 0, out.stderr

@@ -51,7 +51,7 @@ def test_malformed_fault_value_is_one_line(capsys):
 def test_the_product_command_reads_no_fault_from_the_environment():
     import inspect
 
-    from mempo_jax import train
+    from mempo_jax.commands import train
     from mempo_jax.run import resume
 
     for module in (train, resume):

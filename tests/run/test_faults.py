@@ -31,7 +31,7 @@ def _train(run_dir, params=(), faults=None, timeout=600):
     ``tests/fault_train.py`` (``train.main(hooks=FaultHooks(...))``)."""
     cmd = train_command(run_dir, params, SPM_CACHE)
     if faults:
-        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.commands.train
     return subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -129,7 +129,7 @@ def test_learner_skips_a_nonfinite_update_bit_for_bit():
 
 # ---- bad input: one line, what and where, before anything changes ------------------------------------
 def _main(capsys, run_dir, *params, cache=SPM_CACHE):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(cache)]
     for p in (*SMALL_PARAMS, *params):
@@ -147,7 +147,7 @@ def test_unknown_gin_binding(tmp_path, capsys):
                    "(--gin_param RLConfig.stepz=3)")
     gin = tmp_path / "bad.gin"
     gin.write_text("RLConfig.steps = 3\nNoSuchConfig.x = 1\n")
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     rc = train.main(["--run_dir", str(tmp_path / "r"), "--gin_file", str(gin)])
     err = _errors(capsys.readouterr().err)
@@ -302,7 +302,7 @@ def test_remote_access_sends_the_id_as_a_query_parameter():
 def test_retrieval_server_binds_loopback_by_default(tmp_path, monkeypatch):
     import uvicorn
 
-    from mempo_jax.tools import retrieval_server
+    from mempo_jax.commands import retrieval_server
     from mempo_jax.tools.corpus import write_corpus_jsonl
 
     write_corpus_jsonl(_docs(), tmp_path / "c.jsonl")

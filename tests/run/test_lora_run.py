@@ -27,7 +27,7 @@ LORA = ("LoraConfig.rank=4", "LoraConfig.alpha=8.0", "LoraConfig.target_modules=
 def _train(run_dir, faults=None, args=()):
     cmd = train_command(run_dir, LORA, SPM_CACHE) + list(args)
     if faults:  # through tests/fault_train.py (train.main with FaultHooks)
-        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.commands.train
     return subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 

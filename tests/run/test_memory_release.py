@@ -1,5 +1,5 @@
 """Between SFT and RL the trainer holds the policy and the frozen reference, not the SFT optimizer
-state (``mempo_jax/train.py``): measured on the device buffers of ``jax.live_arrays()`` (each
+state (``mempo_jax/commands/train.py``): measured on the device buffers of ``jax.live_arrays()`` (each
 buffer once: two arrays may alias one) in a run of the small config of
 ``benchmarks/chaos_resume.py``, in its own process."""
 
@@ -20,7 +20,7 @@ from conftest import SPM_CACHE, one_device_env  # noqa: E402
 PROBE = r"""
 import gc, json, sys
 import jax
-from mempo_jax import train
+from mempo_jax.commands import train
 from mempo_jax.run import stages
 
 real = stages.rl_stage

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mempo_jax.train import out_of_memory_line
+from mempo_jax.commands.train import out_of_memory_line
 
 
 def _allocate_a_terabyte():

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from mempo_jax.run.plot import eval_points, main, moving_average, plot_runs, stage_series
+from mempo_jax.commands.plot import main
+from mempo_jax.run.plot import eval_points, moving_average, plot_runs, stage_series
 
 
 def _write_run(folder, rewards, f1s):

@@ -1,12 +1,12 @@
 """RL on any QA set, on the shared FlashRAG / Bamboogle / HotpotQA files.
 
-* ``python -m mempo_jax.train`` on a FlashRAG QA file with a corpus JSONL (a tiny model trained
+* ``python -m mempo_jax.commands.train`` on a FlashRAG QA file with a corpus JSONL (a tiny model trained
   from scratch) and, from a Hugging Face checkpoint with ``SFTConfig.steps = 0``, against a real
-  ``mempo_jax.tools.retrieval_server`` process on loopback: the retrieved passages in
+  ``mempo_jax.commands.retrieval_server`` process on loopback: the retrieved passages in
   ``rollouts.jsonl`` are the server's, the frozen reference is the checkpoint (KL 0 before the first
   update), and ``RUN_DIR/hf_export`` holds the RL policy that transformers loads and decodes
   greedily token for token as our sampler does.
-* ``python -m mempo_jax.evaluate --hf_checkpoint`` on that export gives the ``eval.json`` of
+* ``python -m mempo_jax.commands.evaluate --hf_checkpoint`` on that export gives the ``eval.json`` of
   ``--run_dir`` on the run folder (whose tokenizer is now ``hf_tokenizer/``).
 * Bad input: a retriever that does not answer, a CSV without a ``question`` column: one line
   naming the URL / file, exit 2, the run folder untouched.
@@ -31,8 +31,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mempo_jax import evaluate as ev  # noqa: E402
-from mempo_jax import train  # noqa: E402
+from mempo_jax.commands import evaluate as ev  # noqa: E402
+from mempo_jax.commands import train  # noqa: E402
 from mempo_jax.text.protocol import render_turn  # noqa: E402
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.run.checkpoint import read_checkpoint  # noqa: E402
@@ -113,7 +113,7 @@ def scripted_checkpoint(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def retriever(data, tmp_path_factory):
-    """``python -m mempo_jax.tools.retrieval_server`` over the FlashRAG corpus sample on a free
+    """``python -m mempo_jax.commands.retrieval_server`` over the FlashRAG corpus sample on a free
     loopback port; yields its URL."""
     with retrieval_server(data / CORPUS, tmp_path_factory.mktemp("server") / "index", 1000) as url:
         yield url
@@ -311,8 +311,8 @@ def test_bad_qa_input_exits_2_and_leaves_the_run_folder_untouched(case, data, tm
 
 @pytest.mark.slow
 def test_export_command_on_the_run_folder(checkpoint_run, tmp_path, capsys):
-    """``python -m mempo_jax.run.export`` of the run folder's RL step 1 writes what the trainer wrote."""
-    from mempo_jax.run import export
+    """``python -m mempo_jax.commands.export`` of the run folder's RL step 1 writes what the trainer wrote."""
+    from mempo_jax.commands import export
 
     assert export.main(["--run_dir", str(checkpoint_run), "--checkpoint", "1", "--out", str(tmp_path / "e")]) == 0
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

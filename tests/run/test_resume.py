@@ -1,4 +1,4 @@
-"""Checkpoints, resume and preemption of ``python -m mempo_jax.train``, on the small run
+"""Checkpoints, resume and preemption of ``python -m mempo_jax.commands.train``, on the small run
 of ``benchmarks/chaos_resume.py`` (1-layer model, tiny world, 6 SFT + 6 RL steps) in subprocesses.
 
 The uninterrupted run is the session's ``small_run`` (``conftest.py``); every run shares the
@@ -37,7 +37,7 @@ def _train(run_dir, params=(), faults=None, timeout=600, args=()):
     ``tests/fault_train.py`` (``train.main(hooks=FaultHooks(...))``)."""
     cmd = train_command(run_dir, params, SPM_CACHE) + list(args)
     if faults:
-        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.train
+        cmd = fault_command(faults) + cmd[3:]  # cmd[:3]: python -m mempo_jax.commands.train
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=one_device_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
@@ -46,7 +46,7 @@ def _train(run_dir, params=(), faults=None, timeout=600, args=()):
 def _main_exit_2(capfd, run_dir, params=()):
     """``train.main`` in-process on the small config plus ``params`` (a command that stops at
     start-up needs no process of its own); returns (exit status, what it wrote to stderr)."""
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     argv = ["--run_dir", str(run_dir), "--cache_dir", str(SPM_CACHE)]
     for p in (*SMALL_PARAMS, *params):
@@ -148,7 +148,7 @@ def test_rerun_of_a_finished_run_changes_nothing(reference, tmp_path):
 
 
 def test_resume_flag_needs_a_checkpoint(tmp_path, capsys):
-    from mempo_jax import train
+    from mempo_jax.commands import train
 
     rc = train.main(["--run_dir", str(tmp_path / "empty"), "--resume"])
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]

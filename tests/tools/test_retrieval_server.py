@@ -16,7 +16,8 @@ from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, write_corpus_jsonl
 from mempo_jax.tools.remote import RemoteSearchBackend
-from mempo_jax.tools.retrieval_server import build_index, main
+from mempo_jax.commands.retrieval_server import main
+from mempo_jax.tools.retrieval_server import build_index
 from mempo_jax.tools.search import ToolEnvironment, ToolError
 
 from conftest import free_port, retrieval_server
@@ -36,7 +37,7 @@ def local_index():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``python -m mempo_jax.tools.retrieval_server`` on a free loopback port; yields its URL."""
+    """``python -m mempo_jax.commands.retrieval_server`` on a free loopback port; yields its URL."""
     tmp = tmp_path_factory.mktemp("server")
     write_corpus_jsonl(DOCS, tmp / "corpus.jsonl")
     with retrieval_server(tmp / "corpus.jsonl", tmp / "index", 10, "--topk", "3", timeout_s=45) as url:

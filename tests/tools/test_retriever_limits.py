@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from mempo_jax.text.protocol import parse_turn, render_turn
+from mempo_jax.commands import retrieval_server as retrieval_command
 from mempo_jax.tools import retrieval_server
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, write_corpus_jsonl
@@ -278,14 +279,14 @@ DOCS = [Document(str(i), w.title(), f"The {w} is here.") for i, w in enumerate(W
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
-    """``retrieval_server.main`` with small caps (the CLI flags), served by uvicorn on loopback."""
+    """``retrieval_command.main`` with small caps (the CLI flags), served by uvicorn on loopback."""
     tmp = tmp_path_factory.mktemp("capped")
     write_corpus_jsonl(DOCS, tmp / "c.jsonl")
     apps = []
     real_run = uvicorn.run
     uvicorn.run = lambda app, **kw: apps.append(app)
     try:
-        assert retrieval_server.main(["--corpus", str(tmp / "c.jsonl"), "--max_queries", "6", "--max_results", "12",
+        assert retrieval_command.main(["--corpus", str(tmp / "c.jsonl"), "--max_queries", "6", "--max_results", "12",
                                       "--max_body_bytes", "2000"]) == 0
     finally:
         uvicorn.run = real_run
@@ -348,7 +349,7 @@ def test_client_batches_under_the_server_cap(capped):
 
 def test_server_rejects_bad_caps(tmp_path, capsys):
     write_corpus_jsonl(DOCS, tmp_path / "c.jsonl")
-    assert retrieval_server.main(["--corpus", str(tmp_path / "c.jsonl"), "--max_results", "0"]) == 2
+    assert retrieval_command.main(["--corpus", str(tmp_path / "c.jsonl"), "--max_results", "0"]) == 2
     assert "--max_results must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_body_bytes"):
         retrieval_server.create_app(BM25Index(DOCS), max_body_bytes=0)

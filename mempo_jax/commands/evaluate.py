@@ -3,7 +3,7 @@ context mode (docs/algorithm.md §6).
 
 ::
 
-    python -m mempo_jax.evaluate (--run_dir RUN_DIR [--checkpoint STEP] | --hf_checkpoint DIR) \\
+    python -m mempo_jax.commands.evaluate (--run_dir RUN_DIR [--checkpoint STEP] | --hf_checkpoint DIR) \\
         --dataset NAME=PATH [--dataset NAME=PATH ...] [--corpus FILE | --retriever_url URL] \\
         [--modes 1,full] [--limit N] [--temperature 0] [--topk K] [--multi_objective K] --out DIR
 
@@ -49,11 +49,12 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence
 
-from mempo_jax.cli import command_name
 from mempo_jax.agent.rollout import RolloutConfig
-from mempo_jax.run.backends import merge_passages, plan_corpora, pooled_passages  # noqa: F401 (re-exported)
-
-DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
+from mempo_jax.commands.cli import command_name
+from mempo_jax.run.backends import plan_corpora
+from mempo_jax.run.eval_report import format_table, write_chart
+from mempo_jax.run.run_folder import (CHECKPOINT_FOLDERS, DEFAULT_TOPK, checkpoint_steps, run_model_options,
+                                      run_rollout_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,27 +77,11 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
     return DatasetSpec(name.strip(), pathlib.Path(path.strip()))
 
 
-CHECKPOINT_FOLDERS = ("checkpoints", "sft_checkpoint")  # a run folder's RL and SFT checkpoints
-
-
-def checkpoint_steps(run_dir: str | os.PathLike, folder: str = "checkpoints") -> list[int]:
-    """Steps of the complete checkpoints under ``RUN_DIR/folder`` (``checkpoints``: RL;
-    ``sft_checkpoint``: SFT), ascending.
-
-    Orbax writes a step to a temporary folder (``N.orbax-checkpoint-tmp-…``) and renames it to
-    ``N`` when complete, so only all-digit folder names count.
-    """
-    ckpt = pathlib.Path(run_dir) / folder
-    if not ckpt.is_dir():
-        return []
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[pathlib.Path, int, str]:
     """The run folder, checkpoint step and checkpoint folder to evaluate, checked on disk.
 
     Args:
-      run_dir: ``--run_dir`` (a folder written by ``python -m mempo_jax.train``) or None.
+      run_dir: ``--run_dir`` (a folder written by ``python -m mempo_jax.commands.train``) or None.
       checkpoint: ``--checkpoint``: an integer step when ``run_dir`` is given, otherwise a path:
         ``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP`` (RL), or
         ``RUN_DIR/sft_checkpoint`` or ``RUN_DIR/sft_checkpoint/STEP`` (the SFT policy).
@@ -127,7 +112,7 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
                 raise ValueError(f"--run_dir {run} and --checkpoint {checkpoint} name different run folders")
             run = p
     if run is None:
-        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.train) or "
+        raise ValueError("pass --run_dir RUN_DIR (a folder written by python -m mempo_jax.commands.train) or "
                          "--hf_checkpoint DIR (a Hugging Face checkpoint folder)")
     if not run.is_dir():
         raise FileNotFoundError(f"run folder not found: {run}")
@@ -135,9 +120,9 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
 
     if run_tokenizer_path(run) is None:
         raise FileNotFoundError(f"{run / 'tokenizer.model'} (or hf_tokenizer/tokenizer.json) not found: is {run} a run "
-                                "folder of mempo_jax.train?")
+                                "folder of mempo_jax.commands.train?")
     if not (run / "model_config.json").is_file():
-        raise FileNotFoundError(f"{run / 'model_config.json'} not found: is {run} a run folder of mempo_jax.train?")
+        raise FileNotFoundError(f"{run / 'model_config.json'} not found: is {run} a run folder of mempo_jax.commands.train?")
     steps = checkpoint_steps(run, folder)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {run / folder}")
@@ -196,122 +181,9 @@ def load_questions(path: str | os.PathLike, limit: int = 0, multi_objective: int
     return examples[:limit] if limit else examples
 
 
-def _run_config(run_dir: pathlib.Path):
-    """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent or unreadable)."""
-    path = run_dir / "config.gin"
-    if not path.is_file():
-        return None, "defaults (no config.gin)"
-    from mempo_jax.config import load_run_folder_config
-
-    try:
-        return load_run_folder_config(path), str(path)
-    except ValueError as e:
-        print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
-        return None, "defaults (config.gin unreadable)"
-
-
-def run_rollout_options(run_dir: pathlib.Path):
-    """The rollout options and ``topk`` the run was trained with, read from ``RUN_DIR/config.gin``.
-
-    Returns:
-      ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
-      is absent or unreadable by this version; ``note`` says which was used.
-    """
-    cfg, note = _run_config(run_dir)
-    return (RolloutConfig(), DEFAULT_TOPK, note) if cfg is None else (cfg.rl.rollout, cfg.topk, note)
-
-
-def run_model_options(run_dir: pathlib.Path):
-    """The run's ``ModelOptions`` (how its policy is prompted), default ones without a readable config."""
-    from mempo_jax.config import ModelOptions
-
-    cfg, _ = _run_config(run_dir)
-    return ModelOptions() if cfg is None else cfg.model
-
-
-def format_table(results: dict) -> str:
-    """Markdown table, one row per (dataset, mode): n, EM, F1, TT, PT, turns, tool calls, format
-    fail, and EM per question kind (``metrics.kind_columns``: a QA file's ``type``, the tiny world's
-    kinds; "-" where a dataset has no such kind)."""
-    from mempo_jax.run.metrics import kind_cells, kind_columns
-
-    kinds, head, rule = kind_columns([m for modes in results.values() for m in modes.values()])
-    lines = ["| dataset | mode | n | EM | F1 | TT | PT | turns | tool calls | format fail |" + head,
-             "|---|---|---|---|---|---|---|---|---|---|" + rule]
-    for name, modes in results.items():
-        for mode, m in modes.items():
-            lines.append(f"| {name} | {mode} | {m['n']} | {m['em']:.3f} | {m['f1']:.3f} | {m['tt']:.0f} | "
-                         f"{m['pt']:.0f} | {m['turns']:.2f} | {m['tool_calls']:.2f} | {m['format_fail']:.3f} |"
-                         + kind_cells(m, kinds))
-    return "\n".join(lines)
-
-
-CHART_PANELS = (("em", "EM", "%.2f"), ("f1", "F1", "%.2f"), ("format_fail", "format-fail rate", "%.2f"),
-                ("tt", "TT (tokens / question)", "%.0f"))  # (result key, panel title, bar label format)
-
-
-def write_chart(results: dict, path: str | os.PathLike, title: str = "") -> None:
-    """Write ``chart_figure(results)`` as a PNG at ``path``, with ``title`` above the panels."""
-    fig, axes = chart_figure(results)
-    save_figure(fig, axes.flat[0], path, title)
-
-
-def chart_figure(results: dict):
-    """``(figure, axes [2, 2])``: four grouped bar charts, EM, F1, format-fail rate and TT (tokens
-    per question), per dataset, one bar per context mode; every bar carries its value as text, so a
-    chart whose scores are all 0 still reads "0.00" on each bar (a missing mode reads "n/a"). The
-    three rates share the fixed axis [0, 1].
-
-    Args:
-      results: ``{dataset: {mode: {"em", "f1", "format_fail", "tt", …}}}`` (``eval.json``'s ``results``).
-
-    Uses the matplotlib Agg backend (no display needed).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    names = list(results)
-    modes = list(dict.fromkeys(m for r in results.values() for m in r))
-    x = np.arange(len(names))
-    width = 0.8 / max(len(modes), 1)
-    fig, axes = plt.subplots(2, 2, figsize=(max(7.0, 2.0 * len(names) * max(len(modes), 1) / 2 + 4), 6.4))
-    for ax, (key, label, fmt) in zip(axes.flat, CHART_PANELS):
-        for j, mode in enumerate(modes):
-            vals = np.asarray([results[n].get(mode, {}).get(key, np.nan) for n in names], np.float64)
-            bars = ax.bar(x + (j - (len(modes) - 1) / 2) * width, np.nan_to_num(vals), width, label=mode)
-            ax.bar_label(bars, labels=["n/a" if np.isnan(v) else fmt % v for v in vals], fontsize=7, padding=1)
-        ax.set_xticks(x, names)
-        ax.set_title(label, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-        if key != "tt":
-            ax.set_ylim(0, 1.12)
-        else:
-            ax.set_ylim(0, max(1.0, float(np.nanmax([r.get(m, {}).get("tt", 0.0) for r in results.values()
-                                                      for m in modes] or [0.0]))) * 1.15)
-    return fig, axes
-
-
-def save_figure(fig, legend_axes, path: str | os.PathLike, title: str = "") -> None:
-    """Writes a matplotlib figure as a PNG (120 dpi) and closes it: a "context" legend on
-    ``legend_axes``, ``title`` (if any) above the panels, tight layout. Shared by this command's
-    plot and ``benchmarks/objectives_sweep.py``'s."""
-    import matplotlib.pyplot as plt
-
-    legend_axes.legend(title="context")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.evaluate"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--run_dir", help="run folder of python -m mempo_jax.train (tokenizer.model, model_config.json, checkpoints/)")
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.evaluate"), description=__doc__.split("\n\n")[0])
+    p.add_argument("--run_dir", help="run folder of python -m mempo_jax.commands.train (tokenizer.model, model_config.json, checkpoints/)")
     p.add_argument("--checkpoint", help="checkpoint STEP (default: newest), or a run folder / its checkpoints/STEP; "
                    "RUN_DIR/sft_checkpoint[/STEP] evaluates the SFT policy")
     p.add_argument("--hf_checkpoint", metavar="DIR",

@@ -1,4 +1,4 @@
-"""Memory plan of a recipe on its TPU slice: ``python -m mempo_jax.plan --gin_file=CONFIG``.
+"""Memory plan of a recipe on its TPU slice (the ``python -m mempo_jax.commands.plan`` command prints it).
 
 Builds the policy (``nnx.eval_shape`` of the decoder), the AdamW state and the sampler's KV cache
 (``jax.eval_shape`` of the jitted initialisers with their ``out_shardings``) on the *target* mesh —
@@ -33,22 +33,16 @@ Each phase's terms are in ``MemoryPlan.terms`` (and the printed table), so the o
 
 Peak per device = parameters + optimizer state + reference + the largest phase. With LoRA
 (``LoraConfig.rank > 0``) the optimizer state, the gradients and the reference copy are those of
-the adapters alone (the frozen base, in ``LoraConfig.base_dtype``, is shared by the reference). The command
-exits 1 with a message naming the largest term when the peak exceeds ``PlanConfig.hbm_fraction``
-of the chip's HBM (v5e 16 GiB, v5p 95 GiB, v6e 32 GiB), 2 on a config error, else 0.
+the adapters alone (the frozen base, in ``LoraConfig.base_dtype``, is shared by the reference). The plan
+does not fit (``MemoryPlan.fits`` false; ``fit_error`` names the largest term) when the peak exceeds
+``PlanConfig.hbm_fraction`` of the chip's HBM (v5e 16 GiB, v5p 95 GiB, v6e 32 GiB).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import pathlib
-import sys
-from typing import Optional, Sequence
-
-from mempo_jax.cli import command_name
 
 GIB = 2**30
 # Calibration of the activation estimate against XLA's own ``compiled.memory_analysis()`` of each
@@ -598,51 +592,21 @@ def format_rollout_plan(r: dict) -> str:
     ])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI: print the plan; exit 0 when it fits, 1 when it does not, 2 on a config error."""
-    from mempo_jax.recipes import gin_file_help
-
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.plan"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--gin_file", action="append", default=[], help=gin_file_help(None))
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
-    p.add_argument("--xla", action="store_true",
-                   help="also compile the update, log-prob and scoring programs with abstract parameters on this "
-                        "process's devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N) and print XLA's "
-                        "memory_analysis() per device beside the plan's figure")
-    args = p.parse_args(argv)
-    from mempo_jax import config as config_lib
-    from mempo_jax.core import mesh_config
-
-    try:
-        mesh_config.register()
-        cfg = config_lib.load_config(args.gin_file, args.gin_param)
-        pod = mesh_config.from_gin()
-        plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
-        rollout = rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
-    except (ValueError, TypeError, KeyError) as e:
-        msg = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()
-        print(f"error: {msg.splitlines()[0] if msg else repr(e)}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({**plan_dict(plan), "rollout": rollout}, indent=1))
-    else:
-        print(format_plan(plan, ", ".join(args.gin_file)) + "\n" + format_rollout_plan(rollout))
-    if args.xla:
-        xla, ours = xla_phases(cfg, pod.mesh, pod.tpu, pod.plan), phase_totals(plan)
-        print("  XLA memory_analysis() per device (arguments + temporaries + outputs - aliased) against the plan:")
-        for phase, d in xla.items():
-            print(f"    {phase:<10} XLA {_gib(d['total'])} (temporaries {_gib(d['temporaries'])})   plan "
-                  f"{_gib(ours[phase])}   plan / XLA {ours[phase] / max(d['total'], 1):.2f}")
-    if not plan.fits:
-        print(f"error: the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
-              f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "
-              f"HBM of a {plan.chip} chip); the largest phase is '{plan.peak_phase}' "
-              f"({plan.phases[plan.peak_phase] / GIB:.2f} GiB: {_terms(plan.terms[plan.peak_phase])}). Use more chips, a larger fsdp/tensor split, fewer "
-              f"rollout rows, shorter contexts, or smaller micro-batch / chunk rows.", file=sys.stderr)
-        return 1
-    return 0
+def fit_error(plan: MemoryPlan) -> str:
+    """The one-line message for a plan whose peak exceeds its budget: the peak, the budget, the
+    largest phase and its terms, and what to change."""
+    return (f"the plan does not fit: peak {plan.peak / GIB:.2f} GiB per device > budget "
+            f"{plan.budget / GIB:.2f} GiB ({plan.budget / plan.hbm_bytes:.0%} of the {plan.hbm_bytes / GIB:.0f} GiB "
+            f"HBM of a {plan.chip} chip); the largest phase is '{plan.peak_phase}' "
+            f"({plan.phases[plan.peak_phase] / GIB:.2f} GiB: {_terms(plan.terms[plan.peak_phase])}). Use more chips, "
+            f"a larger fsdp/tensor split, fewer rollout rows, shorter contexts, or smaller micro-batch / chunk rows.")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def format_xla_comparison(xla: dict, plan: MemoryPlan) -> str:
+    """``xla_phases``' totals per phase beside the plan's (``phase_totals``), one line each."""
+    ours = phase_totals(plan)
+    lines = ["  XLA memory_analysis() per device (arguments + temporaries + outputs - aliased) against the plan:"]
+    for phase, d in xla.items():
+        lines.append(f"    {phase:<10} XLA {_gib(d['total'])} (temporaries {_gib(d['temporaries'])})   plan "
+                     f"{_gib(ours[phase])}   plan / XLA {ours[phase] / max(d['total'], 1):.2f}")
+    return "\n".join(lines)

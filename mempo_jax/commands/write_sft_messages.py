@@ -1,4 +1,4 @@
-"""``python -m mempo_jax.data.write_sft_messages --out FILE [--gin_file F] [--gin_param B] [--split S]``.
+"""``python -m mempo_jax.commands.write_sft_messages --out FILE [--gin_file F] [--gin_param B] [--split S]``.
 
 Plays the scripted agent (``data/scripted_agent.py``) on the questions of a run config's dataset —
 the embedded tiny world or a HotpotQA file (``ExperimentConfig.dataset`` / ``data_path``, split into
@@ -7,8 +7,8 @@ writes one messages row per question (``data/messages.py``): the assistant conte
 ``render_turn`` text of each turn, the tool contents the raw observation text. The file is what
 ``SFTConfig.data_path`` reads; ``.parquet`` in the name writes parquet (needs ``pyarrow``).
 
-The generator is seeded by ``ExperimentConfig.seed`` and draws as ``train.py`` does when it plays
-the agent in memory (no ``SFTConfig.data_path``), so the file holds the same trajectories that the
+The generator is seeded by ``ExperimentConfig.seed`` and draws as the trainer's SFT stage does when it
+plays the agent in memory (no ``SFTConfig.data_path``), so the file holds the same trajectories that the
 default SFT stage trains on. Nothing is tokenised: no tokenizer or model is built.
 
 Exit status: 0 written, 2 bad config or data (one line on stderr; nothing written).
@@ -21,13 +21,17 @@ import sys
 
 import numpy as np
 
-from mempo_jax.cli import command_name
+from mempo_jax.commands.cli import command_name
+from mempo_jax.config import DEFAULT_GIN, load_run_config
+from mempo_jax.data.messages import write_messages
+from mempo_jax.data.scripted_agent import scripted_conversation
+from mempo_jax.recipes import gin_file_help
+from mempo_jax.run.experiment import load_questions
+from mempo_jax.tools.search import ToolEnvironment
 
 
 def _parse_args(argv):
-    from mempo_jax.recipes import gin_file_help
-
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.data.write_sft_messages"),
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.write_sft_messages"),
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output file (.jsonl, or .parquet)")
     p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())
@@ -38,7 +42,7 @@ def _parse_args(argv):
 
 
 def scripted_conversations(cfg, split: str = "train"):
-    """The scripted agent's conversations on a config's questions, as ``train.py`` plays them.
+    """The scripted agent's conversations on a config's questions, as the trainer's SFT stage plays them.
 
     Args:
       cfg: an ``ExperimentConfig``.
@@ -50,23 +54,16 @@ def scripted_conversations(cfg, split: str = "train"):
     Raises:
       FileNotFoundError / ValueError: a missing or malformed data file (names it).
     """
-    from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.run.experiment import load_questions
-    from mempo_jax.tools.search import ToolEnvironment
-
     train_q, held_q, _, offices, backend, _ = load_questions(cfg)
     questions = train_q if split == "train" else held_q
     env = ToolEnvironment(backend, topk=cfg.topk)
-    rng = np.random.default_rng(cfg.seed)  # train.py's SFT generator (its first draws are the agent's)
+    rng = np.random.default_rng(cfg.seed)  # the SFT stage's generator (its first draws are the agent's)
     return [scripted_conversation(q, offices, env, cfg.sft.agent, rng) for q in questions], questions
 
 
 def main(argv=None) -> int:
     """CLI entry point; returns the exit status (0 written, 2 bad config or data)."""
     args = _parse_args(argv)
-    from mempo_jax.data.messages import write_messages
-    from mempo_jax.config import DEFAULT_GIN, load_run_config
-
     try:
         cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param).experiment
         convs, _ = scripted_conversations(cfg, args.split)

@@ -1,4 +1,4 @@
-"""The main job: ``python -m mempo_jax.train --run_dir DIR [--gin_file F] [--gin_param B] [--resume]``.
+"""The main job: ``python -m mempo_jax.commands.train --run_dir DIR [--gin_file F] [--gin_param B] [--resume]``.
 
 Stages (the default ``configs/tiny_world.gin`` runs all of them on CPU in minutes):
 
@@ -36,7 +36,7 @@ tensor)``: the smallest, ``(1, 1, 1)``, unless the config binds ``MeshConfig`` (
 or several processes run (``distributed.maybe_initialize`` joins them first: ``$MEMPO_MULTIHOST=1``
 on a TPU slice, or ``$MEMPO_COORDINATOR`` / ``$MEMPO_NUM_PROCESSES`` / ``$MEMPO_PROCESS_ID``).
 Policy, reference, optimizer state, KV cache and batches are placed by ``MeshConfig.rules``;
-``ExecutionConfig`` holds the micro-batch and chunk rows (``python -m mempo_jax.plan`` reads the
+``ExecutionConfig`` holds the micro-batch and chunk rows (``python -m mempo_jax.commands.plan`` reads the
 same). Each process rolls out, calls the tools for and evaluates its share of a step's questions
 and feeds its share of each SFT batch; ``mempo_jax.run.lockstep`` runs every device program on the
 global batch (pass-throughs on one process). Process 0 alone writes the logs, evaluation files,
@@ -53,17 +53,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+
 import jax
 import jax.numpy as jnp
 
-from mempo_jax.cli import command_name
-from mempo_jax.config import DEFAULT_GIN, RunConfig, load_run_config  # noqa: F401 (the entry point's config path)
+from mempo_jax.commands.cli import command_name
+from mempo_jax.config import DEFAULT_GIN, load_run_config
 from mempo_jax.recipes import gin_file_help
 
 
-
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog=command_name("mempo_jax.train"), description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.train"), description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dir", required=True, help="output folder (metrics, summary, checkpoints)")
     p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. RLConfig.steps=10")

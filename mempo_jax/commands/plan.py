@@ -1,0 +1,64 @@
+"""``python -m mempo_jax.commands.plan --gin_file=CONFIG [--gin_param B] [--json] [--xla]`` (``mempo-plan``):
+the memory plan of a recipe on its TPU slice (``mempo_jax.run.memory_plan``).
+
+Prints the plan per device and the rollout mesh's (``--json``: both as JSON, in bytes); ``--xla``
+also compiles the update, log-prob and scoring programs with abstract parameters on this process's
+devices and prints XLA's ``memory_analysis()`` beside the plan's figure. Exit status: 0 when the
+plan fits, 1 when its peak exceeds ``PlanConfig.hbm_fraction`` of the chip's HBM (one ``error:``
+line naming the largest term), 2 on a config error (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from mempo_jax import config as config_lib
+from mempo_jax.commands.cli import command_name
+from mempo_jax.core import mesh_config
+from mempo_jax.recipes import gin_file_help
+from mempo_jax.run.memory_plan import (build_plan, fit_error, format_plan, format_rollout_plan,
+                                       format_xla_comparison, plan_dict, rollout_plan, xla_phases)
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.plan"), description=__doc__.split("\n\n")[0])
+    p.add_argument("--gin_file", action="append", default=[], help=gin_file_help(None))
+    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TPUConfig.accelerator_type=\"v5p-128\"")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes) instead of the table")
+    p.add_argument("--xla", action="store_true",
+                   help="also compile the update, log-prob and scoring programs with abstract parameters on this "
+                        "process's devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N) and print XLA's "
+                        "memory_analysis() per device beside the plan's figure")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print the plan; returns 0 when it fits, 1 when it does not, 2 on a config error."""
+    args = _parse_args(argv)
+    try:
+        mesh_config.register()
+        cfg = config_lib.load_config(args.gin_file, args.gin_param)
+        pod = mesh_config.from_gin()
+        plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+        rollout = rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    except (ValueError, TypeError, KeyError) as e:
+        msg = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()
+        print(f"error: {msg.splitlines()[0] if msg else repr(e)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**plan_dict(plan), "rollout": rollout}, indent=1))
+    else:
+        print(format_plan(plan, ", ".join(args.gin_file)) + "\n" + format_rollout_plan(rollout))
+    if args.xla:
+        print(format_xla_comparison(xla_phases(cfg, pod.mesh, pod.tpu, pod.plan), plan))
+    if not plan.fits:
+        print(f"error: {fit_error(plan)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""What a run folder of the trainer says about itself: its complete checkpoint steps, and the
+rollout and model options and the source checkpoint it was trained with (read from
+``RUN_DIR/config.gin``)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+from mempo_jax.agent.rollout import RolloutConfig
+from mempo_jax.config import ExperimentConfig, ModelOptions, load_run_folder_config
+
+DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
+
+
+CHECKPOINT_FOLDERS = ("checkpoints", "sft_checkpoint")  # a run folder's RL and SFT checkpoints
+
+
+def checkpoint_steps(run_dir: str | os.PathLike, folder: str = "checkpoints") -> list[int]:
+    """Steps of the complete checkpoints under ``RUN_DIR/folder`` (``checkpoints``: RL;
+    ``sft_checkpoint``: SFT), ascending.
+
+    Orbax writes a step to a temporary folder (``N.orbax-checkpoint-tmp-…``) and renames it to
+    ``N`` when complete, so only all-digit folder names count.
+    """
+    ckpt = pathlib.Path(run_dir) / folder
+    if not ckpt.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _run_config(run_dir: pathlib.Path) -> tuple[ExperimentConfig | None, str]:
+    """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent or unreadable)."""
+    path = run_dir / "config.gin"
+    if not path.is_file():
+        return None, "defaults (no config.gin)"
+    try:
+        return load_run_folder_config(path), str(path)
+    except ValueError as e:
+        print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
+        return None, "defaults (config.gin unreadable)"
+
+
+def run_rollout_options(run_dir: pathlib.Path) -> tuple[RolloutConfig, int, str]:
+    """The rollout options and ``topk`` the run was trained with, read from ``RUN_DIR/config.gin``.
+
+    Returns:
+      ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
+      is absent or unreadable by this version; ``note`` says which was used.
+    """
+    cfg, note = _run_config(run_dir)
+    return (RolloutConfig(), DEFAULT_TOPK, note) if cfg is None else (cfg.rl.rollout, cfg.topk, note)
+
+
+def run_model_options(run_dir: pathlib.Path) -> ModelOptions:
+    """The run's ``ModelOptions`` (how its policy is prompted), default ones without a readable config."""
+    cfg, _ = _run_config(run_dir)
+    return ModelOptions() if cfg is None else cfg.model
+
+
+def run_source_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
+    """The Hugging Face folder a run started from (``ModelOptions.checkpoint`` in
+    ``RUN_DIR/config.gin``) when it still exists, else None."""
+    gin_file = pathlib.Path(run_dir) / "config.gin"
+    try:
+        source = load_run_folder_config(gin_file).model.checkpoint if gin_file.is_file() else ""
+    except ValueError:
+        return None
+    return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None
