@@ -127,8 +127,7 @@ class SFTConfig:
         the policy works in both context modes.
       copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``);
         for models trained from scratch (``configs/tiny_world.gin`` sets 0.25). Default 0: a
-        pretrained checkpoint copies already, and random-token rows only cost it (measured on
-        SmolLM2-135M: SFT EM 0.120 without them, 0.080 with the copy warm-up).
+        pretrained checkpoint copies already, and random-token rows only cost it (docs/results.md).
       copy_warmup_fraction: share of ``steps`` trained first on copy rows only (a curriculum: a
         from-scratch model forms its copy circuit there before the agent rows;
         ``sft.with_copy_warmup``); 0: none. Needs a corpus to draw the rows from, as
@@ -349,7 +348,7 @@ class ExperimentConfig:
         name kept for recipes that set ``data_path``).
       data_path: the HotpotQA file of ``dataset = "hotpotqa"`` recipes: another name for
         ``train_path`` (set one of them; with ``eval_path`` empty 20 % of it is held out and its
-        context paragraphs are the corpus, as before).
+        context paragraphs are the corpus).
       train_path: the training QA file, any format ``mempo_jax.data.qa_formats`` reads: FlashRAG /
         Search-R1 JSONL or parquet, question–answer JSONL, CSV with ``question`` and ``answer``
         columns, HotpotQA, 2WikiMultihopQA, MuSiQue (``mempo_jax.data.qa_questions``).
@@ -459,21 +458,20 @@ class ExperimentConfig:
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
                   RLConfig, RolloutConfig, LossConfig, MemoryRewardConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
                   TPUConfig, PlanConfig, LoraConfig)
-# Bindings of fields that moved (a recipe that still binds one gets a one-line error naming the new field).
-MOVED_FIELDS = {"PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows",
-                "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
-                "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
-                "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows"}
-# RLConfig's memory-reward fields, now MemoryRewardConfig's (same values): a run folder's config.gin
-# that binds one is read with the new name (``load_run_folder_config``); a recipe gets the MOVED_FIELDS error.
-RENAMED_FIELDS = {f"RLConfig.{old}": f"MemoryRewardConfig.{new}" for old, new in (
-    ("memory_answer", "answer"), ("memory_prefix", "prefix"), ("memory_reward_malformed", "include_malformed"),
-    ("memory_reward_on", "trajectories"), ("memory_reward_scale", "scale"), ("memory_baseline", "baseline"),
-    ("memory_hindsight", "hindsight"), ("memory_norm", "norm"), ("memory_group", "group"))}
-MOVED_FIELDS.update(RENAMED_FIELDS)
-# Bindings of fields that were removed, with why (a recipe that binds one gets a one-line error saying so).
-REMOVED_FIELDS = {"RolloutConfig.engine": "the cached engine (KV cache kept across turns) is the only rollout engine, on "
-                                          "every mesh and process count"}
+# Fields that are no longer fields, and the one to bind instead (None: delete the binding). A config
+# that binds one, a recipe or a run folder's config.gin, is refused at start-up with one line naming
+# the replacement; CHANGELOG.md says when each moved and why.
+RETIRED_FIELDS = {
+    "PlanConfig.micro_batch_rows": "ExecutionConfig.micro_batch_rows",
+    "PlanConfig.logprob_chunk_rows": "ExecutionConfig.logprob_chunk_rows",
+    "PlanConfig.scoring_chunk_rows": "ExecutionConfig.scoring_chunk_rows",
+    "SFTConfig.micro_batch_rows": "ExecutionConfig.sft_micro_batch_rows",
+    **{f"RLConfig.{old}": f"MemoryRewardConfig.{new}" for old, new in (
+        ("memory_answer", "answer"), ("memory_prefix", "prefix"), ("memory_reward_malformed", "include_malformed"),
+        ("memory_reward_on", "trajectories"), ("memory_reward_scale", "scale"), ("memory_baseline", "baseline"),
+        ("memory_hindsight", "hindsight"), ("memory_norm", "norm"), ("memory_group", "group"))},
+    "RolloutConfig.engine": None,
+}
 _registered = False
 _gin_search_dirs: set[str] = set()  # folders already given to gin.add_config_file_search_path
 
@@ -529,7 +527,7 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
             problem = re.sub(r"<ast\.\w+ object at 0x[0-9a-f]+>", "an unquoted name", problem)
             raise ValueError(f"config error: cannot parse --gin_param {param!r}: "
                              f"{re.sub(r' [(]line [0-9]+[)]$', '', problem)}{hint}")
-    _check_moved(gin_files, gin_params)
+    _check_retired(gin_files, gin_params)
     probes = _DropGinPathProbes()
     logging.getLogger().addFilter(probes)
     try:
@@ -591,21 +589,19 @@ def _missing_gin_file(gin_files: Sequence[str]) -> str:
     return ""
 
 
-def _check_moved(gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
-    """Refuse a binding of a field in ``MOVED_FIELDS`` or ``REMOVED_FIELDS``.
+def _check_retired(gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
+    """Refuse a binding of a field in ``RETIRED_FIELDS``.
 
     Raises:
-      ValueError: ``config error: X moved to Y ... (FILE:LINE: binding)`` (or ``(--gin_param B)``),
-        or ``config error: X was removed (why); delete the binding (…)``.
+      ValueError: ``config error: X moved to Y; bind Y instead (FILE:LINE: binding)`` (or
+        ``(--gin_param B)``), or ``config error: X was removed; delete the binding (…)``.
     """
-    for old, new in MOVED_FIELDS.items():
+    for old, new in RETIRED_FIELDS.items():
         where = _binding_source(old, gin_files, gin_params)
-        if where:
+        if where and new:
             raise ValueError(f"config error: {old} moved to {new}; bind {new} instead{where}")
-    for old, why in REMOVED_FIELDS.items():
-        where = _binding_source(old, gin_files, gin_params)
         if where:
-            raise ValueError(f"config error: {old} was removed ({why}); delete the binding{where}")
+            raise ValueError(f"config error: {old} was removed; delete the binding{where}")
 
 
 def _syntax_error(text: str) -> str:
@@ -708,7 +704,7 @@ def binds_any(cls) -> bool:
 
 def mesh_requested() -> bool:
     """True when the parsed config binds a ``MeshConfig`` field (a sharded run; call after
-    ``load_config``). Without one, ``python -m mempo_jax.commands.train`` runs on one device as before."""
+    ``load_config``). Without one, ``python -m mempo_jax.commands.train`` runs on one device."""
     return binds_any(MeshConfig)
 
 
@@ -723,29 +719,6 @@ def _is_bound(name: str) -> bool:
 def operative_config() -> str:
     """The gin bindings actually used (written to ``RUN_DIR/config.gin``)."""
     return gin.operative_config_str()
-
-
-def load_run_folder_config(path: str | pathlib.Path) -> ExperimentConfig:
-    """``load_config`` of a run folder's ``config.gin`` (the operative config a run wrote), also of
-    one written before a field moved or was removed: bindings of ``RENAMED_FIELDS`` are read
-    under their new names, the other ``MOVED_FIELDS`` (execution sizes, which do not change what a
-    policy is) and ``REMOVED_FIELDS`` are left out instead of refused.
-
-    Raises:
-      ValueError: as ``load_config``.
-    """
-    import tempfile
-
-    dropped = [k for k in (*MOVED_FIELDS, *REMOVED_FIELDS) if k not in RENAMED_FIELDS]
-    moved = re.compile(rf"^\s*(?:{'|'.join(re.escape(k) for k in dropped)})\s*=")
-    renamed = re.compile(rf"^(\s*)({'|'.join(re.escape(k) for k in RENAMED_FIELDS)})(\s*=)")
-    text = pathlib.Path(path).read_text(encoding="utf-8")
-    kept = "".join(renamed.sub(lambda m: m.group(1) + RENAMED_FIELDS[m.group(2)] + m.group(3), line)
-                   for line in text.splitlines(keepends=True) if not moved.match(line))
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = pathlib.Path(tmp, pathlib.Path(path).name)
-        copy.write_text(kept, encoding="utf-8")
-        return load_config([str(copy)])
 
 
 class RunConfig(NamedTuple):

@@ -65,7 +65,7 @@ def _one_error(err: list[str]) -> str:
     ("RolloutConfig.temperature=-1.0", "RolloutConfig.temperature must be >= 0.0, got -1.0"),
     ("RolloutConfig.max_new_tokens=5000", "RolloutConfig.max_new_tokens = 5000 must be < RolloutConfig.max_context_tokens"),
     ('RolloutConfig.context_steps="most"', "RolloutConfig.context_steps must be 'full' or an integer >= 1"),
-    ('RolloutConfig.engine="legacy"', "RolloutConfig.engine was removed (the cached engine"),
+    ('RolloutConfig.engine="legacy"', "RolloutConfig.engine was removed; delete the binding"),
     ("RolloutConfig.prefill_chunk=100", "RolloutConfig.prefill_chunk = 100 must be a power of two"),
     ("LossConfig.kl_coef=-0.1", "LossConfig.kl_coef must be >= 0.0, got -0.1"),
     ('LossConfig.kl_type="k9"', "LossConfig.kl_type must be one of"),

@@ -640,8 +640,8 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     params, _, _ = ckpt.restore(step, trainable_part(params))  # a LoRA run's checkpoints hold the adapters
     ckpt.close()
     if model_cfg.lora_rank:
-        from mempo_jax.config import load_run_folder_config
+        from mempo_jax.config import load_config
         from mempo_jax.run.experiment import lora_policy_params
 
-        params = lora_policy_params(load_run_folder_config(run_dir / "config.gin"), model_cfg, params)
+        params = lora_policy_params(load_config([str(run_dir / "config.gin")]), model_cfg, params)
     return tokenizer, model_cfg, graphdef, params

@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 from mempo_jax.agent.rollout import RolloutConfig
-from mempo_jax.config import ExperimentConfig, ModelOptions, load_run_folder_config
+from mempo_jax.config import ExperimentConfig, ModelOptions, load_config
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 
@@ -31,12 +31,13 @@ def checkpoint_steps(run_dir: str | os.PathLike, folder: str = "checkpoints") ->
 
 
 def _run_config(run_dir: pathlib.Path) -> tuple[ExperimentConfig | None, str]:
-    """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent or unreadable)."""
+    """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent, or refused by
+    ``config.load_config``, e.g. a binding of a field in ``config.RETIRED_FIELDS``: one warning line)."""
     path = run_dir / "config.gin"
     if not path.is_file():
         return None, "defaults (no config.gin)"
     try:
-        return load_run_folder_config(path), str(path)
+        return load_config([str(path)]), str(path)
     except ValueError as e:
         print(f"[evaluate] warning: {path} unreadable ({e}); using default rollout options", file=sys.stderr)
         return None, "defaults (config.gin unreadable)"
@@ -47,7 +48,7 @@ def run_rollout_options(run_dir: pathlib.Path) -> tuple[RolloutConfig, int, str]
 
     Returns:
       ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
-      is absent or unreadable by this version; ``note`` says which was used.
+      is absent or refused by ``config.load_config``; ``note`` says which was used.
     """
     cfg, note = _run_config(run_dir)
     return (RolloutConfig(), DEFAULT_TOPK, note) if cfg is None else (cfg.rl.rollout, cfg.topk, note)
@@ -64,7 +65,7 @@ def run_source_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
     ``RUN_DIR/config.gin``) when it still exists, else None."""
     gin_file = pathlib.Path(run_dir) / "config.gin"
     try:
-        source = load_run_folder_config(gin_file).model.checkpoint if gin_file.is_file() else ""
+        source = load_config([str(gin_file)]).model.checkpoint if gin_file.is_file() else ""
     except ValueError:
         return None
     return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None

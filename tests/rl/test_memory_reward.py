@@ -373,17 +373,18 @@ def test_log_scale_memory_reward_ranks_like_the_probability_difference(pairs):
     assert np.all(np.diff(memory_reward_values(same_full, "log")[order]) >= 0)
 
 
-def test_memory_reward_variants_are_bound_by_name_and_old_run_folders_keep_theirs(tmp_path):
-    """``MemoryRewardConfig.*`` bindings apply without an ``RLConfig.memory_reward`` line; an old
-    run folder's ``config.gin`` that binds ``RLConfig.memory_*`` fields is read under the new names
-    (``config.RENAMED_FIELDS``), the same variant; a recipe binding one is refused (test_bad_input)."""
-    from mempo_jax.config import DEFAULT_GIN, load_config, load_run_folder_config
+def test_memory_reward_variants_are_bound_by_name_and_old_field_names_are_refused(tmp_path):
+    """``MemoryRewardConfig.*`` bindings apply without an ``RLConfig.memory_reward`` line; a run
+    folder's ``config.gin`` that binds an ``RLConfig.memory_*`` field is refused with one line naming
+    the new binding (``config.RETIRED_FIELDS``; a recipe likewise, test_bad_input)."""
+    from mempo_jax.config import DEFAULT_GIN, load_config
 
     cfg = load_config([DEFAULT_GIN], ['MemoryRewardConfig.baseline = "input"', "MemoryRewardConfig.hindsight = True"])
     assert cfg.rl.memory_reward == MemoryRewardConfig(baseline="input", hindsight=True)
     old = tmp_path / "config.gin"
-    old.write_text(pathlib.Path(DEFAULT_GIN).read_text() + "\nRLConfig.memory_norm = 'center'\n"
-                   "RLConfig.memory_group = 'turn'\nRLConfig.memory_reward_on = 'correct'\n"
-                   "RLConfig.memory_reward_malformed = True\n")
-    assert load_run_folder_config(old).rl.memory_reward == MemoryRewardConfig(
-        norm="center", group="turn", trajectories="correct", include_malformed=True)
+    old.write_text(pathlib.Path(DEFAULT_GIN).read_text() + "\nRLConfig.memory_norm = 'center'\n")
+    line = len(old.read_text().splitlines())
+    with pytest.raises(ValueError) as e:
+        load_config([str(old)])
+    assert str(e.value) == (f"config error: RLConfig.memory_norm moved to MemoryRewardConfig.norm; bind "
+                            f"MemoryRewardConfig.norm instead ({old}:{line}: RLConfig.memory_norm = 'center')")
