@@ -7,7 +7,7 @@ holds the update's whole working set as free heap, and the next phase (an evalua
 cache) grows on top of it: resident memory becomes the *sum* of the phases, not their maximum.
 ``malloc_trim(0)`` returns every whole free page of every arena (glibc >= 2.8, ``madvise``
 ``MADV_DONTNEED``), so calling it where one phase ends and another begins makes the peak the
-largest phase's. Within a phase nothing changes: its own buffers are reused as before, which is
+largest phase's. Within a phase nothing changes: its own freed buffers are reused, which is
 what keeps glibc fast (an allocator that returns pages on every free re-faults them on every step).
 
 Elsewhere (jemalloc or tcmalloc preloaded, musl, macOS) the call does nothing and returns False.
@@ -45,8 +45,8 @@ def release_free_memory() -> bool:
     """Return the C allocator's free pages to the OS (``malloc_trim(0)``).
 
     Call between phases, never inside a step's loop: it walks every arena and unmaps the free
-    pages (about 0.1 s per GiB returned here: 186 ms for 2 GiB on a 2-core EPYC) and the next
-    phase re-faults the pages it then touches.
+    pages (its time grows with the pages returned; docs/results.md) and the next phase re-faults
+    the pages it then touches.
 
     Returns:
       True when glibc's ``malloc_trim`` ran and released memory, False when it released none or

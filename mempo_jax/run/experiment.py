@@ -169,20 +169,17 @@ def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], li
 
     * ``"empty_mem"`` (default): full view ``full_traj[t] + <mem></mem> + T + Z``, memory view
       ``mem_traj[t] + T + Z``. Both views then end in a closed ``<mem>`` block before ``T``, as
-      every policy turn does. Measured on a 300-step SFT tiny-world policy (256 rollouts, 686
-      well-formed ``<mem>`` turns): P(``<think>`` next) is 1.0000 after ``full_traj[t] <mem></mem>``
-      and 1.0000 after ``mem_traj[t]``.
-    * ``"think"``: ``T`` on both views (the earlier layout, then with a `` answer`` think). After
-      ``full_traj[t]`` (ends in ``</information>`` or the prompt) the policy's next token is
-      ``<mem>`` (P 0.9994) and P(``<think>``) is 0.0000, so ``P_full`` is measured off-distribution:
-      mean R_M 0.0025 with 78 % of turns positive, against 0.0010 and 62 % for ``"empty_mem"``
-      (A_M correlation 0.80, same sign on 82 % of turns).
+      every policy turn does, so ``T`` follows where the policy itself writes it.
+    * ``"think"``: ``T`` on both views. ``full_traj[t]`` ends in ``</information>`` or the prompt,
+      where the policy writes ``<mem>`` next, so ``P_full`` is measured off the policy's
+      distribution.
     * ``"none"``: Z straight after both contexts (the reference's plain continuation): off
-      the policy's distribution on both views (P(Z) ~1e-4, A_M correlation 0.43 with the default).
+      the policy's distribution on both views.
 
     The think block is left empty rather than worded (``<think> answer</think>`` is how the
     scripted agent opens an answer turn, and a checkpoint's policy need not write it); an empty
-    think is equally unlikely on both views (P(``</think>`` right after ``<think>``) 0.0000 and 0.0001).
+    think is equally unlikely on both views. The three prefixes' measured probabilities and
+    rewards are in docs/results.md.
 
     Raises:
       ValueError: for an unknown ``mode`` (names ``MemoryRewardConfig.prefix``).

@@ -8,7 +8,7 @@
   ``loopcontrols`` extension, the ``raise_exception`` / ``strftime_now`` globals, a ``tojson``
   filter that does not HTML-escape, the ``{% generation %}`` block, and the named special tokens
   (``bos_token``, ``eos_token``, …) as variables. transformers is not imported (test-only).
-* ``PlainTemplate`` — the from-scratch SentencePiece tokenizer's "template": today's
+* ``PlainTemplate`` — the from-scratch SentencePiece tokenizer's "template": the
   ``f"{SYSTEM_PROMPT}\\nQuestion: {question}\\n"`` prompt of ``AgentFormat.prompt_ids`` (BOS id first).
 * ``encode_rendered`` — ids of a rendered string, special-token strings (``<|im_start|>``) as their
   ids, as ``apply_chat_template(tokenize=True)`` does (it encodes with ``add_special_tokens=False``).
@@ -328,7 +328,7 @@ class PlainTemplate:
     ``render`` writes a system message as ``"{content}\\n"``, a user message as
     ``"Question: {content}\\n"``, an assistant message verbatim (the sampled stream) and a tool
     message as ``"<information>{content}</information>"``; ``add_generation_prompt`` adds nothing.
-    So ``[system SYSTEM_PROMPT, user question]`` renders today's ``AgentFormat.prompt_ids`` text
+    So ``[system SYSTEM_PROMPT, user question]`` renders ``AgentFormat.prompt_ids``' text
     ``f"{SYSTEM_PROMPT}\\nQuestion: {question}\\n"`` and ``prompt_ids`` gives its ids bitwise.
     """
 
