@@ -13,7 +13,7 @@ same shuffle. Each arm runs in a process of its own, so its peak RSS (``ru_maxrs
 optimizer state, XLA's buffers) is its own. Page faults per timed epoch (``ru_minflt``) count
 the pages the update touches fresh: on CPU, XLA buffers over glibc's mmap threshold (32 MiB at
 most, 64 MiB in a thread's arena) are mapped and unmapped on every use, so each use re-faults them
-(docs/results.md, "Host memory between phases"). ``--against BINDING`` (repeatable, e.g.
+(docs/log/2026-12.md, "Host memory between phases"). ``--against BINDING`` (repeatable, e.g.
 ``ExecutionConfig.micro_batch_rows=2`` or ``ExecutionConfig.remat="none"``) adds an arm with those
 bindings and prints it over the recipe's.
 

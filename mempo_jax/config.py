@@ -127,7 +127,7 @@ class SFTConfig:
         the policy works in both context modes.
       copy_fraction: synthetic copy (induction) rows added per scripted row (see ``sft.copy_rows``);
         for models trained from scratch (``configs/tiny_world.gin`` sets 0.25). Default 0: a
-        pretrained checkpoint copies already, and random-token rows only cost it (docs/results.md).
+        pretrained checkpoint copies already, and random-token rows only cost it (docs/log/2026-12.md).
       copy_warmup_fraction: share of ``steps`` trained first on copy rows only (a curriculum: a
         from-scratch model forms its copy circuit there before the agent rows;
         ``sft.with_copy_warmup``); 0: none. Needs a corpus to draw the rows from, as

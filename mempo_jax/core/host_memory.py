@@ -45,7 +45,7 @@ def release_free_memory() -> bool:
     """Return the C allocator's free pages to the OS (``malloc_trim(0)``).
 
     Call between phases, never inside a step's loop: it walks every arena and unmaps the free
-    pages (its time grows with the pages returned; docs/results.md) and the next phase re-faults
+    pages (its time grows with the pages returned; docs/log/2026-12.md) and the next phase re-faults
     the pages it then touches.
 
     Returns:

@@ -179,7 +179,7 @@ def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], li
     The think block is left empty rather than worded (``<think> answer</think>`` is how the
     scripted agent opens an answer turn, and a checkpoint's policy need not write it); an empty
     think is equally unlikely on both views. The three prefixes' measured probabilities and
-    rewards are in docs/results.md.
+    rewards are in docs/log/2026-12.md.
 
     Raises:
       ValueError: for an unknown ``mode`` (names ``MemoryRewardConfig.prefix``).

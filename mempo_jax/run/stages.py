@@ -142,8 +142,8 @@ def copy_rows_warning(cfg) -> str | None:
     """The warning line for an SFT of a pretrained checkpoint that trains synthetic copy rows, else None.
 
     Copy rows (``SFTConfig.copy_fraction``) and copy-only warm-up steps (``copy_warmup_fraction``)
-    are random entity tokens for a model trained from scratch; on SmolLM2-135M they cost SFT EM
-    0.120 → 0.080 (docs/results.md, the SmolLM2 recipe). A gin that includes
+    are random entity tokens for a model trained from scratch; on a pretrained checkpoint they
+    lower SFT EM (docs/log/2026-12.md, the SmolLM2 recipe). A gin that includes
     ``configs/tiny_world.gin`` inherits them.
 
     Args:
