@@ -4,8 +4,8 @@ each other in a loop. Every ``import`` counts, at module level, inside a functio
 
 Layers, lowest first (a module may import its own layer and those below):
 
-* ``core``, with ``recipes`` and ``cli``: the two import nothing of the package (``text`` reads
-  ``recipes.find_file``, the commands' ``main()``s read ``cli``);
+* ``core``, with ``recipes``: it imports nothing of the package (``text`` reads
+  ``recipes.find_file``);
 * ``text``;
 * ``model`` and ``tools``;
 * ``agent``;
@@ -13,10 +13,9 @@ Layers, lowest first (a module may import its own layer and those below):
 * ``data``: question sets and scripted conversations, over ``agent`` / ``tools`` / ``text``;
 * ``config``: the gin run config over every library layer, which ``run`` reads;
 * ``run``;
-* the commands: ``train``, ``evaluate``, ``plan``, ``data.write_sft_messages`` and the
-  ``commands`` package when there is one.
+* ``commands``: every command's argument parsing and ``main()``.
 
-A dotted entry (``data.write_sft_messages``) places one module; the longest matching entry wins.
+An entry may be dotted, placing one module; the longest matching entry wins.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ PACKAGE = "mempo_jax"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 
 LAYERS = (
-    ("core", "recipes", "cli"),
+    ("core", "recipes"),
     ("text",),
     ("model", "tools"),
     ("agent",),
@@ -36,7 +35,7 @@ LAYERS = (
     ("data",),
     ("config",),
     ("run",),
-    ("train", "evaluate", "plan", "data.write_sft_messages", "commands"),
+    ("commands",),
 )
 
 
@@ -137,5 +136,5 @@ def test_the_checks_have_teeth():
     """An upward import and a loop are found (on a made-up graph), so the two tests above can fail."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer(f"{PACKAGE}.core.logprobs") < layer(f"{PACKAGE}.model.forward") < layer(f"{PACKAGE}.rl.step")
-    assert layer(f"{PACKAGE}.data.write_sft_messages") > layer(f"{PACKAGE}.run.experiment") > layer(f"{PACKAGE}.data.world")
+    assert layer(f"{PACKAGE}.commands.write_sft_messages") > layer(f"{PACKAGE}.run.experiment") > layer(f"{PACKAGE}.data.world")
     assert layer(f"{PACKAGE}.commands.train") == len(LAYERS) - 1
