@@ -740,7 +740,7 @@ class RunConfig(NamedTuple):
 
 
 def load_run_config(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> RunConfig:
-    """Parse a recipe the way ``python -m mempo_jax.commands.train`` does (``train.load_run_config``) (every ``configs/*.gin`` loads).
+    """Parse a recipe the way ``python -m mempo_jax.commands.train`` does (every ``configs/*.gin`` loads).
 
     Args:
       gin_files: gin files, parsed in order.

@@ -325,12 +325,12 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
 
     Args:
       args: the parsed command line (``run_dir``, ``cache_dir``, ``resume``).
-      run_cfg: the ``RunConfig`` (``train.load_run_config``), its inputs already checked.
+      run_cfg: the ``RunConfig`` (``config.load_run_config``), its inputs already checked.
       hooks: test-only fault hooks.
       stack: closes the preemption handler, the checkpointers and the logs (in that reverse order).
 
     Raises:
-      ValueError / FileNotFoundError: as ``train.run`` (before anything in the run folder changes).
+      ValueError / FileNotFoundError: as ``commands.train.run`` (before anything in the run folder changes).
     """
     from mempo_jax.run.experiment import build_experiment
 

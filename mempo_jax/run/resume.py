@@ -521,7 +521,7 @@ def check_sft_step(step: int, metrics: Mapping[str, float], last_good: str) -> N
 # ---- test-only fault hooks ----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FaultHooks:
-    """Faults injected by tests, passed to ``train.main(hooks=...)`` (a subprocess test runs
+    """Faults injected by tests, passed to ``commands.train.main(hooks=...)`` (a subprocess test runs
     ``tests/fault_train.py``, which passes them); the product's command line never sets them.
     The trainer calls ``before_sample`` and ``update_rows``.
 

@@ -1,6 +1,6 @@
 """The stages of the main job, each a function of the ``RunContext`` (``mempo_jax.run.context``).
 
-``train.run`` calls them in order: ``zero_shot_stage`` (``EvalConfig.zero_shot``), ``sft_stage``,
+``commands.train.run`` calls them in order: ``zero_shot_stage`` (``EvalConfig.zero_shot``), ``sft_stage``,
 ``evaluate_stage("sft")``, ``rl_stage``, ``evaluate_stage("rl")``, ``summarize``. Each stage
 resumes from what the context restored, saves its checkpoints through the context's
 checkpointers and acts on a SIGTERM at its step boundaries (``RunContext.pre``). The context is
