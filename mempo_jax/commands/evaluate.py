@@ -10,11 +10,13 @@ context mode (docs/algorithm.md §6).
 ``--hf_checkpoint DIR`` evaluates a Hugging Face folder (``config.json``, safetensors,
 ``tokenizer.json`` + ``tokenizer_config.json``: e.g. Qwen2.5-7B-Instruct zero-shot, a released
 MemPO checkpoint, or ``RUN_DIR/hf_export`` of our trainer) exactly as a run folder: the policy is
-``experiment.load_checkpoint_policy`` of it with ``--tags`` (``text``, the default: the folder's
-own tokenization, closing tags stop the turn when written as text; ``tokens``: the tags as added
-tokens, as a ``ModelOptions.tags = "tokens"`` run adds them), the
-rollout options are ``RolloutConfig()``'s and ``--topk`` defaults to 3 (override them with the
-flags below); ``--dtype bfloat16`` halves its memory.
+``experiment.load_checkpoint_policy`` of it. An export of this project carries its run's protocol
+(``run.export_protocol``: ``mempo_protocol.json`` and the system prompt): the policy is prompted
+with that prompt, tags, chat template and tool layout, and rolled out with the run's turn and
+token budgets and top-k. Any other folder gets ``--tags`` ``text`` (its own tokenization, closing
+tags stop the turn when written as text; ``tokens``: the tags as added tokens, as a
+``ModelOptions.tags = "tokens"`` run adds them), ``RolloutConfig()``'s options and top-k 3. The
+flags below override any of them; ``--dtype bfloat16`` halves its memory.
 
 For every dataset and context mode the policy answers each question once (``evaluate_policy``)
 and the command writes ``DIR/eval.json`` (``{dataset: {mode: {em, f1, tt, pt, turns,
@@ -53,6 +55,7 @@ from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.commands.cli import command_name
 from mempo_jax.run.backends import plan_corpora
 from mempo_jax.run.eval_report import format_table, write_chart
+from mempo_jax.run.export_protocol import PROMPT_FILE, PROTOCOL_FILE, ExportProtocol
 from mempo_jax.run.run_folder import (CHECKPOINT_FOLDERS, DEFAULT_TOPK, checkpoint_steps, run_model_options,
                                       run_rollout_options)
 
@@ -190,9 +193,9 @@ def _parse_args(argv):
                    help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) instead of --run_dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and activation dtype of an --hf_checkpoint (default float32)")
-    p.add_argument("--tags", default="text", choices=("text", "tokens"),
-                   help="how an --hf_checkpoint writes the protocol tags: as text (default, its own tokenization) "
-                        "or as added tokens (ModelOptions.tags)")
+    p.add_argument("--tags", default=None, choices=("text", "tokens"),
+                   help="how an --hf_checkpoint writes the protocol tags: as text (its own tokenization) or as added "
+                        "tokens (ModelOptions.tags); default: its mempo_protocol.json's, else text")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="QA file (repeatable)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", help="corpus for a local BM25 index: rows {id, contents} (Search-R1), {id, title, text}, "
@@ -261,7 +264,11 @@ def _check_inputs(args) -> _Inputs:
         if args.run_dir or args.checkpoint:
             raise ValueError("--hf_checkpoint evaluates a Hugging Face folder; do not also pass --run_dir / --checkpoint")
         hf_dir = resolve_hf_checkpoint(args.hf_checkpoint)
-        base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
+        protocol = ExportProtocol.read(hf_dir)  # an export of this project: the run's budgets and top-k
+        if protocol is None:
+            base, run_topk, options_from = RolloutConfig(), DEFAULT_TOPK, "defaults (--hf_checkpoint)"
+        else:
+            base, run_topk, options_from = protocol.rollout, protocol.topk, str(hf_dir / PROTOCOL_FILE)
     else:
         run_dir, step, folder = resolve_run(args.run_dir, args.checkpoint)
     questions = {s.name: load_questions(s.path, args.limit, args.multi_objective, args.seed) for s in specs}
@@ -283,8 +290,14 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
     from mempo_jax.run.experiment import load_checkpoint_policy, make_policy, policy_format
 
     if hf_dir is not None:
-        options = ModelOptions(checkpoint=str(hf_dir), overrides=(("dtype", args.dtype), ("param_dtype", args.dtype)),
-                               tags=args.tags)
+        dtypes = (("dtype", args.dtype), ("param_dtype", args.dtype))
+        protocol = ExportProtocol.read(hf_dir)
+        if protocol is None:
+            options = ModelOptions(checkpoint=str(hf_dir), overrides=dtypes, tags=args.tags or "text")
+        else:  # prompted as the run was: its system prompt, tags, chat template and tool layout
+            options = ModelOptions(checkpoint=str(hf_dir), overrides=dtypes, tags=args.tags or protocol.tags,
+                                   chat_template=protocol.chat_template, tool_layout=protocol.tool_layout,
+                                   system_prompt_path=str(hf_dir / PROMPT_FILE))
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(options)
         fmt = policy_format(options, tokenizer)
     else:

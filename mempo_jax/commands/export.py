@@ -2,8 +2,8 @@
 
     python -m mempo_jax.commands.export --run_dir RUN_DIR [--checkpoint STEP] --out DIR [--peft_out DIR]
 
-Writes what the trainer writes to ``RUN_DIR/hf_export`` (``mempo_jax.run.export.export_policy``)
-for any RL checkpoint of the run; ``--peft_out`` also writes a LoRA run's adapters as a PEFT folder
+Writes what the trainer writes to ``RUN_DIR/hf_export`` (``mempo_jax.run.export.export_policy``:
+weights, tokenizer and the run's protocol, ``run.export_protocol``) for any RL checkpoint of the run; ``--peft_out`` also writes a LoRA run's adapters as a PEFT folder
 over the source checkpoint. The source checkpoint's token ids and context length are carried over
 when ``ModelOptions.checkpoint`` of ``RUN_DIR/config.gin`` still exists. Exit status: 0 written
 (the folder printed), 2 bad input (one ``error:`` line on stderr).
@@ -17,7 +17,7 @@ import sys
 from mempo_jax.commands.cli import command_name
 from mempo_jax.run.checkpoint import load_policy
 from mempo_jax.run.export import export_adapter, export_policy
-from mempo_jax.run.run_folder import run_source_checkpoint
+from mempo_jax.run.run_folder import run_protocol, run_source_checkpoint
 
 
 def _parse_args(argv):
@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     try:
         tokenizer, model_cfg, _, params = load_policy(args.run_dir, args.checkpoint)
         source = run_source_checkpoint(args.run_dir)
-        out = export_policy(args.out, model_cfg, params, tokenizer, source=source)
+        out = export_policy(args.out, model_cfg, params, tokenizer, source=source,
+                            protocol=run_protocol(args.run_dir, tokenizer))
         if args.peft_out:
             if source is None:
                 raise ValueError(f"--peft_out: the source checkpoint of {args.run_dir} is not found")

@@ -144,9 +144,11 @@ def run(args, hooks=None) -> dict:
         exported = None
         if cfg.model.checkpoint:  # the RL policy as a Hugging Face folder (every process: a collective)
             from mempo_jax.run.export import EXPORT_DIR, export_policy
+            from mempo_jax.run.export_protocol import ExportProtocol
 
             exported = str(export_policy(ctx.run_dir / EXPORT_DIR, ctx.exp.model_cfg, learner.params,
-                                         ctx.exp.tokenizer, source=cfg.model.checkpoint))
+                                         ctx.exp.tokenizer, source=cfg.model.checkpoint,
+                                         protocol=ExportProtocol.of_run(cfg, ctx.exp.fmt.system_prompt)))
             if ctx.exp.model_cfg.lora_rank:  # also the adapters alone, as a PEFT folder over the source
                 from mempo_jax.run.export import PEFT_EXPORT_DIR, export_adapter
 

@@ -27,6 +27,8 @@ from typing import Optional
 
 import jax
 
+from mempo_jax.run.export_protocol import ExportProtocol
+
 EXPORT_DIR = "hf_export"
 PEFT_EXPORT_DIR = "peft_adapter"
 # config.json keys of the source checkpoint that the ModelConfig does not hold (token ids, context).
@@ -34,7 +36,8 @@ CARRIED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_posi
 
 
 def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
-                  source: Optional[str | os.PathLike] = None) -> pathlib.Path:
+                  source: Optional[str | os.PathLike] = None,
+                  protocol: Optional[ExportProtocol] = None) -> pathlib.Path:
     """Write ``params`` and ``tokenizer`` as a Hugging Face checkpoint folder.
 
     The folder is written as ``FOLDER.tmp`` and renamed into place when complete (an older export
@@ -48,6 +51,8 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
       tokenizer: an ``HFTokenizer`` (its ``save`` writes the tokenizer files).
       source: the Hugging Face folder the policy came from; its ``CARRIED_CONFIG_KEYS`` go into
         ``config.json`` (else the tokenizer's EOS / BOS / pad ids).
+      protocol: the run's prompt, tags, top-k and rollout budgets, written beside the weights
+        (``run.export_protocol``: ``mempo_protocol.json``, the system prompt, ``generation_config.json``).
 
     Returns:
       The folder.
@@ -76,6 +81,8 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
         shutil.rmtree(tmp)
     save_hf_checkpoint(tmp, model_cfg, params, extra_config=extra, tokenizer=tokenizer)
     if writer:
+        if protocol is not None:
+            protocol.write(tmp, {k: extra[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id")})
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

@@ -10,6 +10,8 @@ import sys
 
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.config import ExperimentConfig, ModelOptions, load_config
+from mempo_jax.run.experiment import policy_format
+from mempo_jax.run.export_protocol import ExportProtocol
 
 DEFAULT_TOPK = 3  # Search-R1 / MemPO reference range 3–5, used when the run folder has no config.gin
 
@@ -69,3 +71,14 @@ def run_source_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
     except ValueError:
         return None
     return pathlib.Path(source) if source and (pathlib.Path(source) / "config.json").is_file() else None
+
+
+def run_protocol(run_dir: str | os.PathLike, tokenizer) -> ExportProtocol | None:
+    """The protocol a run's policy was trained with (``run.export_protocol``): its system prompt as
+    ``experiment.policy_format`` builds it over the run's saved tokenizer, tags, top-k and rollout
+    budgets; None without a readable ``RUN_DIR/config.gin``."""
+    cfg, _ = _run_config(pathlib.Path(run_dir))
+    if cfg is None:
+        return None
+    fmt = policy_format(cfg.model, tokenizer, folder=tokenizer.path.parent)
+    return ExportProtocol.of_run(cfg, fmt.system_prompt)

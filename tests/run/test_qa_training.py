@@ -240,10 +240,10 @@ def test_export_after_rl_loads_in_transformers_and_decodes_as_ours(checkpoint_ru
 @pytest.mark.slow
 def test_evaluate_hf_checkpoint_equals_the_run_folder(checkpoint_run, retriever, data, tmp_path):
     """The same policy two ways (the run folder with its hf_tokenizer/, and its HF export) on the
-    same data and options: the same eval.json."""
+    same data, no option given: the export carries the run's tags (tokens), top-k and budgets
+    (``mempo_protocol.json``), so both evaluate alike: the same eval.json."""
     common = ["--dataset", f"bamboogle={data / BAMBOOGLE}", "--dataset", f"nq={data / NQ}",
-              "--corpus", str(data / CORPUS), "--limit", "2", "--topk", "1", "--max_turns", "2",
-              "--max_new_tokens", "12", "--max_context_tokens", "256", "--max_observation_tokens", "16"]
+              "--corpus", str(data / CORPUS), "--limit", "2"]
     assert ev.main(["--run_dir", str(checkpoint_run), *common, "--out", str(tmp_path / "run")]) == 0
     assert ev.main(["--hf_checkpoint", str(checkpoint_run / "hf_export"), *common,
                     "--out", str(tmp_path / "hf")]) == 0
@@ -252,6 +252,7 @@ def test_evaluate_hf_checkpoint_equals_the_run_folder(checkpoint_run, retriever,
     assert a["nq"]["k1"]["turns"] == 2.0 and a["nq"]["k1"]["tool_calls"] == 2.0  # search, search: no answer
     meta = json.loads((tmp_path / "hf" / "eval_meta.json").read_text())
     assert meta["hf_checkpoint"] == str(checkpoint_run / "hf_export") and meta["run_dir"] is None
+    assert meta["rollout_options_from"] == str(checkpoint_run / "hf_export" / "mempo_protocol.json")
     assert (tmp_path / "hf" / "eval.png").read_bytes()[:4] == b"\x89PNG"
     assert "Hugging Face checkpoint" in (tmp_path / "hf" / "eval.md").read_text()
 
@@ -315,7 +316,8 @@ def test_export_command_on_the_run_folder(checkpoint_run, tmp_path, capsys):
     from mempo_jax.commands import export
 
     assert export.main(["--run_dir", str(checkpoint_run), "--checkpoint", "1", "--out", str(tmp_path / "e")]) == 0
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "mempo_protocol.json",
+                 "mempo_system_prompt.txt", "generation_config.json"):
         assert (tmp_path / "e" / name).read_bytes() == (checkpoint_run / "hf_export" / name).read_bytes(), name
     assert export.main(["--run_dir", str(checkpoint_run), "--checkpoint", "7", "--out", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err
