@@ -1,6 +1,7 @@
 """Paired comparison of two held-out evaluations (``mempo-compare``)::
 
-    python -m mempo_jax.commands.compare RUN_A[:STAGE] RUN_B[:STAGE] [--samples 2000] [--seed 0] [--json]
+    python -m mempo_jax.commands.compare RUN_A[:STAGE] RUN_B[:STAGE] [--kinds bridge,multi] [--samples 2000]
+        [--seed 0] [--json]
 
 Prints ``mempo_jax.run.compare.format_comparison`` (``--json``: the result of ``compare``), and one
 ``note:`` line on stderr per caveat. Exit status: 0, or 2 for an evaluation that cannot be read or
@@ -14,7 +15,7 @@ import json
 import sys
 
 from mempo_jax.commands.cli import command_name
-from mempo_jax.run.compare import compare, format_comparison, load_evaluation, notes
+from mempo_jax.run.compare import compare, format_comparison, load_evaluation, notes, only_kinds
 
 
 def main(argv=None) -> int:
@@ -26,10 +27,16 @@ def main(argv=None) -> int:
                    help="bootstrap resamples (default %(default)s, as EvalConfig.bootstrap_samples)")
     p.add_argument("--seed", type=int, default=0,
                    help="bootstrap seed (default %(default)s; summary.json uses ExperimentConfig.seed)")
+    p.add_argument("--kinds", default=None,
+                   help="compare only questions of these kinds, comma-separated (e.g. bridge,multi: the kinds "
+                        "recorded in the predictions files)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     args = p.parse_args(argv)
     try:
         a, b = load_evaluation(args.a), load_evaluation(args.b)
+        if args.kinds:
+            kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+            a, b = only_kinds(a, kinds), only_kinds(b, kinds)
         result = compare(a, b, args.samples, args.seed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

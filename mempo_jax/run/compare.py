@@ -19,10 +19,11 @@ runs/x:sft`` (the ``rl_vs_sft`` entry of its ``summary.json``).
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import pathlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -41,12 +42,15 @@ class Evaluation:
       per_question: ``{"em": {mode: [questions]}, "f1": {mode: [questions]}}`` float64 lists.
       ids: ``{mode: [question ids]}`` from the predictions file, or None where it is absent.
       predictions: that file's path, or None.
+      kinds: ``{mode: [question kind]}`` from the predictions file (its records' ``kind``), or None
+        where the file or the field is absent.
     """
 
     name: str
     per_question: dict
     ids: Optional[dict]
     predictions: Optional[pathlib.Path] = None
+    kinds: Optional[dict] = None
 
 
 def parse_side(spec: str) -> tuple[pathlib.Path, str]:
@@ -108,21 +112,58 @@ def load_evaluation(spec: str) -> Evaluation:
             raise ValueError(f"{path}: no per_question_em field")
         if values is not None:
             per[metric] = values
-    ids = None
+    ids = kinds = None
     preds = run / PREDICTIONS_FILE.format(stage=stage)
+    if not preds.is_file() and preds.with_name(preds.name + ".gz").is_file():
+        preds = preds.with_name(preds.name + ".gz")  # as committed beside a results page
     if preds.is_file():
-        ids = {}
+        ids, kinds = {}, {}
         try:
-            lines = preds.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
+            raw = preds.read_bytes()
+            lines = (gzip.decompress(raw) if preds.suffix == ".gz" else raw).decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
             raise ValueError(f"{preds}: not readable ({e})") from None
         for i, line in enumerate(lines, 1):
             try:
                 rec = json.loads(line)
                 ids.setdefault(rec["mode"], []).append(rec["id"])
+                kinds.setdefault(rec["mode"], []).append(rec.get("kind"))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{preds}:{i}: not a prediction record ({e})") from None
-    return Evaluation(spec, per, ids, preds if ids is not None else None)
+        if any(k is None for ks in kinds.values() for k in ks):
+            kinds = None
+    return Evaluation(spec, per, ids, preds if ids is not None else None, kinds)
+
+
+def only_kinds(ev: Evaluation, kinds: Sequence[str]) -> Evaluation:
+    """``ev`` restricted to the questions of the given kinds (``run.evaluation.question_kind``, as
+    its predictions file records them), in held-out order; the name gains ``[kind+kind]``.
+
+    Raises:
+      ValueError: ``ev`` has no predictions file with a ``kind`` per record, or no question of
+        those kinds in some mode (one line naming the file and the kinds).
+    """
+    if ev.kinds is None:
+        raise ValueError(f"{ev.name}: --kinds needs the predictions file's kind field "
+                         f"({ev.predictions or 'no predictions file'})")
+    wanted = set(kinds)
+    per: dict = {metric: {} for metric in ev.per_question}
+    ids: dict = {}
+    for mode, mode_kinds in ev.kinds.items():
+        keep = [i for i, k in enumerate(mode_kinds) if k in wanted]
+        if not keep:
+            raise ValueError(f"{ev.predictions}: no {mode} question of kind {', '.join(sorted(wanted))} "
+                             f"(kinds there: {', '.join(sorted(set(mode_kinds)))})")
+        for metric, by_mode in ev.per_question.items():
+            if mode in by_mode:
+                if len(by_mode[mode]) != len(mode_kinds):
+                    raise ValueError(f"{ev.predictions}: its {mode} records do not match the "
+                                     f"{len(by_mode[mode])} questions of its evaluation file")
+                per[metric][mode] = [by_mode[mode][i] for i in keep]
+        ids[mode] = [ev.ids[mode][i] for i in keep]
+    kept = {mode: [ev.kinds[mode][i] for i in range(len(ev.kinds[mode])) if ev.kinds[mode][i] in wanted]
+            for mode in ev.kinds}
+    return Evaluation(f"{ev.name}[{'+'.join(sorted(wanted))}]", per, ids, ev.predictions, kept)
 
 
 def compare(a: Evaluation, b: Evaluation, samples: int = 2000, seed: int = 0) -> dict:

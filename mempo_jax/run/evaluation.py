@@ -114,12 +114,13 @@ def prediction_record(question, trajectory, em: float, f1: float, mode: str, dat
       dataset: the dataset's name.
 
     Returns:
-      ``{"dataset", "mode", "id", "question": str, "golds": [[str]], "answer": str | None,
+      ``{"dataset", "mode", "id", "kind", "question": str, "golds": [[str]], "answer": str | None,
       "em", "f1": float in [0, 1], "turns", "tool_calls", "format_failures", "tt", "pt": int,
-      "end": str}`` (JSON-serialisable).
+      "end": str}`` (JSON-serialisable; ``kind`` is ``question_kind``).
     """
     tt, pt = trajectory.token_stats()
-    return {"dataset": dataset, "mode": mode, "id": question.id, "question": question.question,
+    return {"dataset": dataset, "mode": mode, "id": question.id, "kind": question_kind(question),
+            "question": question.question,
             "golds": [list(g) for g in question.golds], "answer": trajectory.answer,
             "em": float(em), "f1": float(f1),
             "turns": len(trajectory.turns), "tool_calls": trajectory.num_tool_calls,

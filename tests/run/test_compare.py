@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import REPO
 from mempo_jax.commands.compare import main
-from mempo_jax.run.compare import Evaluation, compare, format_comparison, load_evaluation
+from mempo_jax.run.compare import Evaluation, compare, format_comparison, load_evaluation, only_kinds
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from chaos_resume import SMALL_PARAMS  # noqa: E402
@@ -129,3 +129,38 @@ def test_rl_against_sft_of_a_real_run_equals_its_summary(small_run, tmp_path):
         for metric, (mean, lo, hi) in want[mode].items():
             r = got[mode][metric]
             assert (r["diff"], r["lo"], r["hi"]) == pytest.approx((mean, lo, hi), abs=1e-12)
+
+
+def _write_kinded(run, stage, em, kinds, gz=False):
+    import gzip
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / f"eval_{stage}.json").write_text(json.dumps({"per_question_em": {"k1": em}}))
+    text = "".join(json.dumps({"mode": "k1", "id": f"{k}-{i}", "kind": k}) + "\n" for i, k in enumerate(kinds))
+    name = f"eval_{stage}_predictions.jsonl"
+    if gz:
+        (run / (name + ".gz")).write_bytes(gzip.compress(text.encode()))
+    else:
+        (run / name).write_text(text)
+
+
+def test_kinds_compare_only_those_questions_by_hand(tmp_path, capsys):
+    kinds = ["single", "bridge", "multi", "single", "multi", "bridge"]
+    _write_kinded(tmp_path / "a", "rl", [1, 1, 1, 0, 0, 1], kinds, gz=True)  # committed predictions: gzipped
+    _write_kinded(tmp_path / "b", "rl", [0, 0, 1, 1, 1, 0], kinds)
+    a, b = load_evaluation(str(tmp_path / "a")), load_evaluation(str(tmp_path / "b"))
+    ra, rb = only_kinds(a, ["bridge", "multi"]), only_kinds(b, ["bridge", "multi"])
+    assert ra.per_question["em"]["k1"] == [1, 1, 0, 1] and rb.per_question["em"]["k1"] == [0, 1, 1, 0]
+    r = compare(ra, rb, samples=200)["k1"]["em"]
+    assert (r["a"], r["b"], r["diff"], r["above"], r["below"], r["n"]) == (0.75, 0.5, 0.25, 2, 1, 4)
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--kinds", "bridge,multi", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["k1"]["em"]["n"] == 4
+
+
+def test_kinds_without_kind_records_or_matches_is_one_line(tmp_path, capsys):
+    _write_eval(tmp_path / "a", "rl", {"k1": [1.0, 0.0]}, {"k1": [0.0, 1.0]}, ids={"k1": ["q0", "q1"]})
+    _write_kinded(tmp_path / "b", "rl", [1, 0], ["single", "single"])
+    for run, message in ((tmp_path / "a", "needs the predictions file's kind field"), (tmp_path / "b", "no k1 question of kind bridge")):
+        assert main([str(run), str(run), "--kinds", "bridge"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
