@@ -116,8 +116,9 @@ job_status() {
     gc compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" --command="$PROBE"
     JOB_STATUS="running"
   else
-    JOB_STATUS="$(gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" --command="$PROBE" 2> /dev/null \
-      | grep -E '^(running|done|[0-9]+)$' | sort -u | tr '\n' ' ')" || JOB_STATUS=""
+    # the workers that answer (an unreachable one fails the ssh, the others' statuses still count)
+    JOB_STATUS="$({ gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" --command="$PROBE" 2> /dev/null \
+      || true; } | { grep -E '^(running|done|[0-9]+)$' || true; } | sort -u | tr '\n' ' ')"
   fi
 }
 
@@ -158,7 +159,7 @@ restart() {  # restart REASON RECREATE(0|1)
   else
     say "restart $RESTARTS/$MAX_RESTARTS: $1; relaunching from the last checkpoint"
   fi
-  launch
+  launch || say "the launch failed on some worker (unreachable?); the next look at the job decides"
 }
 
 launch

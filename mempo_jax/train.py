@@ -29,7 +29,8 @@ is resumed from its newest durable point (``--resume`` insists on one); the logs
 it, and every random draw is a pure function of (seed, stage, step), so the resumed run is the
 uninterrupted one, bit for bit on CPU. SIGTERM saves a checkpoint and exits 0 within
 ``CheckpointConfig.grace_s``. Exit status: 0 done or preempted, 2 bad config or input,
-3 numerical faults, 4 grace period exceeded.
+3 numerical faults, 4 grace period exceeded, 5 another process of a multi-process run was lost
+(``DistributedConfig.peer_timeout_s``; the line names it and the last complete checkpoint).
 
 Meshes and several processes (docs/tpu_pod.md). The run is always on a mesh ``(data, fsdp,
 tensor)``: the smallest, ``(1, 1, 1)``, unless the config binds ``MeshConfig`` (the pod recipes)
