@@ -5,8 +5,10 @@ out-of-memory kill), the others must not wait in a collective while the slice bi
 
 * ``PeerWatch``, a daemon thread in every process, once the processes are joined: every
   ``interval_s`` it writes a counter under ``mempo/peers/<i>`` in the coordination service's
-  key-value store and reads every other process's. A process whose counter has not moved for
-  ``peer_timeout_s`` (by this process's clock) is lost: this process prints
+  key-value store and reads every other process's. A process whose counter this process has
+  watched, without a gap of its own, for ``peer_timeout_s`` without seeing it move is lost (after
+  a gap in this process's own looks, e.g. a starved host, every clock starts again: processes
+  that stall together are not taken for lost): this process prints
   ``error: process J of N was lost (…); ending the run. Last complete checkpoint: …`` on stderr and
   exits with ``EXIT_PEER_LOST``, wherever its main thread is (a rollout, a collective, a save).
   A store that cannot be reached means process 0, which hosts it, is lost. ``settle()`` (on an
@@ -100,7 +102,7 @@ class PeerWatch:
         self._state, self._beats = RUNNING, 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last value, when it changed)
         self._left: set[int] = set()
-        self._started = time.monotonic()
+        self._last_look: Optional[float] = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._reported = False
@@ -129,6 +131,9 @@ class PeerWatch:
                 return None
             return 0, f"its coordination service stopped answering: {' '.join(str(e).split())[:120]}"
         now = time.monotonic()
+        if self._last_look is not None and now - self._last_look > 3 * self.interval_s + 0.5:
+            self._seen.clear()  # this process did not look for a while: it cannot blame anyone for it
+        self._last_look = now
         for peer in range(self.count):
             if peer == self.index:
                 continue

@@ -32,7 +32,7 @@ from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE, free_port  # noqa: E402
 
 PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=2", "CheckpointConfig.every_steps=1", "CheckpointConfig.max_to_keep=3",
           "EvalConfig.num_questions=2", "MeshConfig.data=1", "MeshConfig.fsdp=2", "MeshConfig.tensor=2",
-          "DistributedConfig.peer_timeout_s=5.0")
+          "DistributedConfig.peer_timeout_s=10.0")
 LIMIT_S = 60.0
 RUN_TIMEOUT_S = 900
 
@@ -110,8 +110,7 @@ def test_a_lost_process_ends_the_run_and_the_relaunch_resumes_bitwise(reference,
 
     run = tmp_path / "run"
     timings = {}
-    for phase, victim, faults, last in (("rollout", 1, {"sigkill_rollout_step": 1}, 1),
-                                        ("update", 0, {"sigkill_update_step": 1}, 1)):
+    for phase, victim, faults in (("rollout", 1, {"sigkill_rollout_step": 1}), ("update", 0, {"sigkill_update_step": 1})):
         procs = _launch(run, {victim: faults})
         outs, seconds = _finish(procs, victim)
         survivor = 1 - victim
@@ -122,18 +121,20 @@ def test_a_lost_process_ends_the_run_and_the_relaunch_resumes_bitwise(reference,
         assert len(lines) == 1, err[-3000:]
         assert lines[0].startswith(f"error: process {victim} of 2{' (the coordinator)' if victim == 0 else ''} "
                                    "was lost")
-        assert lines[0].endswith(f"Last complete checkpoint: {run / 'checkpoints'}/{last}; run the same command "
+        # the newest complete checkpoint (RL step 1's save may still be in flight at the kill: then step 0's)
+        folder = "checkpoints" if (run / "checkpoints").is_dir() and _complete(run) else "sft_checkpoint"
+        last = _complete(run, folder)[-1]
+        assert lines[0].endswith(f"Last complete checkpoint: {run / folder}/{last}; run the same command "
                                  "on every worker to resume")
         assert seconds < LIMIT_S, (phase, seconds)
         if victim == 1:  # the watch in the survivor itself (not JAX, not the guardian) ended it
             assert procs[survivor].returncode == EXIT_PEER_LOST, err[-3000:]
-        # no partial checkpoint counts as complete: the newest complete one is the one named, and it restores
-        assert _complete(run)[-1] == last
-        step, items = read_checkpoint(run / "checkpoints")
+        # no partial save counts as complete: the one named restores, every item of it
+        step, items = read_checkpoint(run / folder)
         assert step == last and items["meta"]["step"] == last
     print(f"seconds from the kill to the survivor's exit: {timings}")
     outs, _ = _finish(_launch(run))
-    assert "resuming RL after step 1" in outs[0][0], outs[0][1][-3000:]
+    assert f"resuming {'RL' if folder == 'checkpoints' else 'SFT'} after step {last}" in outs[0][0], outs[0][1][-3000:]
     assert _rl_lines(run) == _rl_lines(reference)
     assert (run / "rollouts.jsonl").read_bytes() == (reference / "rollouts.jsonl").read_bytes()
     for folder in ("checkpoints", "sft_checkpoint"):
@@ -180,9 +181,15 @@ def test_watch_names_a_silent_process_and_ignores_one_that_left(tmp_path):
     store.values.update({"mempo/peers/1": "1 run", "mempo/peers/2": "1 run"})
     assert watch.poll() is None
     store.values["mempo/peers/2"] = "2 left"  # process 2 finished: never lost
-    time.sleep(0.4)
-    assert watch.poll() == (1, watch.poll()[1]) and "no heartbeat for 0 s" in watch.poll()[1]
-    watch.report(*watch.poll())
+    time.sleep(1.0)  # a gap in this process's own looks: the clocks start again
+    assert watch.poll() is None
+    found = None
+    while found is None:  # looked at every 0.05 s, process 1's counter does not move for 0.3 s
+        time.sleep(0.05)
+        found = watch.poll()
+    lost, why = found
+    assert lost == 1 and why == "no heartbeat for 0 s, limit DistributedConfig.peer_timeout_s"
+    watch.report(lost, why)
     assert exits == [EXIT_PEER_LOST]
     # a process other than 0 that cannot reach the store has lost process 0
     store.down = True
