@@ -90,6 +90,26 @@ def _complete(run, folder="checkpoints"):
     return sorted(int(p.name) for p in (run / folder).iterdir() if p.name.isdigit())
 
 
+def _restore(folder):
+    """``(step, params, opt_state, meta)`` of the newest complete checkpoint of ``folder``, restored
+    onto this process's first device whatever mesh saved it (targets from orbax's stored shapes;
+    ``Checkpointer.restore`` checks every array against the checksums recorded at save time)."""
+    import orbax.checkpoint as ocp
+
+    from mempo_jax.run.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(folder, async_save=False, prepare=False)
+    try:
+        step = ckpt.latest_step()
+        targets = [jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                getattr(t, "tree", t))
+                   for t in (ocp.StandardCheckpointHandler().metadata(folder / str(step) / item)
+                             for item in ("params", "opt_state"))]
+        return (step, *ckpt.restore(step, *targets))
+    finally:
+        ckpt.close()
+
+
 def _rl_lines(run):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
@@ -106,7 +126,6 @@ def reference(tmp_path_factory):
 @pytest.mark.slow
 def test_a_lost_process_ends_the_run_and_the_relaunch_resumes_bitwise(reference, tmp_path):
     from mempo_jax.core.peers import EXIT_PEER_LOST
-    from mempo_jax.run.checkpoint import read_checkpoint
 
     run = tmp_path / "run"
     timings = {}
@@ -130,20 +149,19 @@ def test_a_lost_process_ends_the_run_and_the_relaunch_resumes_bitwise(reference,
         if victim == 1:  # the watch in the survivor itself (not JAX, not the guardian) ended it
             assert procs[survivor].returncode == EXIT_PEER_LOST, err[-3000:]
         # no partial save counts as complete: the one named restores, every item of it
-        step, items = read_checkpoint(run / folder)
-        assert step == last and items["meta"]["step"] == last
+        step, _, _, meta = _restore(run / folder)
+        assert step == last and meta["step"] == last
     print(f"seconds from the kill to the survivor's exit: {timings}")
     outs, _ = _finish(_launch(run))
     assert f"resuming {'RL' if folder == 'checkpoints' else 'SFT'} after step {last}" in outs[0][0], outs[0][1][-3000:]
     assert _rl_lines(run) == _rl_lines(reference)
     assert (run / "rollouts.jsonl").read_bytes() == (reference / "rollouts.jsonl").read_bytes()
     for folder in ("checkpoints", "sft_checkpoint"):
-        (step, got), (ref_step, want) = read_checkpoint(run / folder), read_checkpoint(reference / folder)
-        assert step == ref_step
-        for name in ("params", "opt_state"):
-            a, b = jax.tree.leaves(got[name]), jax.tree.leaves(want[name])
-            assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b)), \
-                (folder, name)
+        got, want = _restore(run / folder), _restore(reference / folder)
+        assert got[0] == want[0]
+        for a, b in zip(got[1:3], want[1:3]):  # parameters, optimizer state
+            a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+            assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b)), folder
     summary, ref_summary = (json.loads((r / "summary.json").read_text()) for r in (run, reference))
     summary.pop("wall_s"), ref_summary.pop("wall_s")
     assert summary == ref_summary
