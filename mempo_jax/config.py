@@ -33,6 +33,7 @@ from mempo_jax.model.attention import BLOCKED_MIN_LEN
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
+from mempo_jax.core.distributed import DistributedConfig
 from mempo_jax.core.mesh_config import MeshConfig, PlanConfig, TPUConfig
 from mempo_jax.model.lora import LoraConfig
 from mempo_jax.rl.config import RLConfig
@@ -380,6 +381,8 @@ class ExperimentConfig:
       execution: micro-batch and chunk rows of the device programs (``ExecutionConfig``).
       lora: LoRA adapters (``LoraConfig``; ``rank = 0``, the default, trains every parameter).
         ``LoraConfig.*`` bindings apply without an ``ExperimentConfig.lora`` line.
+      distributed: what a multi-process run does when a process is lost (``DistributedConfig``);
+        ``DistributedConfig.*`` bindings apply without an ``ExperimentConfig.distributed`` line.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range or of the wrong type (names the
@@ -408,6 +411,7 @@ class ExperimentConfig:
     mesh: MeshConfig = MeshConfig()
     execution: ExecutionConfig = ExecutionConfig()
     lora: LoraConfig = LoraConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         check(self, "seed", int, lo=0)
@@ -436,7 +440,8 @@ class ExperimentConfig:
         check(self, "log_rollouts", int, lo=0)
         for name, kind in (("world", WorldConfig), ("model", ModelOptions), ("sft", SFTConfig), ("rl", RLConfig),
                            ("optim", OptimConfig), ("eval", EvalConfig), ("checkpoint", CheckpointConfig),
-                           ("mesh", MeshConfig), ("execution", ExecutionConfig), ("lora", LoraConfig)):
+                           ("mesh", MeshConfig), ("execution", ExecutionConfig), ("lora", LoraConfig),
+                           ("distributed", DistributedConfig)):
             check(self, name, kind)
         micro = self.execution.sft_micro_batch_rows
         require(not (micro and self.sft.batch_rows % micro), "ExecutionConfig.sft_micro_batch_rows must be 0 or divide "
@@ -457,7 +462,7 @@ class ExperimentConfig:
 # recipe; they are registered here so every shipped gin file parses through ``load_config``.
 _CONFIGURABLES = (ExperimentConfig, WorldConfig, ModelOptions, SFTConfig, ScriptedAgentConfig, OptimConfig,
                   RLConfig, RolloutConfig, LossConfig, MemoryRewardConfig, EvalConfig, CheckpointConfig, ExecutionConfig, MeshConfig,
-                  TPUConfig, PlanConfig, LoraConfig)
+                  TPUConfig, PlanConfig, LoraConfig, DistributedConfig)
 # Fields that are no longer fields, and the one to bind instead (None: delete the binding). A config
 # that binds one, a recipe or a run folder's config.gin, is refused at start-up with one line naming
 # the replacement; CHANGELOG.md says when each moved and why.
@@ -538,7 +543,7 @@ def load_config(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -
             # ExperimentConfig.<field> = @...() line, MemoryRewardConfig.* ones without RLConfig.memory_reward (unbound ones stay out of the operative config).
             nested = {"checkpoint": CheckpointConfig}
             nested.update({name: kind for name, kind in (("mesh", MeshConfig), ("execution", ExecutionConfig),
-                                                         ("lora", LoraConfig))
+                                                         ("lora", LoraConfig), ("distributed", DistributedConfig))
                            if binds_any(kind)})
             cfg = dataclasses.replace(cfg, **{name: gin.get_configurable(kind)() for name, kind in nested.items()
                                               if not _is_bound(f"ExperimentConfig.{name}")})

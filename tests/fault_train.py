@@ -1,6 +1,7 @@
 """Test-only entry point: the trainer with injected faults, for the subprocess tests.
 
-``python tests/fault_train.py [--nan_grad_steps 2,4-6] [--sigterm_rollout_step 3] TRAIN_ARGS…`` runs
+``python tests/fault_train.py [--nan_grad_steps 2,4-6] [--sigterm_rollout_step 3] [--sigkill_rollout_step 1]
+[--sigkill_update_step 1] TRAIN_ARGS…`` runs
 ``mempo_jax.commands.train.main(TRAIN_ARGS, hooks=FaultHooks(...))``: the product's command line
 (``python -m mempo_jax.commands.train``) injects nothing. A malformed fault value is a one-line error
 (exit status 2).
@@ -46,10 +47,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nan_grad_steps", type=parse_steps, default=frozenset())
     p.add_argument("--sigterm_rollout_step", type=int, default=None)
+    p.add_argument("--sigkill_rollout_step", type=int, default=None)
+    p.add_argument("--sigkill_update_step", type=int, default=None)
     faults, rest = p.parse_known_args(argv)
     from mempo_jax.commands import train
 
-    return train.main(rest, hooks=FaultHooks(faults.nan_grad_steps, faults.sigterm_rollout_step))
+    return train.main(rest, hooks=FaultHooks(faults.nan_grad_steps, faults.sigterm_rollout_step,
+                                             faults.sigkill_rollout_step, faults.sigkill_update_step))
 
 
 if __name__ == "__main__":

@@ -153,3 +153,116 @@ def test_scripts_are_shellcheck_clean():
     assert proc.returncode == 0, proc.stdout
     for name in SCRIPTS:
         assert os.access(REPO / "launch" / f"{name}.sh", os.X_OK), name
+
+
+# ---- launch/run.sh --max-restarts: the supervisor, driven by a scripted gcloud ------------------------
+SCRIPTED = """#!/usr/bin/env bash
+# A gcloud stand-in: records every call; answers `describe` and the job-status probe from scripted
+# answer files, one line per call (the last line repeats), each word of a status line one worker's.
+{ printf 'gcloud'; printf ' %q' "$@"; printf '\\n'; } >> "$GCLOUD_LOG"
+answer() {
+  local file="$GCLOUD_SCRIPT/$1" line
+  line="$(head -n 1 "$file")"
+  if (($(wc -l < "$file") > 1)); then sed -i 1d "$file"; fi
+  printf '%s\\n' $line
+}
+case "$*" in
+  *" describe "*) answer states ;;
+  *"--command=cat "*) echo "Using ssh batch size of 1."; answer statuses ;;
+esac
+"""
+
+
+@pytest.fixture
+def scripted(tmp_path, stub):
+    env, log = stub
+    (tmp_path / "bin" / "gcloud").write_text(SCRIPTED)
+    script = tmp_path / "script"
+    script.mkdir()
+    env = dict(env, GCLOUD_SCRIPT=str(script))
+
+    def run(states, statuses, *extra):
+        (script / "states").write_text("\n".join(states) + "\n")
+        (script / "statuses").write_text("\n".join(statuses) + "\n")
+        proc = run_script("run", ["--config", CONFIG, *BASE, "--queued", "--poll", "0", *extra], env)
+        calls = [shlex.split(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return proc, calls
+
+    return run
+
+
+def _kinds(calls):
+    """Each gcloud call in short: ``describe``, ``delete``, ``create``, ``scp``, ``setup``, ``launch``, ``probe``."""
+    out = []
+    for c in calls:
+        command = next((a for a in c if a.startswith("--command=")), "")
+        if "describe" in c or "delete" in c or "create" in c or "scp" in c:
+            out.append(next(k for k in ("describe", "delete", "create", "scp") if k in c))
+        elif command.startswith("--command=cat "):
+            out.append("probe")
+        elif "pip install" in command:
+            out.append("setup")
+        else:
+            out.append("launch")
+    return out
+
+
+def test_supervisor_recreates_a_preempted_slice_and_relaunches_an_exited_job(scripted):
+    proc, calls = scripted(["ACTIVE", "SUSPENDED", "PROVISIONING", "ACTIVE"],
+                           ["running running", "0 running", "done done"], "--max-restarts", "2", "--spot")
+    assert proc.returncode == 0, proc.stderr
+    assert _kinds(calls) == ["launch", "describe", "probe",  # running
+                             "describe", "delete", "create", "describe", "describe", "scp", "setup", "launch",
+                             "describe", "probe",  # a worker exited with 0 before the end (a preemption's save)
+                             "launch", "describe", "probe"]  # done
+    create = next(c for c in calls if "create" in c)
+    assert create[3:6] == ["queued-resources", "create", "mempo-7b"] and "--spot" in create
+    lines = [x.split("] ", 1)[1] for x in proc.stderr.splitlines() if x.startswith("[launch/run.sh")]
+    assert lines == ["following the job (--max-restarts 2, every 0s)",
+                     "restart 1/2: queued resource mempo-7b is SUSPENDED; recreating the slice, then relaunching "
+                     "from the last checkpoint",
+                     "restart 2/2: a worker exited before the end (statuses: 0 running); relaunching from the last "
+                     "checkpoint",
+                     "the run is done (every worker reports it)"]
+    launch = calls[0][-1].removeprefix("--command=")
+    # the relaunch stops a trainer still running there, and the job records how it ended
+    assert launch.startswith("mkdir -p ~/mempo_logs && { if [ -f ~/mempo_logs/qwen2_5_7b_v5p64.pid ]")
+    job = shlex.split(launch)[shlex.split(launch).index("-c") + 1]
+    assert job.startswith("python3 -m mempo_jax.commands.train --run_dir runs/qwen2_5_7b_v5p64 --gin_file " + CONFIG)
+    assert job.endswith("if [ $rc = 0 ] && [ -f runs/qwen2_5_7b_v5p64/summary.json ]; then echo done; "
+                        "else echo $rc; fi > ~/mempo_logs/qwen2_5_7b_v5p64.status")
+
+
+def test_supervisor_gives_up_after_its_restarts_and_on_a_bad_config(scripted):
+    proc, calls = scripted(["ACTIVE", "FAILED"], ["running"], "--max-restarts", "0")
+    assert proc.returncode == 1 and _kinds(calls) == ["launch", "describe", "probe", "describe"]
+    assert "giving up: queued resource mempo-7b is FAILED, and --max-restarts 0 are used" in proc.stderr
+
+
+def test_supervisor_does_not_restart_a_run_stopped_by_bad_input(scripted):
+    proc, calls = scripted(["ACTIVE"], ["2 running"], "--max-restarts", "3")
+    assert proc.returncode == 2 and _kinds(calls) == ["launch", "describe", "probe"]
+    assert "a worker stopped with status 2 (bad config or input" in proc.stderr
+
+
+def test_supervisor_dry_run_prints_one_restart(stub, scripted):
+    env, log = stub
+    args = ["--config", CONFIG, *BASE, "--queued", "--max-restarts", "1", "--dry-run"]
+    dry = run_script("run", args, env)
+    assert dry.returncode == 0 and not log.exists(), dry.stderr
+    printed = [shlex.split(x) for x in dry.stdout.splitlines()]
+    assert _kinds(printed) == ["launch", "describe", "probe", "delete", "create", "describe", "scp", "setup", "launch"]
+    assert "restart 1/1: queued resource mempo-7b is SUSPENDED (dry run)" in dry.stderr
+    # the same commands, run against the stand-in with that history, are what gcloud receives
+    proc, calls = scripted(["SUSPENDED", "ACTIVE", "SUSPENDED"], ["running"], "--max-restarts", "1")
+    assert proc.returncode == 1  # preempted again after its one restart: it gives up
+    assert calls[:2] == printed[:2] and calls[2:8] == printed[3:] and _kinds(calls[8:]) == ["describe"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-restarts", "x"], "--max-restarts must be a whole number, got 'x'"),
+    (["--max-restarts", "1", "--poll", "1.5"], "--poll must be a whole number of seconds, got '1.5'"),
+])
+def test_supervisor_argument_errors(stub, args, message):
+    proc = run_script("run", ["--config", CONFIG, *BASE, *args, "--dry-run"], stub[0])
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""

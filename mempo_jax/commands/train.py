@@ -29,7 +29,8 @@ is resumed from its newest durable point (``--resume`` insists on one); the logs
 it, and every random draw is a pure function of (seed, stage, step), so the resumed run is the
 uninterrupted one, bit for bit on CPU. SIGTERM saves a checkpoint and exits 0 within
 ``CheckpointConfig.grace_s``. Exit status: 0 done or preempted, 2 bad config or input,
-3 numerical faults, 4 grace period exceeded.
+3 numerical faults, 4 grace period exceeded, 5 another process of a multi-process run was lost
+(``DistributedConfig.peer_timeout_s``; the line names it and the last complete checkpoint).
 
 Meshes and several processes (docs/tpu_pod.md). The run is always on a mesh ``(data, fsdp,
 tensor)``: the smallest, ``(1, 1, 1)``, unless the config binds ``MeshConfig`` (the pod recipes)
@@ -73,17 +74,21 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
-def _initialize_distributed() -> bool:
-    """``distributed.maybe_initialize()`` once per interpreter (before any JAX device use)."""
-    global _DISTRIBUTED
+def _initialize_distributed(config=None, run_dir=None) -> bool:
+    """``distributed.maybe_initialize(config=...)`` once per interpreter (before any JAX device use),
+    then the lost-process watch of a multi-process run (``distributed.watch_peers``)."""
+    global _DISTRIBUTED, _PEER_WATCH
     if _DISTRIBUTED is None:
-        from mempo_jax.core.distributed import maybe_initialize
+        from mempo_jax.core.distributed import DistributedConfig, maybe_initialize, watch_peers
 
-        _DISTRIBUTED = maybe_initialize()
+        config = config or DistributedConfig()
+        _DISTRIBUTED = maybe_initialize(config=config)
+        _PEER_WATCH = watch_peers(config, run_dir) if _DISTRIBUTED else None
     return _DISTRIBUTED
 
 
 _DISTRIBUTED = None
+_PEER_WATCH = None
 
 
 def run(args, hooks=None) -> dict:
@@ -103,7 +108,9 @@ def run(args, hooks=None) -> dict:
       Preempted: a SIGTERM arrived; the state is saved (``main`` exits 0).
       NumericalFault: too many non-finite steps; the last good checkpoint is kept (``main`` exits 3).
     """
-    _initialize_distributed()  # joins the other processes of a multi-host job, before any JAX use
+    run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)  # touches no device
+    cfg = run_cfg.experiment
+    _initialize_distributed(cfg.distributed, args.run_dir)  # joins the other processes, before any device use
     from mempo_jax.run import stages
     from mempo_jax.data.messages import read_messages
     from mempo_jax.run.experiment import check_qa_inputs
@@ -112,12 +119,12 @@ def run(args, hooks=None) -> dict:
     from mempo_jax.model.lora import reference_params, split_trainable
 
     setup_compilation_cache()
-    run_cfg = load_run_config(args.gin_file or [DEFAULT_GIN], args.gin_param)
-    cfg = run_cfg.experiment
     check_qa_inputs(cfg)  # QA files, corpus, retriever: a bad one stops the run before RUN_DIR changes
     # An SFT trajectory file is read and validated before the run folder changes.
     sft_file = read_messages(cfg.sft.data_path) if cfg.sft.steps > 0 and cfg.sft.data_path else None
     with contextlib.ExitStack() as stack:
+        if _PEER_WATCH is not None:  # a failure that echoes a lost process ends with that process's line
+            stack.push(_PEER_WATCH.on_exit)
         ctx = open_run(args, run_cfg, hooks or FaultHooks(), stack)
         learner = ctx.new_learner(ctx.exp.params, ctx.sft_opt, micro_batch_rows=cfg.sft_micro_batch_rows)
         stages.heldout(ctx)  # enough held-out questions for every process, checked before any stage

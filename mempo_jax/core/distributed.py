@@ -12,6 +12,7 @@ written once). Source: JAX "Multi-process environments" guide; MaxText ``max_uti
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Mapping, Optional, Sequence
 
@@ -27,8 +28,36 @@ ENV_PROCESS_ID = "MEMPO_PROCESS_ID"
 ENV_MULTIHOST = "MEMPO_MULTIHOST"  # "1": a Cloud TPU slice; jax auto-detects the coordinator
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """What a multi-process run does when one of its processes is lost (docs/resume.md).
+
+    Attributes:
+      peer_timeout_s: a process whose heartbeat (``core.peers.PeerWatch``, one a second) has not
+        moved for this long is lost; every other process then exits with status
+        ``peers.EXIT_PEER_LOST`` and one line naming it and the last complete checkpoint. JAX's
+        own heartbeat and shutdown timeouts are twice this (a backstop).
+
+    Raises:
+      ValueError: from ``__post_init__``, a timeout that is not a number in [2, 600].
+    """
+
+    peer_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        from mempo_jax.core.validation import check
+
+        check(self, "peer_timeout_s", float, lo=2.0, hi=600.0)
+
+    @property
+    def jax_timeout_s(self) -> int:
+        """``heartbeat_timeout_seconds`` / ``shutdown_timeout_seconds`` of ``jax.distributed.initialize``."""
+        return int(round(2 * self.peer_timeout_s))
+
+
 def maybe_initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-                     process_id: Optional[int] = None, env: Optional[Mapping[str, str]] = None) -> bool:
+                     process_id: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+                     config: DistributedConfig = DistributedConfig()) -> bool:
     """Call ``jax.distributed.initialize`` when this job runs as several processes.
 
     Decides from the arguments, else from the environment:
@@ -42,7 +71,8 @@ def maybe_initialize(coordinator_address: Optional[str] = None, num_processes: O
       which reads the slice's metadata;
     * otherwise nothing (one process; returns False).
 
-    Must run before any other JAX call that touches devices.
+    JAX's heartbeat and shutdown timeouts are ``config.jax_timeout_s``. Must run before any other
+    JAX call that touches devices.
 
     Returns:
       True when ``jax.distributed.initialize`` was called.
@@ -59,13 +89,34 @@ def maybe_initialize(coordinator_address: Optional[str] = None, num_processes: O
             raise ValueError(f"process id {pid!r} must be in [0, {n}) (set ${ENV_PROCESS_ID})")
         if "cpu" in str(env.get("JAX_PLATFORMS", "")).split(","):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator, num_processes=n, process_id=int(pid))
+        jax.distributed.initialize(coordinator, num_processes=n, process_id=int(pid),
+                                   heartbeat_timeout_seconds=config.jax_timeout_s,
+                                   shutdown_timeout_seconds=config.jax_timeout_s)
         return True
     hosts = [h for h in str(env.get("TPU_WORKER_HOSTNAMES", "")).split(",") if h.strip()]
     if env.get(ENV_MULTIHOST) == "1" or len(hosts) > 1:
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=config.jax_timeout_s,
+                                   shutdown_timeout_seconds=config.jax_timeout_s)
         return True
     return False
+
+
+def watch_peers(config: DistributedConfig, run_dir: Optional[str] = None, guardian: bool = True):
+    """Start the lost-process watch of a joined multi-process run (``core.peers.PeerWatch``).
+
+    Returns:
+      The started ``PeerWatch``, or None on one process.
+    """
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed as jax_distributed  # the joined client (orbax reads it the same way)
+
+    from mempo_jax.core.peers import PeerWatch
+
+    state = jax_distributed.global_state
+    return PeerWatch(state.client, jax.process_index(), jax.process_count(), config.peer_timeout_s,
+                     run_dir=None if run_dir is None else str(os.path.abspath(run_dir)),
+                     coordinator=state.coordinator_address, guardian=guardian).start()
 
 
 def is_primary() -> bool:

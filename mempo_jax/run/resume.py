@@ -530,22 +530,36 @@ class FaultHooks:
         has non-finite gradients.
       sigterm_rollout_step: the process sends itself SIGTERM at the first rollout cycle of this
         RL step (during a rollout, before its first sampling call).
+      sigkill_rollout_step: the process sends itself SIGKILL there (a lost process: no handler,
+        no save).
+      sigkill_update_step: the process sends itself SIGKILL at the start of this RL step's first
+        PPO update (while the other processes wait in the update's collectives).
     """
 
     nan_grad_steps: frozenset = frozenset()
     sigterm_rollout_step: Optional[int] = None
+    sigkill_rollout_step: Optional[int] = None
+    sigkill_update_step: Optional[int] = None
 
     def before_sample(self, step: int, preemption) -> None:
         """Called at every rollout cycle of RL step ``step``: at ``sigterm_rollout_step`` the
-        process sends itself SIGTERM (once: not while one is pending on ``preemption``)."""
-        if step == self.sigterm_rollout_step and not preemption.requested:
-            import signal
+        process sends itself SIGTERM (once: not while one is pending on ``preemption``); at
+        ``sigkill_rollout_step`` SIGKILL."""
+        import signal
 
+        if step == self.sigkill_rollout_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.sigterm_rollout_step and not preemption.requested:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def update_rows(self, step: int, rows: Mapping) -> Mapping:
         """The PPO rows of RL step ``step`` (``Learner.before_update``): at a ``nan_grad_steps``
-        step every advantage is NaN, so every update of the step has non-finite gradients."""
+        step every advantage is NaN, so every update of the step has non-finite gradients; at
+        ``sigkill_update_step`` the process sends itself SIGKILL."""
+        if step == self.sigkill_update_step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         if step not in self.nan_grad_steps:
             return rows
         return dict(rows, advantages=np.full_like(rows["advantages"], np.nan))

@@ -282,12 +282,17 @@ def test_maybe_initialize_decides_from_arguments_and_environment(monkeypatch):
     env = {"MEMPO_COORDINATOR": "10.0.0.2:1234", "MEMPO_NUM_PROCESSES": "4", "MEMPO_PROCESS_ID": "3",
            "JAX_PLATFORMS": "cpu"}
     assert distributed.maybe_initialize(env=env) is True
+    timeouts = {"heartbeat_timeout_seconds": 60, "shutdown_timeout_seconds": 60}  # 2 x DistributedConfig.peer_timeout_s
     assert calls == [("config", ("jax_cpu_collectives_implementation", "gloo")),
-                     (("10.0.0.2:1234",), {"num_processes": 4, "process_id": 3})]
+                     (("10.0.0.2:1234",), {"num_processes": 4, "process_id": 3, **timeouts})]
     calls.clear()
     assert distributed.maybe_initialize(env={"MEMPO_MULTIHOST": "1"}) is True
-    assert distributed.maybe_initialize(env={"TPU_WORKER_HOSTNAMES": "a,b,c,d"}) is True
-    assert calls == [((), {}), ((), {})]  # TPU slices: jax reads the coordinator from the metadata
+    assert distributed.maybe_initialize(env={"TPU_WORKER_HOSTNAMES": "a,b,c,d"},
+                                        config=distributed.DistributedConfig(peer_timeout_s=5)) is True
+    # TPU slices: jax reads the coordinator from the metadata
+    assert calls == [((), timeouts), ((), {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 10})]
+    with pytest.raises(ValueError, match="DistributedConfig.peer_timeout_s must be >= 2"):
+        distributed.DistributedConfig(peer_timeout_s=1)
     with pytest.raises(ValueError, match="process id"):
         distributed.maybe_initialize("h:1", 2, 5, env={})
 
