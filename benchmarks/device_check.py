@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 
-from common import median, timed
+from common import median, ppo_batch, timed
 
 # Card peaks: HBM bytes/s and dense bfloat16 FLOP/s (vendor data sheets, SXM parts).
 PEAKS = {"H100": {"hbm_bytes_s": 3.35e12, "bf16_flop_s": 989e12},
@@ -191,7 +191,6 @@ def plan_config(smoke: bool):
 
 def section_update(ctx) -> dict:
     import jax
-    import numpy as np
 
     from bench_roofline import forward_flops
     from mempo_jax import plan as plan_lib
@@ -206,12 +205,7 @@ def section_update(ctx) -> dict:
     graphdef, params = split_model(create_model(mcfg, seed=0))
     learner = Learner(make_logits_fn(graphdef, **cfg.execution.forward_options), params,
                       make_optimizer(OptimConfig()), micro_batch_rows=rows)
-    rng = np.random.default_rng(0)
-    batch = {"input_ids": rng.integers(1, mcfg.vocab_size, (rows, length)).astype(np.int32),
-             "valid": np.ones((rows, length), bool), "loss_mask": np.ones((rows, length), np.float32),
-             "old_logprobs": np.full((rows, length), -5.0, np.float32),
-             "ref_logprobs": np.full((rows, length), -5.0, np.float32),
-             "advantages": rng.normal(0, 1, (rows, length)).astype(np.float32)}
+    batch = ppo_batch(rows, length, mcfg.vocab_size)
     loss = LossConfig()
 
     def step():
