@@ -232,5 +232,6 @@ def test_device_check_smoke_prints_one_json_of_every_section():
     assert res["env"]["kernel_impl"] == "cudnn" and res["parity"]["float32"]["max_abs"] < 1e-4
     assert {(r["batch"], r["attention_impl"]) for r in res["decode"]["runs"]} == {
         (b, i) for b in (1, 4) for i in ("xla", "cudnn")}
-    assert all(r["tokens_per_s"] > 0 for r in res["decode"]["runs"] + res["prefill"]["runs"])
+    assert all(r["tokens_per_s"] is None or r["tokens_per_s"] > 0 for r in res["decode"]["runs"])
+    assert all(r["tokens_per_s"] > 0 for r in res["prefill"]["runs"])
     assert res["update"]["tflop_s"] > 0 and res["update"]["memory"]["plan_bytes"] > 0
