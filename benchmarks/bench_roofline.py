@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from common import bench_model, median, parser, setup_platform, table, timed, write_json
+from common import bench_model, median, parser, ppo_batch, setup_platform, table, timed, write_json
 
 
 def matmul_params(cfg) -> int:
@@ -61,11 +61,7 @@ def main(argv=None) -> dict:
     rows, length = (4, 32) if small else (16, 256)
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(OptimConfig()), micro_batch_rows=rows)
     rng = np.random.default_rng(0)
-    batch = {"input_ids": rng.integers(1, cfg.vocab_size, (rows, length)).astype(np.int32),
-             "valid": np.ones((rows, length), bool), "loss_mask": np.ones((rows, length), np.float32),
-             "old_logprobs": np.full((rows, length), -5.0, np.float32),
-             "ref_logprobs": np.full((rows, length), -5.0, np.float32),
-             "advantages": rng.normal(0, 1, (rows, length)).astype(np.float32)}
+    batch = ppo_batch(rows, length, cfg.vocab_size)
     loss = LossConfig()
     compiled = learner._ppo_step.lower(learner.params, None, learner.opt_state, batch, 1, loss).compile()
     try:

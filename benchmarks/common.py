@@ -226,6 +226,22 @@ def tunix_same_weights(cfg, params, folder: str | os.PathLike):
     return model, sampler_lib
 
 
+def ppo_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
+    """A synthetic ``[rows, length]`` PPO batch (random ids, one sequence per row filling it, every
+    token trained on, old / reference log-probs −5, normal advantages), packed as
+    ``Learner._ppo_step`` takes it (``segment_ids`` 1, ``positions`` 0 … length − 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(1, vocab, (rows, length)).astype(np.int32),
+            "segment_ids": np.ones((rows, length), np.int32),
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+            "valid": np.ones((rows, length), bool), "loss_mask": np.ones((rows, length), np.float32),
+            "old_logprobs": np.full((rows, length), -5.0, np.float32),
+            "ref_logprobs": np.full((rows, length), -5.0, np.float32),
+            "advantages": rng.normal(0, 1, (rows, length)).astype(np.float32)}
+
+
 def param_count(params) -> int:
     """Number of scalars in a parameter pytree."""
     import jax

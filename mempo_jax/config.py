@@ -29,7 +29,7 @@ from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK
-from mempo_jax.model.attention import BLOCKED_MIN_LEN
+from mempo_jax.model.attention import ATTENTION_IMPLS, BLOCKED_MIN_LEN
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
@@ -216,6 +216,12 @@ class ExecutionConfig:
         trainer's float32 ones (``RLConfig.old_logprobs = "trainer"``), and
         ``rollout/logprob_diff/*`` reports the gap. On one process the cast is an extra
         half-size copy while the rollout runs.
+      attention_impl: the attention strategy of every forward pass, the rollout's decode
+        included (``model.attention.resolve_impl``): ``"auto"`` (default: ``"cudnn"`` on GPU,
+        ``"pallas"`` on TPU, ``"xla"`` elsewhere), ``"xla"`` (the dense / blocked XLA code),
+        ``"cudnn"`` (GPU: cuDNN flash attention, Pallas paged decode) or ``"pallas"`` (TPU:
+        splash attention, Pallas paged decode). Speed and memory, not values (float32 summation
+        order aside); a kernel strategy on a backend without it is an error.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -230,13 +236,15 @@ class ExecutionConfig:
     dense_attention_max_len: int = BLOCKED_MIN_LEN
     reference_dtype: str = "float32"
     rollout_dtype: str = "float32"
+    attention_impl: str = "auto"
 
     @property
     def forward_options(self) -> dict:
         """The ``model.forward.make_logits_fn`` keywords these sizes bind (``logit_chunk``,
-        ``remat``, ``dense_max_len``): the one place an execution field reaches the forward pass."""
+        ``remat``, ``dense_max_len``, ``attention_impl``): the one place an execution field reaches
+        the forward pass."""
         return {"logit_chunk": self.logit_chunk_tokens, "remat": self.remat,
-                "dense_max_len": self.dense_attention_max_len}
+                "dense_max_len": self.dense_attention_max_len, "attention_impl": self.attention_impl}
 
     @property
     def rollout_param_dtype(self):
@@ -256,6 +264,7 @@ class ExecutionConfig:
         check(self, "remat", str, choices=REMAT_CHOICES)
         check(self, "reference_dtype", str, choices=("float32", "bfloat16"))
         check(self, "rollout_dtype", str, choices=("float32", "bfloat16"))
+        check(self, "attention_impl", str, choices=ATTENTION_IMPLS)
         n = self.scoring_chunk_rows
         require(n & (n - 1) == 0, f"ExecutionConfig.scoring_chunk_rows must be 0 or a power of two, got {n}")
 

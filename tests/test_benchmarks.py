@@ -217,3 +217,23 @@ def test_run_all_lists_every_section():
                                                    "attention"]
     for _, script, _ in run_all.SECTIONS:
         assert (REPO / "benchmarks" / script).is_file()
+
+
+def test_device_check_smoke_prints_one_json_of_every_section():
+    """``device_check.py --smoke``: the GPU check's code on the CPU (the kernel strategy in interpret
+    mode), one JSON line, no section failed, float32 parity with transformers."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as on the lent machine
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_check.py"), "--smoke", "--sections",
+                          "env,parity,decode,prefill,update"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [k for k, v in res.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)], res
+    assert res["env"]["kernel_impl"] == "cudnn" and res["parity"]["float32"]["max_abs"] < 1e-4
+    assert {(r["batch"], r["attention_impl"]) for r in res["decode"]["runs"]} == {
+        (b, i) for b in (1, 4) for i in ("xla", "cudnn")}
+    assert all(r["tokens_per_s"] is None or r["tokens_per_s"] > 0 for r in res["decode"]["runs"])
+    assert all(r["tokens_per_s"] > 0 for r in res["prefill"]["runs"])
+    assert res["update"]["tflop_s"] > 0 and res["update"]["memory"]["plan_bytes"] > 0

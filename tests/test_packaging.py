@@ -27,10 +27,18 @@ def _requirements(path: pathlib.Path) -> list[str]:
 def test_runtime_and_test_pins_match_the_requirements_files():
     assert PYPROJECT["project"]["dependencies"] == _requirements(REPO / "requirements.txt")
     assert PYPROJECT["project"]["optional-dependencies"]["test"] == _requirements(REPO / "requirements-test.txt")
-    jax_pin = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("jax=="))
-    version = jax_pin.split("==")[1]
-    assert PYPROJECT["project"]["optional-dependencies"]["cuda"] == [f"jax[cuda12]=={version}"]
-    assert PYPROJECT["project"]["optional-dependencies"]["tpu"] == [f"jax[tpu]=={version}"]
+    jax_range = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("jax>="))[len("jax"):]
+    assert PYPROJECT["project"]["optional-dependencies"]["cuda"] == [f"jax[cuda12]{jax_range}"]
+    assert PYPROJECT["project"]["optional-dependencies"]["tpu"] == [f"jax[tpu]{jax_range}"]
+
+
+def test_ci_pins_the_lowest_version_of_every_range():
+    """.ci/constraints-lowest.txt pins each ranged requirement at its lower bound (what CI's whole
+    suite installs), and every ranged requirement has a pin there."""
+    ranged = {m.group(1): m.group(2) for d in PYPROJECT["project"]["dependencies"]
+              if (m := re.fullmatch(r"([\w-]+)>=([\d.]+),<[\d.]+", d))}
+    pins = dict(line.split("==") for line in _requirements(REPO / ".ci" / "constraints-lowest.txt"))
+    assert ranged == pins and {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} <= set(pins)
 
 
 def test_every_subpackage_and_the_recipes_are_packaged():

@@ -267,12 +267,13 @@ class RolloutEngine:
         ``None``: one device, ``DEFAULT_RULES``.
       block: key-block length of the cache attention (tokens).
       param_dtype: the rollout copy's dtype (``ExecutionConfig.rollout_dtype``; ``None``: the trainer's).
+      attention_impl: the attention strategy (``ExecutionConfig.attention_impl``).
     """
 
     def __init__(self, graphdef, model_cfg, stop_ids: Sequence[int], pad_id: int, *, stop_automaton=None,
-                 mesh=None, rules=None, block: int = DEFAULT_BLOCK, param_dtype=None):
+                 mesh=None, rules=None, block: int = DEFAULT_BLOCK, param_dtype=None, attention_impl: str = "xla"):
         self.sampler = SlotSampler(graphdef, model_cfg, stop_ids, pad_id, stop_automaton=stop_automaton, block=block,
-                                   mesh=mesh, rules=rules, param_dtype=param_dtype)
+                                   mesh=mesh, rules=rules, param_dtype=param_dtype, attention_impl=attention_impl)
 
     @property
     def mesh(self):

@@ -134,14 +134,18 @@ class SlotSampler:
         mesh (``sharding.mesh_or_local``) and ``DEFAULT_RULES``.
       param_dtype: dtype ``place`` casts the floating parameters to (``ExecutionConfig.rollout_dtype``;
         ``None``: as the trainer holds them).
+      attention_impl: the attention strategy of prefill and decode (``ExecutionConfig.attention_impl``,
+        ``model.attention.resolve_impl``).
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
     with equal (graphdef, model_cfg, stops, pad, automaton shape, block, state placement).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, stop_ids: Sequence[int], pad_id: int, *,
-                 stop_automaton=None, block: int = DEFAULT_BLOCK, mesh=None, rules=None, param_dtype=None):
+                 stop_automaton=None, block: int = DEFAULT_BLOCK, mesh=None, rules=None, param_dtype=None,
+                 attention_impl: str = "xla"):
         self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.attention_impl = attention_impl
         self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
         self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         self.pad_id = int(pad_id)
@@ -185,7 +189,8 @@ class SlotSampler:
         """The jitted ``which`` program for ``state``'s shapes (``_compiled``)."""
         s, size = state.cache.k.shape[1], state.cache.k.shape[3]
         return _compiled(self.graphdef, self.model_cfg, self.stop_ids, self.pad_id, self.block,
-                         self._tables is not None, which, self.state_shardings(s, size), tuple(self.rules))
+                         self._tables is not None, which, self.state_shardings(s, size), tuple(self.rules),
+                         self.attention_impl)
 
     def init_state(self, slots: int, size: int, max_new_tokens: int) -> SlotState:
         """Empty slots: zero cache of ``size`` positions, nothing generating, placed by ``state_shardings``."""
@@ -304,7 +309,7 @@ class SlotSampler:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_shardings, rules):
+def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_shardings, rules, attention_impl):
     """The jitted ``extend``, ``decode`` or ``copy`` program, state donated and returned on
     ``state_shardings`` (``SlotSampler.state_shardings``), the model's activations pinned to
     ``rules`` on that mesh (``activation_sharding``). ``fsm``: the stop-automaton tables come as
@@ -312,7 +317,8 @@ def _compiled(graphdef, model_cfg, stop_ids, pad_id, block, fsm, which, state_sh
     del model_cfg, fsm  # cache key: the graphdef carries the model, the call the tables
     if which == "copy":
         return jax.jit(_copy_impl, donate_argnums=(0,), out_shardings=state_shardings)
-    impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block)
+    impl = functools.partial(_extend_impl if which == "extend" else _decode_impl, graphdef, stop_ids, pad_id, block,
+                             attention_impl=attention_impl)
     mesh = state_shardings.cache.k.mesh
 
     @functools.wraps(impl)
@@ -345,7 +351,7 @@ def _stop_now(tok, fsm_state, stop_ids, tables):
 
 
 def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, rows, ids, counts, starts, first,
-                 turn, traj, key, temperature, top_p, tables=None, *, greedy, use_top_p):
+                 turn, traj, key, temperature, top_p, tables=None, *, greedy, use_top_p, attention_impl="xla"):
     model = nnx.merge(graphdef, params)
     s, n = state.tokens.shape
     r, t = ids.shape
@@ -354,7 +360,7 @@ def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ro
     positions = starts[:, None] + jnp.arange(t)[None, :]
     bound = jnp.max(jnp.where(write, positions, 0)) + 1
     logits, cache = model(ids, positions, cache=state.cache, rows=rows, write=write, kv_bound=bound, block_k=block,
-                          logits_at=jnp.maximum(counts - 1, 0))
+                          logits_at=jnp.maximum(counts - 1, 0), attention_impl=attention_impl)
     logits = logits[:, 0]
     keys = _row_keys(key, turn, jnp.zeros_like(turn), traj)
     tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)
@@ -385,7 +391,7 @@ def _extend_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ro
 
 
 def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, key, temperature, top_p, tables=None,
-                 rows=None, *, steps, greedy, use_top_p):
+                 rows=None, *, steps, greedy, use_top_p, attention_impl="xla"):
     model = nnx.merge(graphdef, params)
     s, n = state.tokens.shape
     fields = ("lengths", "last", "tokens", "logps", "gen", "active", "stopped", "fsm", "turn", "traj")
@@ -408,7 +414,8 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
         pos = st["lengths"]
         bound = jnp.max(jnp.where(act, pos, 0)) + 1
         logits, cache = model(st["last"][:, None], pos[:, None], cache=cache, rows=rows, write=act[:, None],
-                              kv_bound=bound, block_k=block, logits_at=jnp.zeros((r,), jnp.int32))
+                              kv_bound=bound, block_k=block, logits_at=jnp.zeros((r,), jnp.int32),
+                              attention_impl=attention_impl)
         logits = logits[:, 0]
         keys = _row_keys(key, st["turn"], st["gen"], st["traj"])
         tok, lp = _pick(logits, keys, temperature, top_p, greedy, use_top_p)

@@ -17,14 +17,27 @@ Masks come either as a dense ``[batch, T, S]`` bool array or as an ``AttentionMa
 integers from which each tile's mask is computed: causal by index (``AttentionMask.causal``, or
 by cache position, ``AttentionMask.cached``), key validity, and optional segment ids (packed rows:
 a query attends only to keys of its own segment).
+
+Which implementation runs is a named strategy (``ExecutionConfig.attention_impl``, resolved by
+``resolve_impl``): ``"xla"`` is the dense / blocked code above on every backend; ``"cudnn"`` (GPU)
+runs training and cache-less prefill through cuDNN's flash attention
+(``jax.nn.dot_product_attention(implementation="cudnn")``) and one-token decode over the KV-cache
+slots through the Pallas GPU paged-attention kernel (``jax.experimental.pallas.ops.gpu``);
+``"pallas"`` (TPU) runs them through the Pallas TPU splash-attention and paged-attention kernels
+(``jax.experimental.pallas.ops.tpu``); ``"auto"`` picks per backend. The masks stay ours: causal
+order, key validity and packed-row segments become the kernels' segment ids / mask, cache
+positions their per-row lengths. ``interpret_kernels(platform)`` runs a platform's kernel paths on
+the host (Pallas in interpret mode, cuDNN's call through its XLA implementation), for tests.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
@@ -279,20 +292,196 @@ def use_blocked(t: int, s: int, min_len: int = BLOCKED_MIN_LEN) -> bool:
     return t > min_len and s > min_len
 
 
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")  # ExecutionConfig.attention_impl
+_KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "tpu"}  # the backend each kernel strategy needs
+_AUTO = {"gpu": "cudnn", "tpu": "pallas"}  # "auto": any other backend takes "xla"
+_interpret: list[str] = []  # the platform whose kernel paths run on this host (interpret_kernels)
+
+
+@contextlib.contextmanager
+def interpret_kernels(platform: str):
+    """Within the block, ``resolve_impl`` treats the backend as ``platform`` (``"gpu"`` or
+    ``"tpu"``) and its kernel paths run on the host: the Pallas kernels in interpret mode,
+    ``"cudnn"``'s call through ``jax.nn.dot_product_attention``'s XLA implementation (float32
+    too). For parity tests and ``benchmarks/device_check.py --smoke``; a function traced inside
+    the block keeps its kernels when called outside (jit caches by argument, not by this state).
+
+    Raises:
+      ValueError: ``platform`` is not ``"gpu"`` or ``"tpu"``.
+    """
+    if platform not in _AUTO:
+        raise ValueError(f"interpret_kernels platform must be 'gpu' or 'tpu', got {platform!r}")
+    _interpret.append(platform)
+    try:
+        yield
+    finally:
+        _interpret.pop()
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """The concrete strategy of ``ExecutionConfig.attention_impl`` on ``backend`` (default
+    ``jax.default_backend()``, or the platform of ``interpret_kernels``): ``"auto"`` → ``"cudnn"``
+    on GPU, ``"pallas"`` on TPU, ``"xla"`` elsewhere; any other value is returned as it is.
+
+    Raises:
+      ValueError: an unknown name, or ``"cudnn"`` off a GPU / ``"pallas"`` off a TPU (one line
+        naming the config field).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"ExecutionConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    platform = _interpret[-1] if _interpret else (backend or jax.default_backend())
+    if impl == "auto":
+        return _AUTO.get(platform, "xla")
+    need = _KERNEL_PLATFORM.get(impl)
+    if need is not None and platform != need:
+        raise ValueError(f"ExecutionConfig.attention_impl={impl!r} needs a {need.upper()} backend, this one is "
+                         f"{platform} (use 'auto' or 'xla')")
+    return impl
+
+
+def _kernel_segments(mask: AttentionMask, length: int) -> Int[Array, "rows {length}"]:
+    """``[batch, length]`` int32 segment ids equivalent to a cache-less ``AttentionMask.causal``
+    mask under a causal kernel mask: the row's segment id on valid keys (0 without segments), −1
+    on padding and on the columns added up to ``length`` (a padding query then sees the padding
+    at or before it: never an empty row, whose softmax a kernel would divide by 0)."""
+    seg = jnp.zeros_like(mask.q_index) if mask.kv_segments is None else mask.kv_segments.astype(jnp.int32)
+    seg = jnp.where(mask.kv_valid, seg, -1)
+    return jnp.pad(seg, ((0, 0), (0, length - seg.shape[1])), constant_values=-1)
+
+
+def _scaled(q):
+    """``q / sqrt(head_dim)`` in float32, back in ``q.dtype`` (the kernels take the scale folded in)."""
+    return (q.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+
+
+def _cudnn_attention(q, k, v, mask: AttentionMask, interpret: bool):
+    """cuDNN's flash attention (``jax.nn.dot_product_attention``) on ``q [B, T, H, hd]``, ``k, v
+    [B, S, kv, hd]`` under our mask: causal by index, validity and segments as its boolean mask."""
+    dense = mask.dense(k.shape[1])[:, None]  # [B, 1, T, S]
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=dense, is_causal=True,
+                                        implementation=None if interpret else "cudnn")
+
+
+def _splash_kernel(length: int, groups: int, block: int, interpret: bool):
+    """The Pallas TPU splash-attention kernel (MQA form: ``groups`` query heads over one kv head)
+    for ``length`` tokens under a causal mask, ``block``-token tiles forward and backward (built
+    per trace: its mask tables are arrays of the trace that builds it)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(groups)])
+    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def _splash_attention(q, k, v, mask: AttentionMask, interpret: bool):
+    """Splash attention on ``q [B, T, H, hd]``, ``k, v [B, S = T, kv, hd]``: the rows padded to a
+    multiple of 128 tokens, one kernel call per (row, kv head) under ``vmap``; our mask as the
+    kernel's causal mask and segment ids (``_kernel_segments``)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, h, hd = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    length = -(-t // 128) * 128
+    block = next(n for n in (512, 256, 128) if length % n == 0)
+    kernel = _splash_kernel(length, g, block, interpret)
+    pad = ((0, 0), (0, 0), (0, length - t), (0, 0))
+    qg = jnp.pad(jnp.transpose(_grouped(_scaled(q), kvh), (0, 2, 3, 1, 4)), ((0, 0),) + pad)  # [B, kv, g, L, hd]
+    kk = jnp.pad(jnp.swapaxes(k, 1, 2).astype(q.dtype), pad)  # [B, kv, L, hd]
+    vv = jnp.pad(jnp.swapaxes(v, 1, 2).astype(q.dtype), pad)
+    seg = _kernel_segments(mask, length)
+
+    def one(qh, kh, vh, s):
+        return kernel(qh, kh, vh, segment_ids=splash.SegmentIds(s, s))
+
+    out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qg, kk, vv, seg)  # [B, kv, g, L, hd]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, hd)
+
+
+def _paged_decode(q, k, v, mask: AttentionMask, layer, rows, platform: str, interpret: bool):
+    """One-token decode over the whole KV cache ``[layers, slots, kv, size, hd]`` through a Pallas
+    paged-attention kernel (``platform`` ``"gpu"`` or ``"tpu"``), the cache read in place.
+
+    The cache is viewed as pages of one kv head each (a free reshape: ``[1, layers · slots · kv ·
+    pages, page, hd]``); query row b becomes ``kv`` kernel rows of ``groups`` heads, (row b, kv
+    head j) reading the pages of layer ``layer``, slot ``rows[b]``, head j, ``positions + 1`` of
+    them valid (``AttentionMask.cached``). Returns ``[B, 1, H, hd]`` in ``q.dtype``, or ``None``
+    where the cache size has no page size (a multiple of 16 tokens): the caller takes XLA.
+    """
+    nl, slots, kvh, size, hd = k.shape
+    b, _, h, _ = q.shape
+    page = 16 if platform == "gpu" else next((n for n in (128, 64, 32, 16) if size % n == 0), 0)
+    if not page or size % page:
+        return None
+    pps = size // page
+    per_block = next(n for n in (8, 4, 2, 1) if pps % n == 0)
+    kp, vp = k.reshape(1, -1, page, hd), v.reshape(1, -1, page, hd)
+    slot = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    first = ((jnp.asarray(layer, jnp.int32) * slots + slot)[:, None] * kvh + jnp.arange(kvh, dtype=jnp.int32)) * pps
+    pages = (first[..., None] + jnp.arange(pps, dtype=jnp.int32)).reshape(b * kvh, pps)
+    lengths = jnp.repeat(jnp.clip(mask.q_index[:, 0] + 1, 1, size).astype(jnp.int32), kvh)
+    qr = _scaled(q).reshape(b * kvh, h // kvh, hd)
+    if platform == "gpu":
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+        splits = next(n for n in (16, 8, 4, 2, 1) if pps % (n * per_block) == 0)
+        out = gpu_paged.paged_attention(qr, kp, vp, pages, lengths, pages_per_compute_block=per_block,
+                                        k_splits=splits, interpret=interpret)
+    else:
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            out = tpu_paged(qr, kp, vp, lengths, pages, pages_per_compute_block=per_block)
+    return out.reshape(b, 1, h, hd).astype(q.dtype)
+
+
 def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayLike, "*cache _ _ head_dim"],
               v: Float[ArrayLike, "*cache _ _ head_dim"], mask: Bool[Array, "rows length keys"] | AttentionMask, *, heads_major: bool = False,
               layer: Int[ArrayLike, ""] | None = None, rows: Int[Array, "rows"] | None = None,
               kv_bound: Int[ArrayLike, ""] | None = None,
               block_k: int = BLOCK_K,
-              dense_max_len: int = BLOCKED_MIN_LEN) -> Float[Array, "rows length heads head_dim"]:
-    """The decoder's attention: ``blocked_attention`` for a KV cache (``layer`` given) and for rows
-    longer than ``dense_max_len`` tokens (``use_blocked``), ``dense_attention`` otherwise. Arguments
-    and result as ``blocked_attention`` (``[batch, T, heads, head_dim]`` in ``q.dtype``, before the
-    output projection). The two paths give the same values up to float32 summation order; dense
-    keeps a ``[batch, heads, T, S]`` float32 score block per layer for the backward pass, blocked
-    one tile."""
+              dense_max_len: int = BLOCKED_MIN_LEN, impl: str = "xla") -> Float[Array, "rows length heads head_dim"]:
+    """The decoder's attention. Arguments and result as ``blocked_attention`` (``[batch, T, heads,
+    head_dim]`` in ``q.dtype``, before the output projection); ``impl`` is
+    ``ExecutionConfig.attention_impl`` (``resolve_impl``).
+
+    ``"xla"``: ``blocked_attention`` for a KV cache (``layer`` given) and for rows longer than
+    ``dense_max_len`` tokens (``use_blocked``), ``dense_attention`` otherwise; dense keeps a
+    ``[batch, heads, T, S]`` float32 score block per layer for the backward pass, blocked one tile.
+    A kernel strategy (``"cudnn"``, ``"pallas"``) takes over where its kernel applies and leaves
+    the rest to ``"xla"``:
+
+    - without a cache, under an ``AttentionMask.causal`` mask (``q_index`` the column index: the
+      forward passes' masks): cuDNN flash attention for bfloat16 / float16 queries (float32 rows
+      stay on XLA: cuDNN has no float32 kernel), splash attention on TPU. A dense bool mask takes XLA.
+    - over a cache, one query token per row (decode): paged attention, reading each row's
+      ``position + 1`` keys. The TPU kernel reads K/V in bfloat16, so it takes bfloat16 caches
+      only; the GPU kernel a cache of ``q.dtype``. A cache size that is no multiple of 16 tokens,
+      and prefill (T > 1) over a cache, take XLA (``kv_bound`` bounds the blocks read there).
+
+    The strategies agree up to float32 summation order (tests/model/test_attention.py runs each
+    kernel path in interpret mode against XLA, forward and gradient).
+
+    Raises:
+      ValueError: as ``blocked_attention``, or from ``resolve_impl``.
+    """
+    impl = resolve_impl(impl)
+    interpret = bool(_interpret)
     if layer is not None:
+        if impl != "xla" and q.shape[1] == 1 and isinstance(mask, AttentionMask) and (
+                k.dtype == jnp.bfloat16 if impl == "pallas" else k.dtype == q.dtype):
+            out = _paged_decode(q, k, v, mask, layer, rows, _KERNEL_PLATFORM[impl], interpret)
+            if out is not None:
+                return out
         return blocked_attention(q, k, v, mask, layer=layer, rows=rows, kv_bound=kv_bound, block_k=block_k)
+    if impl != "xla" and isinstance(mask, AttentionMask) and mask.kv_valid is not None:
+        kk, vv = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) if heads_major else (k, v)
+        if impl == "pallas":
+            return _splash_attention(q, kk, vv, mask, interpret)
+        if interpret or q.dtype in (jnp.bfloat16, jnp.float16):
+            return _cudnn_attention(q, kk, vv, mask, interpret)
     t = q.shape[1]
     s = k.shape[2] if heads_major else k.shape[1]
     if use_blocked(t, s, min_len=dense_max_len):

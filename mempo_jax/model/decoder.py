@@ -105,18 +105,21 @@ class Block(nnx.Module):
     def __call__(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
                  attn_mask: Bool[Array, "rows length keys"] | AttentionMask, cache: KVCache | None = None,
                  layer: Int[ArrayLike, ""] = 0, write: _CacheWrite | None = None,
-                 dense_max_len: int = BLOCKED_MIN_LEN) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
+                 dense_max_len: int = BLOCKED_MIN_LEN,
+                 attention_impl: str = "xla") -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
         tokens are written at ``write`` (slot, position) of cache layer ``layer`` (an int32 scalar,
         traced in the decoder's layer scan) before attention reads the cache. Without
-        one, rows longer than ``dense_max_len`` tokens take the blocked attention."""
+        one, rows longer than ``dense_max_len`` tokens take the blocked attention;
+        ``attention_impl`` is ``attention.attention``'s ``impl``."""
         q, k, v = self.attn.qkv(self.attn_norm(x), positions)
         if cache is None:
-            return self._mlp(x + self.attn.attend(q, k, v, attn_mask, dense_max_len=dense_max_len)), None
+            return self._mlp(x + self.attn.attend(q, k, v, attn_mask, dense_max_len=dense_max_len,
+                                                  impl=attention_impl)), None
         ck = cache.k.at[layer, write.slot, :, write.pos, :].set(k.astype(cache.k.dtype), mode="drop")
         cv = cache.v.at[layer, write.slot, :, write.pos, :].set(v.astype(cache.v.dtype), mode="drop")
         x = x + self.attn.attend(q, ck, cv, attn_mask, layer=layer, rows=write.rows, kv_bound=write.kv_bound,
-                                 block_k=write.block_k)
+                                 block_k=write.block_k, impl=attention_impl)
         return self._mlp(x), KVCache(ck, cv)
 
     def _mlp(self, x):
@@ -157,6 +160,7 @@ class Decoder(nnx.Module):
         logits_at: Int[ArrayLike, "rows"] | Int[ArrayLike, "rows positions"] | None = None,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
+        attention_impl: str = "xla",
     ) -> tuple[Float[Array, "rows _ vocab"], KVCache | None]:
         """Logits of the next token at every input position: the one forward pass of training,
         scoring, prefill and decode.
@@ -188,7 +192,7 @@ class Decoder(nnx.Module):
             vocab]`` (a prefill that needs the last prompt token's logits only; at batch 64,
             prompt 128 and vocab 16384 the full logits are a 537 MB tensor and 103 GFLOP); or
             ``[B, K]`` positions per row (the answer tokens of packed scoring rows): ``[B, K, vocab]``.
-          remat, dense_max_len: the layer loop and the attention path without a cache
+          remat, dense_max_len, attention_impl: the layer loop and the attention paths
             (``hidden_states``).
 
         Returns:
@@ -199,7 +203,8 @@ class Decoder(nnx.Module):
           ValueError: on inconsistent shapes, a cache with a mask, or no mask without a cache.
         """
         x, cache = self.hidden_states(tokens, positions, attn_mask, cache, rows=rows, write=write, kv_bound=kv_bound,
-                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len)
+                                      block_k=block_k, remat=remat, dense_max_len=dense_max_len,
+                                      attention_impl=attention_impl)
         if logits_at is not None:
             at = jnp.asarray(logits_at, jnp.int32)
             if at.ndim not in (1, 2) or at.shape[0] != tokens.shape[0]:
@@ -221,6 +226,7 @@ class Decoder(nnx.Module):
         block_k: int = BLOCK_K,
         remat: str = "none",
         dense_max_len: int = BLOCKED_MIN_LEN,
+        attention_impl: str = "xla",
     ) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """The final-normed hidden states that the LM head reads (``__call__`` without the head).
 
@@ -233,6 +239,8 @@ class Decoder(nnx.Module):
           dense_max_len: without a cache, rows up to this many tokens use dense attention, longer
             ones blocked (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
             Memory and time, not values (float32 summation order aside).
+          attention_impl: ``ExecutionConfig.attention_impl`` (``attention.attention``'s ``impl``:
+            ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"auto"``), with or without a cache.
 
         Returns:
           ``(hidden [B, T, embed] in the activation dtype, updated cache or None)``.
@@ -270,13 +278,15 @@ class Decoder(nnx.Module):
             # The cache rides in the carry; each layer writes and reads its own index in place.
             def cached_body(carry, xs):
                 (h, c), (state, i) = carry, xs
-                return nnx.merge(gdef, state)(h, positions, attn_mask, c, i, where), None
+                return nnx.merge(gdef, state)(h, positions, attn_mask, c, i, where,
+                                              attention_impl=attention_impl), None
 
             (x, cache), _ = jax.lax.scan(cached_body, (x, cache),
                                          (stacked, jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
         else:
             def body(h, state):
-                return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len)[0], None
+                return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len,
+                                              attention_impl=attention_impl)[0], None
 
             if remat != "none":  # the backward pass keeps each layer's input (and what ``policy`` saves)
                 body = jax.checkpoint(body, policy=policy, prevent_cse=False)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding
-from mempo_jax.model.attention import BLOCKED_MIN_LEN, AttentionMask
+from mempo_jax.model.attention import BLOCKED_MIN_LEN, AttentionMask, resolve_impl
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
@@ -140,24 +140,29 @@ class DecoderLogitsFn:
       dense_max_len: rows up to this many tokens take dense attention, longer rows blocked
         (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``): memory and
         time, not values.
+      attention_impl: the attention strategy (``attention.resolve_impl``;
+        ``ExecutionConfig.attention_impl``): ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"auto"``.
       mesh, rules: the mesh the calls run on and its logical-axis rules: every call pins the
         activations to their logical axes there (``core.sharding.activation_sharding``: rows over
         ``data`` x ``fsdp``, so an fsdp mesh gathers each layer's weights and keeps the rows
         sharded). ``None``: no constraint (XLA places the activations).
 
     Raises:
-      ValueError: an unknown ``remat``, ``logit_chunk < 1`` or ``dense_max_len < 1``.
+      ValueError: an unknown ``remat``, ``logit_chunk < 1``, ``dense_max_len < 1``, or an
+        ``attention_impl`` unknown or without its backend.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
-                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, dense_max_len: int = BLOCKED_MIN_LEN):
+                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, dense_max_len: int = BLOCKED_MIN_LEN,
+                 attention_impl: str = "xla"):
         remat_policy(remat)
+        resolve_impl(attention_impl)
         if logit_chunk < 1:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
         if dense_max_len < 1:
             raise ValueError(f"dense_max_len must be >= 1, got {dense_max_len}")
         self.graphdef, self.logit_chunk, self.remat = graphdef, int(logit_chunk), remat
-        self.dense_max_len = int(dense_max_len)
+        self.dense_max_len, self.attention_impl = int(dense_max_len), attention_impl
         self.mesh, self.rules = mesh, tuple(rules)
 
     @_under_mesh
@@ -166,7 +171,8 @@ class DecoderLogitsFn:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         logits, _ = model(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                          remat=self.remat, dense_max_len=self.dense_max_len)
+                          remat=self.remat, dense_max_len=self.dense_max_len,
+                          attention_impl=self.attention_impl)
         return logits
 
     @_under_mesh
@@ -190,7 +196,8 @@ class DecoderLogitsFn:
         model = nnx.merge(self.graphdef, params)
         seg = segment_ids.astype(jnp.int32)
         logits, _ = model(input_ids.astype(jnp.int32), positions.astype(jnp.int32), AttentionMask.causal(seg > 0, seg),
-                          logits_at=logits_at, remat=self.remat, dense_max_len=self.dense_max_len)
+                          logits_at=logits_at, remat=self.remat, dense_max_len=self.dense_max_len,
+                          attention_impl=self.attention_impl)
         return logits
 
     @_under_mesh
@@ -202,7 +209,8 @@ class DecoderLogitsFn:
         model = nnx.merge(self.graphdef, params)
         valid = valid_mask.astype(bool)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions_from_mask(valid), AttentionMask.causal(valid),
-                                   remat=self.remat if remat is None else remat, dense_max_len=self.dense_max_len)
+                                   remat=self.remat if remat is None else remat, dense_max_len=self.dense_max_len,
+                          attention_impl=self.attention_impl)
         return x
 
     @_under_mesh
@@ -214,7 +222,8 @@ class DecoderLogitsFn:
         seg = segment_ids.astype(jnp.int32)
         x, _ = model.hidden_states(input_ids.astype(jnp.int32), positions.astype(jnp.int32),
                                    AttentionMask.causal(seg > 0, seg), remat=self.remat if remat is None else remat,
-                                   dense_max_len=self.dense_max_len)
+                                   dense_max_len=self.dense_max_len,
+                          attention_impl=self.attention_impl)
         return x
 
     @_under_mesh
@@ -231,10 +240,11 @@ class DecoderLogitsFn:
 
 def make_logits_fn(graphdef: nnx.GraphDef, *, logit_chunk: int = DEFAULT_LOGIT_CHUNK, remat: str = "none",
                    mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES,
-                   dense_max_len: int = BLOCKED_MIN_LEN) -> DecoderLogitsFn:
-    """``DecoderLogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=..., dense_max_len=...)``:
-    the ``LogitsFn`` of the trainer, the scorers and the evaluation."""
-    return DecoderLogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules, dense_max_len=dense_max_len)
+                   dense_max_len: int = BLOCKED_MIN_LEN, attention_impl: str = "xla") -> DecoderLogitsFn:
+    """``DecoderLogitsFn(graphdef, logit_chunk=..., remat=..., mesh=..., rules=..., dense_max_len=...,
+    attention_impl=...)``: the ``LogitsFn`` of the trainer, the scorers and the evaluation."""
+    return DecoderLogitsFn(graphdef, logit_chunk=logit_chunk, remat=remat, mesh=mesh, rules=rules,
+                           dense_max_len=dense_max_len, attention_impl=attention_impl)
 
 
 def token_stats(fn: LogitsFn, params, input_ids: Int[ArrayLike, "rows length"], *,

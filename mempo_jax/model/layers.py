@@ -195,7 +195,8 @@ class Attention(nnx.Module):
           attn_mask: ``[batch, T, S]`` bool, True where query t may attend to key s, or an
             ``attention.AttentionMask`` (the same relation from O(T + S) integers). A query
             row with no True entry gets garbage output, never NaN.
-          **cache: ``layer``, ``rows``, ``kv_bound``, ``block_k`` of ``attention.attention``.
+          **cache: ``layer``, ``rows``, ``kv_bound``, ``block_k``, ``dense_max_len``, ``impl`` of
+            ``attention.attention``.
 
         Returns:
           ``[batch, T, embed]`` in ``q.dtype`` (after the output projection).

@@ -294,7 +294,8 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
     return model_cfg, graphdef, params, tokenizer.with_protocol_tags(model_cfg.vocab_size)
 
 
-def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None, param_dtype=None) -> RolloutEngine:
+def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None, param_dtype=None,
+                attention_impl: str = "xla") -> RolloutEngine:
     """The policy's ``RolloutEngine``: it stops at ``fmt.codec.stop_ids`` (EOS, end-of-turn ids
     and, in tokens mode, the closing action tags) and, in text mode, at the first closing action
     tag of each row's decoded output (``fmt.codec.stop_automaton`` over the model's embedding
@@ -306,12 +307,13 @@ def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None, param_dtype=
       fmt: its ``AgentFormat``.
       mesh, rules: the rollout mesh (default ``sharding.local_mesh()``) and ``DEFAULT_RULES``.
       param_dtype: the rollout copy's dtype (``ExecutionConfig.rollout_dtype``; ``None``: the trainer's).
+      attention_impl: the decode's attention strategy (``ExecutionConfig.attention_impl``).
     """
     from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 
     return RolloutEngine(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
                          stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
-                         rules=rules or DEFAULT_RULES, param_dtype=param_dtype)
+                         rules=rules or DEFAULT_RULES, param_dtype=param_dtype, attention_impl=attention_impl)
 
 
 def _train_tokenizer(texts, cache_dir, vocab_size: int):
@@ -372,7 +374,8 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
     params = sharding.shard_params(params, mesh, rules)
     local = rollout_mesh(mesh, model_cfg.num_heads, model_cfg.num_kv_heads, rollout_tensor)
     return Policy(model_cfg, graphdef, params, tokenizer, fmt, make_engine(graphdef, model_cfg, fmt, mesh=local, rules=rules,
-                                                                            param_dtype=ex.rollout_param_dtype),
+                                                                            param_dtype=ex.rollout_param_dtype,
+                                                                            attention_impl=ex.attention_impl),
                   make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options),
                   mesh, rules)
 
