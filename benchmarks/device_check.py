@@ -16,7 +16,7 @@ else; a section not started before ``--budget_s`` seconds is ``{"skipped": ...}`
 * ``update``: one PPO update step (forward + backward + AdamW, ``Learner``) in bfloat16 activations
   at the plan's micro-batch rows and training length: TFLOP/s (analytic ``3 × forward``,
   ``bench_roofline.forward_flops``) and MFU against the card's dense bfloat16 peak; ``memory``: the
-  device's ``peak_bytes_in_use`` against ``mempo_jax.plan``'s parameters + optimizer state + update
+  device's ``peak_bytes_in_use`` against ``mempo_jax.run.memory_plan``'s parameters + optimizer state + update
   phase for the same shapes on one device (the check holds no reference copy).
 * ``rollout``: ``bench_rollout.py --small``: the multi-turn rollout engine against a transformers
   generate-per-turn loop on this device (tokens/s, ratio).
@@ -194,7 +194,7 @@ def section_update(ctx) -> dict:
     import jax
 
     from bench_roofline import forward_flops
-    from mempo_jax import plan as plan_lib
+    from mempo_jax.run import memory_plan as plan_lib
     from mempo_jax.model.forward import create_model, make_logits_fn, split_model
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.rl.losses import LossConfig

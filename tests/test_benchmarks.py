@@ -127,7 +127,9 @@ def test_all_padding_mini_batch_does_not_move_the_params():
     assert learner.ppo_update(empty, LossConfig(), 2, np.random.default_rng(0)) == {}
     assert learner.num_updates == updates + 2  # scheduled slots are counted, as for a non-finite skip
     # the program itself also keeps params when its mini-batch has no loss token
-    placed = learner._place_batch(empty)
+    packed = dict(empty, segment_ids=empty["valid"].astype(np.int32),  # one sequence per row
+                  positions=np.maximum(np.cumsum(empty["valid"], axis=1) - 1, 0).astype(np.int32))
+    placed = learner._place_batch(packed)
     learner.params, learner.opt_state, _ = learner._ppo_step(learner.params, None, learner.opt_state, placed, 2,
                                                              LossConfig())
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(snap, jax.tree.leaves(learner.params)))

@@ -5,12 +5,13 @@ MemPO policy also needs the system prompt it was trained under, how the protocol
 the search top-k and the turn and token budgets of its rollout. ``ExportProtocol`` carries them:
 
 * ``mempo_protocol.json``: ``{"format_version", "tags", "chat_template", "tool_layout", "topk",
-  "system_prompt_file", "rollout": {max_turns, max_new_tokens, max_context_tokens,
+  "system_prompt_file", "stop_strings", "rollout": {max_turns, max_new_tokens, max_context_tokens,
   max_observation_tokens, context_steps}}``;
 * ``mempo_system_prompt.txt``: the system prompt as the policy saw it (placeholders filled);
 * ``generation_config.json`` (the standard file, merged over the source's): greedy decoding
-  (``do_sample`` false, the held-out evaluation's), ``max_new_tokens`` per turn and the action
-  tags' closing pieces as ``stop_strings``.
+  (``do_sample`` false, the held-out evaluation's) and ``max_new_tokens`` per turn. A turn ends at
+  an action's closing tag (``STOP_STRINGS``); that stays out of this file, since transformers'
+  ``generate`` refuses ``stop_strings`` there unless it is handed the tokenizer.
 
 ``mempo-evaluate --hf_checkpoint DIR`` prompts and rolls out with them unless a flag overrides one
 (``commands.evaluate``), so an export evaluates like its run folder.
@@ -68,7 +69,8 @@ class ExportProtocol:
         ro = {name: getattr(self.rollout, name) for name in ROLLOUT_FIELDS}
         ro["context_steps"] = "full" if parse_context_steps(ro["context_steps"]) == FULL else ro["context_steps"]
         return {"format_version": FORMAT_VERSION, "tags": self.tags, "chat_template": self.chat_template,
-                "tool_layout": self.tool_layout, "topk": self.topk, "system_prompt_file": PROMPT_FILE, "rollout": ro}
+                "tool_layout": self.tool_layout, "topk": self.topk, "system_prompt_file": PROMPT_FILE,
+                "stop_strings": list(STOP_STRINGS), "rollout": ro}
 
     def write(self, folder: str | os.PathLike, token_ids: dict[str, Optional[int]]) -> None:
         """Write the protocol files into ``folder`` (an export being assembled).
@@ -85,8 +87,7 @@ class ExportProtocol:
         for name in ("temperature", "top_p", "top_k"):  # sampling options contradict do_sample = false
             gen.pop(name, None)
         gen.update({k: v for k, v in token_ids.items() if v is not None})
-        gen.update({"do_sample": False, "max_new_tokens": self.rollout.max_new_tokens,
-                    "stop_strings": list(STOP_STRINGS)})
+        gen.update({"do_sample": False, "max_new_tokens": self.rollout.max_new_tokens})
         gen_path.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
 
     @classmethod

@@ -33,9 +33,10 @@ def test_round_trip_keeps_prompt_tags_topk_and_budgets(tmp_path):
         "rollout"]["context_steps"] == "full"
     assert got.rollout.temperature == RolloutConfig().temperature  # sampling options are not carried
     gen = json.loads((tmp_path / GENERATION_CONFIG_FILE).read_text())
-    # greedy per turn, the action tags stop a turn; the source's own keys stay, its sampling ones go
-    assert gen == {"do_sample": False, "max_new_tokens": 40, "stop_strings": ["</search>", "</access>", "</answer>"],
-                   "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, "transformers_version": "5"}
+    # greedy per turn; the source's own keys stay, its sampling ones go
+    assert gen == {"do_sample": False, "max_new_tokens": 40, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1,
+                   "transformers_version": "5"}
+    assert json.loads((tmp_path / PROTOCOL_FILE).read_text())["stop_strings"] == ["</search>", "</access>", "</answer>"]
 
 
 def test_of_run_reads_the_experiment_config():
