@@ -165,7 +165,8 @@ def pytest_configure(config):
 # fixtures) on a 2-core box beside another training run, before ``--xla_cpu_use_fusion_emitters=false``
 # (now ~2/3 of that; the order is what counts). Every other module took under 5 s.
 MODULE_SECONDS = {
-    "tests/run/test_resume.py": 160, "tests/agent/test_engine.py": 110, "tests/test_train_mesh.py": 85,
+    "tests/run/test_resume.py": 160, "tests/run/test_lost_worker.py": 120, "tests/agent/test_engine.py": 110,
+    "tests/test_train_mesh.py": 85, "tests/model/test_attention_kernels.py": 30,
     "tests/run/test_qa_training.py": 72, "tests/run/test_faults.py": 72, "tests/test_train_e2e.py": 68,
     "tests/test_ablation.py": 67, "tests/run/test_multiprocess.py": 57, "tests/model/test_model.py": 48,
     "tests/rl/test_learner.py": 43, "tests/test_benchmarks.py": 39, "tests/test_plan.py": 35,
