@@ -66,7 +66,7 @@ class ExportProtocol:
 
     def record(self) -> dict[str, Any]:
         """The ``mempo_protocol.json`` object."""
-        ro = {name: getattr(self.rollout, name) for name in ROLLOUT_FIELDS}
+        ro = {name: value for name, value in dataclasses.asdict(self.rollout).items() if name in ROLLOUT_FIELDS}
         ro["context_steps"] = "full" if parse_context_steps(ro["context_steps"]) == FULL else ro["context_steps"]
         return {"format_version": FORMAT_VERSION, "tags": self.tags, "chat_template": self.chat_template,
                 "tool_layout": self.tool_layout, "topk": self.topk, "system_prompt_file": PROMPT_FILE,
@@ -96,6 +96,7 @@ class ExportProtocol:
 
         Raises:
           ValueError: one line naming the file and the field that is missing or malformed.
+          FileNotFoundError: the system prompt file it names is not in ``folder``.
         """
         folder = pathlib.Path(folder)
         path = folder / PROTOCOL_FILE
