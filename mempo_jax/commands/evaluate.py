@@ -230,6 +230,7 @@ class _Inputs:
     rollout: Any
     topk: int
     options_from: str
+    protocol: Optional[ExportProtocol] = None  # an --hf_checkpoint export's mempo_protocol.json
 
 
 def _check_inputs(args) -> _Inputs:
@@ -258,7 +259,7 @@ def _check_inputs(args) -> _Inputs:
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
     check_output_folder(args.out, "--out")  # an existing file or a read-only folder fails now, not after the work
-    hf_dir = run_dir = step = None
+    hf_dir = run_dir = step = protocol = None
     folder = "checkpoints"
     if args.hf_checkpoint:
         if args.run_dir or args.checkpoint:
@@ -277,21 +278,21 @@ def _check_inputs(args) -> _Inputs:
             raise ValueError(f"--dataset {name}: no questions to evaluate")
     if run_dir is not None:
         base, run_topk, options_from = run_rollout_options(run_dir)
-    return _Inputs(specs, modes, questions, hf_dir, run_dir, step, folder, base, args.topk or run_topk, options_from)
+    return _Inputs(specs, modes, questions, hf_dir, run_dir, step, folder, base, args.topk or run_topk, options_from,
+                   protocol)
 
 
 def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pathlib.Path], step: Optional[int],
-                     folder: str = "checkpoints"):
+                     folder: str = "checkpoints", protocol: Optional[ExportProtocol] = None):
     """The policy to evaluate (``experiment.make_policy``, as the trainer's): a Hugging Face folder
     (``--dtype``, ``--tags``) or a run folder's checkpoint (of ``folder``: ``checkpoints`` or
-    ``sft_checkpoint``), prompted as it was trained."""
+    ``sft_checkpoint``), prompted as it was trained; ``protocol``: the export's, read by ``_check_inputs``."""
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import ModelOptions
     from mempo_jax.run.experiment import load_checkpoint_policy, make_policy, policy_format
 
     if hf_dir is not None:
         dtypes = (("dtype", args.dtype), ("param_dtype", args.dtype))
-        protocol = ExportProtocol.read(hf_dir)
         if protocol is None:
             options = ModelOptions(checkpoint=str(hf_dir), overrides=dtypes, tags=args.tags or "text")
         else:  # prompted as the run was: its system prompt, tags, chat template and tool layout
@@ -400,7 +401,7 @@ def run(args) -> dict:
     from mempo_jax.run.context import setup_compilation_cache
 
     setup_compilation_cache()
-    policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step, inputs.folder)
+    policy = load_eval_policy(args, inputs.hf_dir, inputs.run_dir, inputs.step, inputs.folder, inputs.protocol)
     largest = min(args.batch_size, max(len(q) for q in inputs.questions.values()))
     # fewer padded rows for small evaluations; one row bucket floor for every dataset and mode
     overrides["min_rows_bucket"] = min(inputs.rollout.min_rows_bucket, bucket_length(largest, 1))
