@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` from a fresh clone, no install needed
@@ -389,16 +389,35 @@ SMALL_WORLD_PARAMS = (
 TINY_WORLD_GIN = str(REPO / "configs" / "tiny_world.gin")
 
 
-def tiny_world_policy(run_dir, stage: str = "rl", step=None):
-    """A tiny-world run's policy and tools, as the trainer evaluates them.
+class WorldRun(NamedTuple):
+    """A tiny-world run folder's policy, world and tools, as the trainer built them.
+
+    Attributes:
+      cfg: the run's ``ExperimentConfig`` (from its ``config.gin``).
+      world: the generated world (``build_world(cfg.world)``).
+      tokenizer, model_cfg, graphdef, params: the checkpoint's policy (``load_policy``).
+      fmt: its ``AgentFormat``; tool_env: BM25 over the world's passages at the run's top-k.
+      description: ``"RUN (stage @ step)"``, for titles.
+    """
+
+    cfg: Any
+    world: Any
+    tokenizer: Any
+    model_cfg: Any
+    graphdef: Any
+    params: Any
+    fmt: Any
+    tool_env: Any
+    description: str
+
+
+def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
+    """A tiny-world run's policy, world and tools (``WorldRun``).
 
     Args:
       run_dir: a run folder of ``python -m mempo_jax.commands.train`` (``config.gin``, tokenizer, checkpoints).
       stage: ``"rl"`` (``checkpoints/``) or ``"sft"`` (``sft_checkpoint/``).
       step: checkpoint step (default: the newest).
-
-    Returns:
-      ``(cfg, world, sample_fn, params, fmt, tool_env, rollout_cfg, description)``.
 
     Raises:
       ValueError: the run is not a tiny-world run; FileNotFoundError: a missing file or checkpoint.
@@ -407,7 +426,6 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.run_folder import run_model_options
-    from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.experiment import policy_format
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
@@ -421,5 +439,22 @@ def tiny_world_policy(run_dir, stage: str = "rl", step=None):
                                                          else "checkpoints")
     fmt = policy_format(run_model_options(run_dir), tokenizer)
     env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
-    return (cfg, world, make_engine(graphdef, model_cfg, fmt), params, fmt, env, cfg.rl.rollout,
-            f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")
+    return WorldRun(cfg, world, tokenizer, model_cfg, graphdef, params, fmt, env,
+                    f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")
+
+
+def tiny_world_policy(run_dir, stage: str = "rl", step=None):
+    """A tiny-world run's policy and tools, as the trainer evaluates them (``tiny_world_run`` with
+    the policy's rollout engine).
+
+    Returns:
+      ``(cfg, world, sample_fn, params, fmt, tool_env, rollout_cfg, description)``.
+
+    Raises:
+      as ``tiny_world_run``.
+    """
+    from mempo_jax.run.experiment import make_engine
+
+    r = tiny_world_run(run_dir, stage, step)
+    return (r.cfg, r.world, make_engine(r.graphdef, r.model_cfg, r.fmt), r.params, r.fmt, r.tool_env,
+            r.cfg.rl.rollout, r.description)
