@@ -76,19 +76,19 @@ def main(argv=None) -> dict:
     exp = build_experiment(cfg, cache)
     build_s = time.perf_counter() - t0
     policy = "random init"
-    params = exp.params
+    params = exp.policy.params
     if not small and (run_dir / "tokenizer.model").is_file() and (run_dir / "checkpoints").is_dir():
         from mempo_jax.run.checkpoint import load_policy
 
-        same_tok = _sha(run_dir / "tokenizer.model") == _sha(exp.tokenizer.model_path) \
-            if hasattr(exp.tokenizer, "model_path") else False
+        same_tok = _sha(run_dir / "tokenizer.model") == _sha(exp.policy.tokenizer.model_path) \
+            if hasattr(exp.policy.tokenizer, "model_path") else False
         _, model_cfg, _, trained = load_policy(run_dir)
-        if model_cfg == exp.model_cfg and (same_tok or exp.tokenizer.vocab_size == model_cfg.vocab_size):
+        if model_cfg == exp.policy.model_cfg and (same_tok or exp.policy.tokenizer.vocab_size == model_cfg.vocab_size):
             params, policy = trained, f"trained ({run_dir})"
-    learner = Learner(exp.logits_fn, params, make_optimizer(cfg.optim), temperature=cfg.rl.rollout.temperature,
+    learner = Learner(exp.policy.logits_fn, params, make_optimizer(cfg.optim), temperature=cfg.rl.rollout.temperature,
                       micro_batch_rows=32)
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
-    cluster = RLCluster(learner, ref_params, exp.engine, exp.scorer, exp.fmt, exp.tool_env)
+    cluster = RLCluster(learner, ref_params, exp.policy.engine, exp.scorer, exp.policy.fmt, exp.tool_env)
     rl_key = jax.random.PRNGKey(cfg.seed)
     order = np.random.default_rng(cfg.seed).permutation(len(exp.train_questions))
     q = cfg.rl.questions_per_step
@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
                  for r in rows]))
     print(f"compilations from the third step on: {res['compilations_from_step_3']} (target 0)")
     config = {"gin": "configs/tiny_world.gin", "bindings": binds, "rl": dataclasses.asdict(cfg.rl),
-              "model_params": exp.model_cfg.num_params(), "small": small, "device": args.device}
+              "model_params": exp.policy.model_cfg.num_params(), "small": small, "device": args.device}
     cache_ctx.cleanup()
     return write_json(args.json, "rl_step", config, res)
 

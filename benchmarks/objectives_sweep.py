@@ -118,7 +118,9 @@ def _small_policy(cache: str):
     exp = build_experiment(cfg, cache)
     from mempo_jax.data.world import build_world
 
-    return cfg, build_world(cfg.world), exp.engine, exp.params, exp.fmt, exp.tool_env, cfg.rl.rollout, "random init"
+    policy = exp.policy
+    return (cfg, build_world(cfg.world), policy.engine, policy.params, policy.fmt, exp.tool_env, cfg.rl.rollout,
+            "random init")
 
 
 def main(argv=None) -> dict:

@@ -19,7 +19,7 @@ import os
 import pathlib
 import re
 import tokenize
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import gin
 
@@ -110,7 +110,7 @@ class ModelOptions:
             require(not extra, f"ModelOptions.overrides {extra} cannot change the architecture of checkpoint "
                                f"{self.checkpoint}; only dtype / param_dtype")
             return
-        base = ModelConfig.tiny(1024) if self.preset == "tiny" else getattr(ModelConfig, self.preset)()
+        base = ModelConfig.tiny(1024) if self.preset == "tiny" else ModelConfig.preset(self.preset)
         try:  # the preset with the overrides, validated now (the tiny preset's vocabulary is a placeholder)
             base.replace(**dict(self.overrides))
         except (TypeError, ValueError) as e:
@@ -746,10 +746,10 @@ class RunConfig(NamedTuple):
         every device (it also is on several processes); else the smallest mesh, ``(1, 1, 1)``.
     """
 
-    experiment: Any
-    mesh: Any
-    tpu: Any
-    plan: Any
+    experiment: ExperimentConfig
+    mesh: MeshConfig
+    tpu: TPUConfig
+    plan: PlanConfig
     sharded: bool
 
 

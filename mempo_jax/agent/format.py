@@ -12,11 +12,12 @@ the same pieces, so they are rendered through the same template.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from mempo_jax.text.chat_template import (
     TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame, system_prompt)
 from mempo_jax.text.protocol import INFORMATION, MEM
+from mempo_jax.text.tokenizer import Tokenizer
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.tools.clip import OBS_CHARS_PER_TOKEN, clip_text
 
@@ -29,7 +30,7 @@ class AgentFormat:
     """Tokenizer + tag codec + prompt template of a policy.
 
     Attributes:
-      tokenizer: the project tokenizer interface.
+      tokenizer: the policy's tokenizer (``text.tokenizer.Tokenizer``).
       codec: how protocol tags are written in ids.
       system_prompt: the system message.
       template: a ``ChatTemplate`` (a checkpoint's) or ``PlainTemplate`` (the from-scratch
@@ -42,10 +43,10 @@ class AgentFormat:
       ValueError: an unknown layout, or a layout the template cannot render.
     """
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     codec: TagCodec
     system_prompt: str = PLAIN_SYSTEM_PROMPT
-    template: Any = PlainTemplate()
+    template: ChatTemplate | PlainTemplate = PlainTemplate()
     tool_layout: str = "assistant"
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from mempo_jax.text.protocol import ALL_TAG_PIECES, STOP_TAGS
 from mempo_jax.agent.trajectory import find_span
+from mempo_jax.text.hf_tokenizer import HFTokenizer
 from mempo_jax.text.stop_strings import StopAutomaton, find_text_span, token_bytes
 
 TAG_MODES = ("tokens", "text")
@@ -69,7 +70,7 @@ class TagCodec:
         self._bytes: Optional[list[bytes]] = None
         self._automata: dict[int, StopAutomaton] = {}
         stop = {int(tokenizer.eos_id)}
-        if hasattr(tokenizer, "stop_ids"):  # HF: generation-config EOS ids and end-of-turn specials
+        if isinstance(tokenizer, HFTokenizer):  # its generation-config EOS ids and end-of-turn specials
             stop |= set(int(i) for i in tokenizer.stop_ids(()))
         if mode == "tokens":
             stop |= {self._ids[t] for t in STOP_TAGS}

@@ -227,7 +227,7 @@ class _Inputs:
     run_dir: Optional[pathlib.Path]
     step: Optional[int]
     folder: str  # the run folder's checkpoint folder: "checkpoints" (RL) or "sft_checkpoint"
-    rollout: Any
+    rollout: RolloutConfig  # the run's (or export's) rollout options, before this command's overrides
     topk: int
     options_from: str
     protocol: Optional[ExportProtocol] = None  # an --hf_checkpoint export's mempo_protocol.json

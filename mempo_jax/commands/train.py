@@ -126,7 +126,7 @@ def run(args, hooks=None) -> dict:
         if _PEER_WATCH is not None:  # a failure that echoes a lost process ends with that process's line
             stack.push(_PEER_WATCH.on_exit)
         ctx = open_run(args, run_cfg, hooks or FaultHooks(), stack)
-        learner = ctx.new_learner(ctx.exp.params, ctx.sft_opt, micro_batch_rows=cfg.sft_micro_batch_rows)
+        learner = ctx.new_learner(ctx.exp.policy.params, ctx.sft_opt, micro_batch_rows=cfg.sft_micro_batch_rows)
         stages.heldout(ctx)  # enough held-out questions for every process, checked before any stage
         evals, per_q = {}, {}
         stages.zero_shot_stage(ctx, learner, evals, per_q)
@@ -153,14 +153,15 @@ def run(args, hooks=None) -> dict:
             from mempo_jax.run.export import EXPORT_DIR, export_policy
             from mempo_jax.run.export_protocol import ExportProtocol
 
-            exported = str(export_policy(ctx.run_dir / EXPORT_DIR, ctx.exp.model_cfg, learner.params,
-                                         ctx.exp.tokenizer, source=cfg.model.checkpoint,
-                                         protocol=ExportProtocol.of_run(cfg, ctx.exp.fmt.system_prompt)))
-            if ctx.exp.model_cfg.lora_rank:  # also the adapters alone, as a PEFT folder over the source
+            policy = ctx.exp.policy
+            exported = str(export_policy(ctx.run_dir / EXPORT_DIR, policy.model_cfg, learner.params,
+                                         policy.tokenizer, source=cfg.model.checkpoint,
+                                         protocol=ExportProtocol.of_run(cfg, policy.fmt.system_prompt)))
+            if policy.model_cfg.lora_rank:  # also the adapters alone, as a PEFT folder over the source
                 from mempo_jax.run.export import PEFT_EXPORT_DIR, export_adapter
 
                 try:
-                    export_adapter(ctx.run_dir / PEFT_EXPORT_DIR, ctx.exp.model_cfg, learner.params,
+                    export_adapter(ctx.run_dir / PEFT_EXPORT_DIR, policy.model_cfg, learner.params,
                                    cfg.model.checkpoint)
                 except ValueError as e:  # embedding rows added for the tags: the merged export only
                     ctx.say(f"[mempo] no {PEFT_EXPORT_DIR}: {e}", flush=True)

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional
 
 EXIT_PEER_LOST = 5
 KEY_PREFIX = "mempo/peers/"
@@ -106,6 +106,7 @@ class PeerWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._reported = False
+        self._pipe: Optional[IO[bytes]] = None  # the guardian's stdin, once it runs
         self._guardian = self._start_guardian() if guardian else None
         self._thread = threading.Thread(target=self._loop, name="mempo-peer-watch", daemon=True)
 
@@ -208,7 +209,7 @@ class PeerWatch:
         return proc
 
     def _tell(self, message: str) -> None:
-        pipe = getattr(self, "_pipe", None)
+        pipe = self._pipe
         if pipe is None:
             return
         try:

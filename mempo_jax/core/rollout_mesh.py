@@ -61,7 +61,7 @@ def check_fits(param_bytes: int, cache_bytes: int, mesh: Mesh) -> None:
         its share (the model over ``tensor``, the cache over every device of the mesh).
     """
     device = mesh.devices.flat[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = device.memory_stats()  # None on CPU
     limit = (stats or {}).get("bytes_limit")
     if not limit:
         return
@@ -109,7 +109,7 @@ def weight_sync(params, shardings, dtype=None):
     """
     params = cast_floating(params, dtype)
     leaves = jax.tree.leaves(params)
-    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return jax.device_put(params, shardings)
     full = _gather(leaves[0].sharding.mesh)(params)
     local = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())

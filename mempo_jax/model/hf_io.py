@@ -290,7 +290,7 @@ def _check_tied_head(key_file: dict) -> None:
 
 
 def _host(x: jax.Array | np.ndarray) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
 

@@ -350,7 +350,7 @@ def _abstract(x):
     """A restore target; without a sharding, one on the default device (orbax would otherwise
     return numpy arrays of the *stored* shape without checking it)."""
     x = x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)
-    if getattr(x, "sharding", None) is None:
+    if x.sharding is None:
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     return x
 

@@ -24,7 +24,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import numpy as np
@@ -46,11 +46,15 @@ from mempo_jax.model.lora import trainable_part, with_trainable
 
 if TYPE_CHECKING:
     import optax
+    from flax import nnx
 
-    from mempo_jax.agent.engine import RolloutEngine
     from mempo_jax.config import ExperimentConfig, RunConfig
     from mempo_jax.run.experiment import Experiment
     from mempo_jax.run.resume import ResumePoint
+
+    # A restored checkpoint: ``(params, opt_state or None, meta)`` (``Checkpointer.restore``),
+    # the params with the frozen base put back (``with_trainable``).
+    Restored = tuple[nnx.State, Optional[optax.OptState], dict]
 
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
@@ -131,14 +135,14 @@ class RLCheckpoint:
 
     Attributes:
       step: RL steps done.
-      data_iterator: the grain iterator state (JSON-able).
+      data_iterator: the grain iterator state (a JSON-able dict).
       offsets: the metric-log offsets at that point (``RunLogs.offsets``).
       faults: the ``FaultCounter`` state.
       updates: optimizer updates done (``Learner.num_updates``).
     """
 
     step: int
-    data_iterator: Any
+    data_iterator: dict
     offsets: dict
     faults: dict
     updates: int = 0
@@ -182,10 +186,10 @@ class RunContext:
     ``progress``.
 
     Attributes:
-      run_dir, cfg, run_cfg: the run folder, the ``ExperimentConfig`` and the whole ``RunConfig``.
-      mesh, rules: the device mesh (always one) and its logical-axis rules.
-      exp: the ``Experiment``; ``engine``: its rollout engine (host-local); ``sync``, ``scorer``:
-        the lockstep header exchange and scorer.
+      run_dir, run_cfg: the run folder and the whole ``RunConfig`` (``cfg``: its ``ExperimentConfig``).
+      exp: the ``Experiment``; its ``policy`` holds the device mesh (always one), the
+        logical-axis rules and the rollout engine (host-local).
+      sync, scorer: the lockstep header exchange and scorer (``lockstep.distribute`` of ``exp.scorer``).
       logs: ``RunLogs`` (process 0) or ``NoLogs``.
       sft_ckpt, rl_ckpt: the two ``Checkpointer``s.
       pre: the ``Preemption`` handler; ``interruptible``: its region (a no-op with several processes).
@@ -197,13 +201,9 @@ class RunContext:
     """
 
     run_dir: pathlib.Path
-    cfg: ExperimentConfig
     run_cfg: RunConfig
-    mesh: jax.sharding.Mesh
-    rules: Any
     exp: Experiment
     sync: lockstep.HostSync
-    engine: RolloutEngine
     scorer: lockstep.DistributedScorer
     sft_ckpt: Checkpointer
     rl_ckpt: Checkpointer
@@ -217,9 +217,14 @@ class RunContext:
     rl_opt: optax.GradientTransformation
     logs: RunLogs | NoLogs | None = None
     point: Optional[ResumePoint] = None
-    sft_state: Any = None
-    rl_state: Any = None
+    sft_state: Optional[Restored] = None
+    rl_state: Optional[Restored] = None
     progress: RunProgress = dataclasses.field(default_factory=RunProgress)
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        """The run's ``ExperimentConfig`` (``run_cfg.experiment``, which ``exp`` was built of)."""
+        return self.run_cfg.experiment
 
     @property
     def multi(self) -> bool:
@@ -249,16 +254,18 @@ class RunContext:
 
     def new_learner(self, params, opt, **kw):
         """A (lockstep) learner of the policy on the run's mesh."""
-        return lockstep.DistributedLearner(self.exp.logits_fn, params, opt, mesh=self.mesh, rules=self.rules,
-                                           sync=self.sync, pad_id=self.exp.tokenizer.pad_id, **kw)
+        policy = self.exp.policy
+        return lockstep.DistributedLearner(policy.logits_fn, params, opt, mesh=policy.mesh, rules=policy.rules,
+                                           sync=self.sync, pad_id=policy.tokenizer.pad_id, **kw)
 
     def opt_target(self, opt):
         """The optimizer state's restore target, with its shardings on the mesh (the state of the
         trainable part: the LoRA adapters of a LoRA run)."""
-        trainable = trainable_part(self.exp.params)
+        policy = self.exp.policy
+        trainable = trainable_part(policy.params)
         abstract = jax.eval_shape(opt.init, trainable)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                            opt_state_shardings(opt, trainable, self.mesh, self.rules))
+                            opt_state_shardings(opt, trainable, policy.mesh, policy.rules))
 
     def save(self, ckpt, step: int, learner, meta: dict) -> None:
         """Save ``learner``'s trainable parameters (the adapters of a LoRA run: the base is rebuilt
@@ -361,14 +368,14 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     # Rollout runs per process on its share (host-local mesh); scoring and the update on the global batch.
     sync, scorer = lockstep.distribute(exp.scorer)
     key = jax.random.PRNGKey(cfg.seed)
-    ctx = RunContext(run_dir, cfg, run_cfg, mesh, rules, exp, sync, exp.engine, scorer, sft_ckpt, rl_ckpt, pre,
+    ctx = RunContext(run_dir, run_cfg, exp, sync, scorer, sft_ckpt, rl_ckpt, pre,
                      interruptible, hooks, t_start, jax.random.fold_in(key, RL_STREAM),
                      jax.random.fold_in(key, EVAL_STREAM), make_optimizer(cfg.sft.optim), make_optimizer(cfg.optim))
     point, (sft_state, rl_state) = restore_newest(
         lambda skip: find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps, skip),
         lambda point: _restore(ctx, point))
     ctx = dataclasses.replace(ctx, point=point, sft_state=sft_state, rl_state=rl_state)
-    check_free_space(run_dir, checkpoint_bytes(trainable_part(exp.params), ctx.opt_target(ctx.rl_opt)))
+    check_free_space(run_dir, checkpoint_bytes(trainable_part(exp.policy.params), ctx.opt_target(ctx.rl_opt)))
     return _prepare_folder(ctx, stack)
 
 
@@ -376,14 +383,14 @@ def _restore(ctx: RunContext, point):
     """Everything a resume needs, read and checked (a corrupt checkpoint: ``CorruptCheckpoint``).
 
     Returns ``(sft_state, rl_state)``: ``(params, opt_state, meta)`` triples or None."""
-    exp = ctx.exp
-    check_processes_agree(point, exp.tokenizer, len(exp.train_questions), len(exp.heldout_questions))
+    exp, policy = ctx.exp, ctx.exp.policy
+    check_processes_agree(point, policy.tokenizer, len(exp.train_questions), len(exp.heldout_questions))
     if point.fresh:
         return None, None
-    check_run_artifacts(ctx.run_dir, exp.tokenizer, exp.model_cfg)
+    check_run_artifacts(ctx.run_dir, policy.tokenizer, policy.model_cfg)
     # Checkpoints hold the trainable part (RunContext.save); the frozen base is the one built now.
-    full = lambda state: (with_trainable(exp.params, state[0]), *state[1:])  # noqa: E731
-    target = trainable_part(exp.params)
+    full = lambda state: (with_trainable(policy.params, state[0]), *state[1:])  # noqa: E731
+    target = trainable_part(policy.params)
     sft = full(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
     rl = None
     if point.rl_step is not None:
@@ -398,7 +405,7 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
     ``ctx`` with its logs, the resumed time taken off ``t_start`` and the resumed ``progress``."""
     from mempo_jax import config as config_lib
 
-    run_dir, point, exp = ctx.run_dir, ctx.point, ctx.exp
+    run_dir, point, exp, policy = ctx.run_dir, ctx.point, ctx.exp, ctx.exp.policy
     newest = point.newest()
     if ctx.primary:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -411,7 +418,7 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
             if not keep:
                 (run_dir / name).unlink(missing_ok=True)
         write_text_atomic(run_dir / "config.gin", config_lib.operative_config())
-        save_run_artifacts(run_dir, exp.tokenizer, exp.model_cfg)
+        save_run_artifacts(run_dir, policy.tokenizer, policy.model_cfg)
         logs = RunLogs(run_dir, newest, point.source, warn=lambda msg: tqdm.write(msg, file=sys.stderr))
     else:
         logs = NoLogs(newest)
@@ -423,10 +430,11 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
     ctx = dataclasses.replace(ctx, logs=logs, t_start=ctx.t_start - resumed_s,
                               progress=RunProgress(sft_saved=point.sft_step, rl_saved=point.rl_step))
     ctx.say(f"[mempo] {ctx.cfg.dataset}: {len(exp.train_questions)} train / {len(exp.heldout_questions)} held-out "
-            f"questions, search {exp.corpus}, vocab {exp.tokenizer.vocab_size}, "
-            f"model {exp.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
+            f"questions, search {exp.corpus}, vocab {policy.tokenizer.vocab_size}, "
+            f"model {policy.model_cfg.num_params() / 1e6:.2f} M params", flush=True)
     if ctx.run_cfg.sharded or ctx.multi:
-        ctx.say(f"[mempo] mesh {dict(ctx.mesh.shape)} over {ctx.mesh.devices.size} devices, {jax.process_count()} "
+        mesh = policy.mesh
+        ctx.say(f"[mempo] mesh {dict(mesh.shape)} over {mesh.devices.size} devices, {jax.process_count()} "
                 f"process(es)", flush=True)
     if not point.fresh:
         ctx.say(f"[mempo] {point.describe()}", flush=True)

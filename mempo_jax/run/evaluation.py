@@ -15,6 +15,8 @@ import numpy as np
 
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories
 from mempo_jax.agent.trajectory import Trajectory, mode_name
+from mempo_jax.data.qa_formats import QAExample
+from mempo_jax.data.world import Question
 from mempo_jax.rl.rewards import score_trajectories
 
 
@@ -53,15 +55,15 @@ def summarize(trajs: Sequence[Trajectory], em: np.ndarray, f1: np.ndarray) -> di
 KIND_PREFIX = "eval/"  # per-kind metric names: "eval/<kind>/em", "eval/<kind>/f1", "eval/<kind>/n"
 
 
-def question_kind(question) -> str:
+def question_kind(question: Question | QAExample) -> str:
     """The kind a question is reported under: a QA file's own ``type`` field (``Question.qa_type``,
     e.g. HotpotQA ``bridge`` / ``comparison``), else ``Question.kind`` (the tiny world's
-    ``single`` / ``bridge`` / ``multi``, or a QA file's format), else ``"all"`` (items without one,
-    e.g. ``QAExample``)."""
-    for name in ("qa_type", "kind"):
-        value = getattr(question, name, None)
-        if isinstance(value, str) and value.strip():
-            return value.strip()
+    ``single`` / ``bridge`` / ``multi``, or a QA file's format), else ``"all"`` (a blank
+    ``Question`` field, or a ``QAExample``, which has neither)."""
+    if isinstance(question, Question):
+        for value in (question.qa_type, question.kind):
+            if value.strip():
+                return value.strip()
     return "all"
 
 

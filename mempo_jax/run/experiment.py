@@ -9,48 +9,78 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any
 
 import jax
+from flax import nnx
+from jax.sharding import Mesh
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.text.protocol import ANSWER, MEM, THINK, render_turn
 from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExecutionConfig, ExperimentConfig
+from mempo_jax.core.sharding import Rules
 from mempo_jax.data.qa_questions import load_qa_questions
 from mempo_jax.data.world import Question, build_world
 from mempo_jax.model.config import ModelConfig
-from mempo_jax.model.forward import make_logits_fn
+from mempo_jax.model.forward import LogitsFn, make_logits_fn
 from mempo_jax.agent.engine import RolloutEngine
 from mempo_jax.model.adapters import add_adapters, base_config
 from mempo_jax.model.lora import with_trainable
 from mempo_jax.rl.memory_reward import MEMORY_PREFIXES, MemoryRewardScorer
-from mempo_jax.text.tokenizer import train_sentencepiece
+from mempo_jax.text.tokenizer import Tokenizer, train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document
 from mempo_jax.tools.search import ToolEnvironment
 
 
 @dataclasses.dataclass
+class Policy:
+    """A policy ready to roll out: its model, parameters on the mesh, format and jitted callables.
+
+    Attributes:
+      model_cfg, graphdef, params: the model (``params`` placed by ``sharding.param_shardings``).
+      tokenizer, fmt: its tokenizer and ``AgentFormat`` (``fmt.tokenizer`` is ``tokenizer``).
+      engine: ``make_engine`` of it on this process's rollout mesh.
+      logits_fn: the model's ``LogitsFn`` (``make_logits_fn``), hidden states of ``(params, ids)`` rows.
+      mesh, rules: where it lives: the (global) device mesh and its logical-axis rules.
+    """
+
+    model_cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Tokenizer
+    fmt: AgentFormat
+    engine: RolloutEngine
+    logits_fn: LogitsFn
+    mesh: Mesh
+    rules: Rules
+
+
+@dataclasses.dataclass
 class Experiment:
-    """Everything a run needs, built once."""
+    """Everything a run needs, built once (``build_experiment``).
+
+    Attributes:
+      cfg: the run's ``ExperimentConfig``.
+      train_questions, heldout_questions: the two question splits.
+      documents: the local corpus (``[]`` with a retriever).
+      offices: ``{company: {city: office head}}`` of the tiny world (the scripted agent's lazy
+        guesses); ``{}`` for a QA run.
+      tool_env: the search / access tools over the corpus.
+      policy: the model being trained, with its tokenizer, format, engine and mesh.
+      scorer: the memory-reward scorer of ``policy``.
+      corpus: what the tools search, in words.
+    """
 
     cfg: ExperimentConfig
-    train_questions: list
-    heldout_questions: list
-    documents: list
-    offices: dict
-    tokenizer: Any
+    train_questions: list[Question]
+    heldout_questions: list[Question]
+    documents: list[Document]
+    offices: dict[str, dict[str, str]]
     tool_env: ToolEnvironment
-    model_cfg: ModelConfig
-    graphdef: Any
-    params: Any
-    engine: Any
-    logits_fn: Any
+    policy: Policy
     scorer: MemoryRewardScorer
-    mesh: Any = None
-    corpus: str = ""  # what the tools search, in words
-    fmt: Any = None  # the AgentFormat (tokenizer, tag codec, prompt template)
+    corpus: str = ""
 
 
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
@@ -328,29 +358,6 @@ def _train_tokenizer(texts, cache_dir, vocab_size: int):
     return train_sentencepiece(texts, cache_dir, vocab_size) if tokenizer is None else tokenizer
 
 
-@dataclasses.dataclass
-class Policy:
-    """A policy ready to roll out: its model, parameters on the mesh, format and jitted callables.
-
-    Attributes:
-      model_cfg, graphdef, params: the model (``params`` placed by ``sharding.param_shardings``).
-      tokenizer, fmt: its tokenizer and ``AgentFormat``.
-      engine: ``make_engine`` of it on this process's rollout mesh.
-      logits_fn: ``(params, ids [B, L] int32, valid [B, L] bool) -> logits [B, L, V] float32``.
-      mesh, rules: where it lives.
-    """
-
-    model_cfg: ModelConfig
-    graphdef: Any
-    params: Any
-    tokenizer: Any
-    fmt: Any
-    engine: Any
-    logits_fn: Any
-    mesh: Any
-    rules: Any
-
-
 def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules=None,
                 rollout_tensor: int = 0, execution=None) -> Policy:
     """The one way a policy is assembled (the trainer's ``build_experiment``, the evaluation
@@ -384,8 +391,8 @@ def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
     """``(model_cfg, graphdef, params)`` of a fresh ``ModelOptions.preset`` model (with its overrides)."""
     from mempo_jax.model.placement import init_params
 
-    model_cfg = getattr(ModelConfig, cfg.model.preset)
-    model_cfg = model_cfg(tokenizer.vocab_size) if cfg.model.preset == "tiny" else model_cfg()
+    preset = cfg.model.preset
+    model_cfg = ModelConfig.tiny(tokenizer.vocab_size) if preset == "tiny" else ModelConfig.preset(preset)
     if cfg.model.overrides:
         model_cfg = model_cfg.replace(**dict(cfg.model.overrides))
     return (model_cfg, *init_params(model_cfg, cfg.seed, mesh, rules))
@@ -454,9 +461,8 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                                 min_rows=max(8, sharding.batch_shards(mesh, rules)),
                                 batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
                                 param_shardings=sharding.param_shardings(policy.params, mesh, rules))
-    return Experiment(cfg, train_q, held_q, docs, offices, tokenizer, ToolEnvironment(backend, topk=cfg.topk),
-                      model_cfg, graphdef, policy.params, policy.engine, policy.logits_fn, scorer, mesh, corpus,
-                      policy.fmt)
+    return Experiment(cfg, train_q, held_q, docs, offices, ToolEnvironment(backend, topk=cfg.topk), policy, scorer,
+                      corpus)
 
 
 def lora_policy_params(cfg: ExperimentConfig, model_cfg: ModelConfig, adapters, *, mesh=None, rules=None):

@@ -147,7 +147,7 @@ def model_config(cfg, mesh=None, rules=None):
     Raises:
       ValueError: an unknown preset.
     """
-    from mempo_jax.model.config import ModelConfig
+    from mempo_jax.model.config import PRESET_SHAPES, ModelConfig
 
     if cfg.model.checkpoint and model_source(cfg) == cfg.model.checkpoint:
         from mempo_jax.core.sharding import DEFAULT_RULES
@@ -160,10 +160,10 @@ def model_config(cfg, mesh=None, rules=None):
             return model_cfg
         rows = protocol_tag_rows(HFTokenizer(cfg.model.checkpoint), model_cfg.vocab_size, mesh, rules or DEFAULT_RULES)
         return model_cfg.replace(vocab_size=rows)
-    build = getattr(ModelConfig, cfg.model.preset, None)
-    if build is None or not callable(build):
-        raise ValueError(f"ModelOptions.preset {cfg.model.preset!r} is not a ModelConfig preset")
-    model_cfg = build(cfg.vocab_size) if cfg.model.preset == "tiny" else build()
+    preset = cfg.model.preset
+    if preset != "tiny" and preset not in PRESET_SHAPES:
+        raise ValueError(f"ModelOptions.preset {preset!r} is not a ModelConfig preset")
+    model_cfg = ModelConfig.tiny(cfg.vocab_size) if preset == "tiny" else ModelConfig.preset(preset)
     return model_cfg.replace(**dict(cfg.model.overrides)) if cfg.model.overrides else model_cfg
 
 

@@ -53,10 +53,10 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     mode by mode, in the single-process order."""
     from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_records
 
-    cfg, exp = ctx.cfg, ctx.exp
+    cfg, exp, engine = ctx.cfg, ctx.exp, ctx.exp.policy.engine
     held, held_mine = heldout(ctx)
     first = distributed.process_slice(len(held)).start if ctx.multi else 0
-    params = ctx.engine.place(learner.params)  # onto the rollout mesh, once (a collective)
+    params = engine.place(learner.params)  # onto the rollout mesh, once (a collective)
     rollout_cfg = cfg.rl.rollout
     if cfg.eval.num_slots:
         rollout_cfg = dataclasses.replace(rollout_cfg, num_slots=cfg.eval.num_slots)
@@ -64,7 +64,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         release_free_memory()  # what the stage before left as free heap: not under this mode's KV cache
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
-        res = evaluate_policy(ctx.engine, params, held_mine, exp.fmt, exp.tool_env, rollout_cfg,
+        res = evaluate_policy(engine, params, held_mine, exp.policy.fmt, exp.tool_env, rollout_cfg,
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
                               first=first)
         bar.close()
@@ -169,12 +169,12 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     from mempo_jax.run.experiment import entity_token_ids
     from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, reader_rows, sft_rows, with_copy_warmup
 
-    cfg, exp, tok = ctx.cfg, ctx.exp, ctx.exp.tokenizer
+    cfg, exp, tok, fmt = ctx.cfg, ctx.exp, ctx.exp.policy.tokenizer, ctx.exp.policy.fmt
     context_steps = cfg.rl.rollout.context_steps  # the context mode RL trains in
     convs = sft_file or [scripted_conversation(q, exp.offices, exp.tool_env, cfg.sft.agent, rng)
                          for q in tqdm(exp.train_questions, desc="scripted agent", leave=False,
                                        disable=not ctx.primary)]
-    trajs = [conversation_trajectory(c, exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps) for c in convs]
+    trajs = [conversation_trajectory(c, fmt, cfg.rl.rollout.max_observation_tokens, context_steps) for c in convs]
     full_trajs = None
     if not sft_file and cfg.sft.agent.full_rows != "same":  # replays for the whole-history rows, own stream
         recall = cfg.sft.agent.full_rows == "recall"
@@ -182,11 +182,11 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
         rng_r = np.random.default_rng([cfg.seed, REPLAY_STREAM])
         full_trajs = [conversation_trajectory(scripted_conversation(q, exp.offices, exp.tool_env, agent, rng_r,
                                                                     recall=recall),
-                                              exp.fmt, cfg.rl.rollout.max_observation_tokens, context_steps)
+                                              fmt, cfg.rl.rollout.max_observation_tokens, context_steps)
                       for q in exp.train_questions]
     rows = sft_rows(trajs, context_steps, cfg.sft.full_fraction, tok.pad_id, rng, full_trajs)
     if cfg.sft.reader_fraction > 0:  # own stream: the choice of whole-history rows is unchanged
-        rows += reader_rows(trajs, tok, exp.fmt.codec, exp.scorer.answer_prefix, exp.scorer.full_prefix,
+        rows += reader_rows(trajs, tok, fmt.codec, exp.scorer.answer_prefix, exp.scorer.full_prefix,
                             cfg.sft.reader_fraction,
                             np.random.default_rng([cfg.seed, READER_STREAM]), full_trajs)
     if sft_file:
@@ -376,7 +376,8 @@ class _RLRun:
                 if ctx.multi:  # this process's questions: its rollouts, tool calls and parsing
                     mine = distributed.process_slice(len(qs))
                     qs, first = qs[mine], mine.start
-                cluster = RLCluster(self.learner, ref_params, ctx.engine, ctx.scorer, ctx.exp.fmt, ctx.exp.tool_env)
+                policy = ctx.exp.policy
+                cluster = RLCluster(self.learner, ref_params, policy.engine, ctx.scorer, policy.fmt, ctx.exp.tool_env)
                 m, trajs = rl_step(cluster, qs, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
                                    np.random.default_rng([cfg.seed, RL_STREAM, step]),
                                    traj_offset=first * cfg.rl.group_size, progress=self._progress)
@@ -395,9 +396,9 @@ class _RLRun:
             print(f"[mempo] RL step {step}: non-finite loss or gradients, update skipped "
                   f"({self.faults.streak}/{self.faults.max_consecutive} in a row)", file=sys.stderr, flush=True)
         ctx.logs.write(step, "rl", m)
-        n = ctx.cfg.log_rollouts
+        n, tok = ctx.cfg.log_rollouts, ctx.exp.policy.tokenizer
         ctx.logs.write_rollouts(global_rollout_records(
-            [{"step": step, **trajectory_record(tr, ctx.exp.tokenizer, first)} for tr in trajs[:n]], n, ctx.sync))
+            [{"step": step, **trajectory_record(tr, tok, first)} for tr in trajs[:n]], n, ctx.sync))
         bar.update(1)
         bar.set_postfix(reward=f"{m['critic/score/mean']:.3f}", em=f"{m['critic/em/mean']:.3f}",
                         mem=f"{m['mem/reward/mean']:+.3f}", turns=f"{m['num_turns/mean']:.1f}")
@@ -445,7 +446,7 @@ def summarize(ctx: RunContext, evals: dict, per_q: dict, exported) -> dict:
     gain_mean, lo, hi = gains["rl_vs_sft"][k1]["em"]
     summary: dict[str, Any] = {
         "eval": evals, "em_gain": gain_mean, "em_gain_ci95": [lo, hi], "em_gain_mode": k1, "gains": gains,
-        "wall_s": time.time() - ctx.t_start, "params": ctx.exp.model_cfg.num_params(), "dataset": cfg.dataset,
+        "wall_s": time.time() - ctx.t_start, "params": ctx.exp.policy.model_cfg.num_params(), "dataset": cfg.dataset,
         "heldout_questions": len(heldout(ctx)[0]), "hf_export": exported,
     }
     if ctx.primary:

@@ -50,6 +50,26 @@ def _token_name(value) -> str | None:
     return value
 
 
+def gpt2_unicode_to_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode`` map: vocabulary character → byte value.
+
+    Byte-level BPE stores each byte as one printable character: the 188 printable Latin-1
+    bytes as themselves, the other 68 as ``chr(256 + n)`` in byte order. Source: openai/gpt-2
+    ``encoder.py`` ``bytes_to_unicode``; the HF ``tokenizers`` ``ByteLevel`` pre-tokenizer uses the
+    same table.
+    """
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
 class HFTokenizer:
     """``tokenizers.Tokenizer`` of an HF checkpoint with the project's tokenizer interface.
 
@@ -262,7 +282,6 @@ class HFTokenizer:
         """
         if self._token_bytes is not None:
             return self._token_bytes
-        from mempo_jax.text.stop_strings import gpt2_unicode_to_bytes
 
         data = json.loads(self._tok.to_str())
         decoders = data.get("decoder") or {}

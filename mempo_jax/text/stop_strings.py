@@ -37,35 +37,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mempo_jax.text.hf_tokenizer import HFTokenizer
+
 
 # ------------------------------------------------------------------------------ token bytes
-
-
-def gpt2_unicode_to_bytes() -> dict[str, int]:
-    """The inverse of GPT-2's ``bytes_to_unicode`` map: vocabulary character → byte value.
-
-    Byte-level BPE stores each byte as one printable character: the 188 printable Latin-1
-    bytes as themselves, the other 68 as ``chr(256 + n)`` in byte order. Source: openai/gpt-2
-    ``encoder.py`` ``bytes_to_unicode``; the HF ``tokenizers`` ``ByteLevel`` pre-tokenizer uses the
-    same table.
-    """
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def token_bytes(tokenizer, rows: Optional[int] = None) -> list[bytes]:
     """The bytes each id decodes to, for ids ``0 … rows - 1``.
 
-    Uses ``tokenizer.token_bytes()`` when the tokenizer has it (``HFTokenizer``: exact for
-    byte-level and SentencePiece-style decoders, see the module docstring), else
+    Uses ``tokenizer.token_bytes()`` for an ``HFTokenizer`` (exact for byte-level and
+    SentencePiece-style decoders, see the module docstring), else
     ``tokenizer.decode([id]).encode("utf-8")`` per id (exact only for context-free decoding).
     Ids beyond the tokenizer (spare embedding rows) decode to ``b""``.
 
@@ -77,7 +59,7 @@ def token_bytes(tokenizer, rows: Optional[int] = None) -> list[bytes]:
       A list of ``rows`` byte strings.
     """
     rows = int(tokenizer.vocab_size if rows is None else rows)
-    if hasattr(tokenizer, "token_bytes"):
+    if isinstance(tokenizer, HFTokenizer):
         table = list(tokenizer.token_bytes())
     else:
         table = [tokenizer.decode([i]).encode("utf-8") for i in range(int(tokenizer.vocab_size))]

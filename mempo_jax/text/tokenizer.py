@@ -7,6 +7,9 @@ always exactly one id, wherever it appears. That makes the rollout's bookkeeping
 text (token in, token out: docs/algorithm.md §2).
 
 The trained model is cached on disk, keyed by a hash of its training text and options.
+
+``Tokenizer`` is the interface every tokenizer of the package offers (this one and
+``hf_tokenizer.HFTokenizer``); the agent, the rollout and the trainers use nothing else of it.
 """
 
 from __future__ import annotations
@@ -17,13 +20,37 @@ import os
 import pathlib
 import re
 import tempfile
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 import sentencepiece as spm
 
 from mempo_jax.text.protocol import ALL_TAG_PIECES
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class Tokenizer(Protocol):
+    """The project's tokenizer interface (``SentencePieceTokenizer``, ``HFTokenizer``).
+
+    Attributes:
+      vocab_size: number of ids the tokenizer writes (may be below the model's embedding rows).
+      pad_id, eos_id: the padding and end-of-sequence ids.
+      bos_id: the beginning-of-sequence id, ``None`` where the tokenizer has none (Qwen).
+    """
+
+    vocab_size: int
+    pad_id: int
+    bos_id: Optional[int]
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids (no BOS / EOS added)."""
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text (pad, BOS and EOS dropped)."""
+
+    def piece_id(self, piece: str) -> int:
+        """The id of ``piece``; ``KeyError`` if it is not one token."""
 
 
 class NotATokenizer(ValueError):

@@ -335,11 +335,12 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
                         num_single=4, num_bridge=4, num_multi=2)
     exp = build_experiment(ExperimentConfig(seed=0, world=world, model=ModelOptions(checkpoint=str(tmp_path / "ckpt"))),
                            tmp_path / "cache")
-    assert exp.fmt.codec.mode == "text" and exp.model_cfg.vocab_size == 49152 and not exp.tokenizer.tag_ids
+    policy = exp.policy
+    assert policy.fmt.codec.mode == "text" and policy.model_cfg.vocab_size == 49152 and not policy.tokenizer.tag_ids
     rcfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context_tokens=512, max_observation_tokens=8,
                          temperature=1.0, context_steps=1, min_rows_bucket=8)
-    trajs = new_trajectories(exp.fmt, exp.train_questions[:8], group_size=1)
-    exp.engine.rollout(exp.params, trajs, exp.fmt, exp.tool_env, rcfg, jax.random.key(5))
+    trajs = new_trajectories(policy.fmt, exp.train_questions[:8], group_size=1)
+    policy.engine.rollout(policy.params, trajs, policy.fmt, exp.tool_env, rcfg, jax.random.key(5))
     turns = [t for tr in trajs for t in tr.turns]
     stopped = 0
     for t in turns:
@@ -351,7 +352,8 @@ def test_checkpoint_run_defaults_to_text_tags_end_to_end(tok, codec, smollm2_dir
     # the evaluation command's sampler is the same program with the same stops
     ids = jnp.asarray([trajs[0].prompt_ids[-6:]] * 8, jnp.int32)
     mask = jnp.ones(ids.shape, bool)
-    a = exp.engine(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
-    b = make_engine(exp.graphdef, exp.model_cfg, exp.fmt)(exp.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    a = policy.engine(policy.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
+    engine = make_engine(policy.graphdef, policy.model_cfg, policy.fmt)
+    b = engine(policy.params, ids, mask, jax.random.key(1), 16, 1.0, 1.0)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

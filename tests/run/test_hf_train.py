@@ -169,32 +169,34 @@ def test_llama_reserved_tokens_are_renamed_to_tags(tmp_path):
 
 
 def test_build_experiment_loads_checkpoint_and_tagged_tokenizer(experiment, checkpoint):
-    tok = experiment.tokenizer
-    assert isinstance(tok, HFTokenizer) and experiment.model_cfg.vocab_size == BASE_VOCAB + SPARE_ROWS
-    assert experiment.model_cfg.qkv_bias and not experiment.model_cfg.tie_embeddings
+    policy = experiment.policy
+    tok = policy.tokenizer
+    assert isinstance(tok, HFTokenizer) and policy.model_cfg.vocab_size == BASE_VOCAB + SPARE_ROWS
+    assert policy.model_cfg.qkv_bias and not policy.model_cfg.tie_embeddings
     tok.check_protocol_tags()
-    assert max(tok.tag_ids.values()) < experiment.model_cfg.vocab_size
+    assert max(tok.tag_ids.values()) < policy.model_cfg.vocab_size
     # A scripted turn encoded by the HF tokenizer parses and its <mem> span is found on the ids.
     ids = tok.encode(render_turn(" alpha; (1) beta", " search", "search", " gamma"))
-    turn = make_turn(experiment.fmt, ids, None, stopped=True)
+    turn = make_turn(policy.fmt, ids, None, stopped=True)
     assert turn.parsed.valid and turn.parsed.mem == " alpha; (1) beta" and turn.parsed.action == "search"
     start, end = turn.mem_span
     assert (ids[start], ids[end - 1]) == (tok.piece_id(MEM[0]), tok.piece_id(MEM[1]))
     assert tok.decode(ids[start:end]) == "<mem> alpha; (1) beta</mem>"
     # The SFT cold start's scripted agent works on the HF ids too.
     q = experiment.train_questions[0]
-    tr = scripted_trajectory(q, experiment.offices, experiment.fmt, experiment.tool_env, ScriptedAgentConfig(),
+    tr = scripted_trajectory(q, experiment.offices, policy.fmt, experiment.tool_env, ScriptedAgentConfig(),
                              experiment.cfg.rl.rollout, np.random.default_rng(0))
     assert tr.answer is not None and all(t.mem_span is not None and t.parsed.valid for t in tr.turns)
 
 
 def test_greedy_rollout_stops_at_tag_ids_and_finds_mem_spans(experiment, checkpoint):
     _, chain, words = checkpoint
-    tok = experiment.tokenizer
+    policy = experiment.policy
+    tok = policy.tokenizer
     cfg = RolloutConfig(max_turns=2, max_new_tokens=12, max_context_tokens=256, max_observation_tokens=16,
                         temperature=0.0, context_steps=1, min_rows_bucket=4)
-    trajs = new_trajectories(experiment.fmt, experiment.train_questions[:2], group_size=1)
-    experiment.engine.rollout(experiment.params, trajs, experiment.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
+    trajs = new_trajectories(policy.fmt, experiment.train_questions[:2], group_size=1)
+    policy.engine.rollout(policy.params, trajs, policy.fmt, experiment.tool_env, cfg, jax.random.PRNGKey(0))
     for tr in trajs:
         assert tr.end_reason == "max_turns" and len(tr.turns) == 2
         for turn in tr.turns:
@@ -206,13 +208,13 @@ def test_greedy_rollout_stops_at_tag_ids_and_finds_mem_spans(experiment, checkpo
 
 
 def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
-    exp = experiment
-    before = [np.array(x) for x in jax.tree.leaves(exp.params)]
-    params = jax.tree.map(lambda x: x.copy(), exp.params)  # the learner donates its params
-    ref_params = jax.tree.map(lambda x: x.copy(), exp.params)
-    learner = Learner(exp.logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
+    exp, policy = experiment, experiment.policy
+    before = [np.array(x) for x in jax.tree.leaves(policy.params)]
+    params = jax.tree.map(lambda x: x.copy(), policy.params)  # the learner donates its params
+    ref_params = jax.tree.map(lambda x: x.copy(), policy.params)
+    learner = Learner(policy.logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
                       temperature=1.0, micro_batch_rows=8)
-    cluster = RLCluster(learner, ref_params, exp.engine, exp.scorer, exp.fmt, exp.tool_env)
+    cluster = RLCluster(learner, ref_params, policy.engine, exp.scorer, policy.fmt, exp.tool_env)
     metrics, trajs = rl_step(cluster, exp.train_questions[:2], exp.cfg.rl, jax.random.PRNGKey(1),
                              np.random.default_rng(1))
     assert len(trajs) == 4 and all(np.isfinite(v) for v in metrics.values()), metrics
@@ -221,12 +223,12 @@ def test_rl_step_on_checkpoint_changes_params_and_exports(experiment, tmp_path):
     changed = sum(not np.array_equal(b, np.asarray(a)) for b, a in zip(before, after))
     assert changed >= len(before) // 2, f"{changed} of {len(before)} parameter arrays changed"
     # Export back to the HF layout (weights + tokenizer with its tags) and re-import.
-    save_hf_checkpoint(tmp_path, exp.model_cfg, learner.params)
-    exp.tokenizer.save(tmp_path)
+    save_hf_checkpoint(tmp_path, policy.model_cfg, learner.params)
+    policy.tokenizer.save(tmp_path)
     cfg2, _, params2, tok2 = load_checkpoint_policy(ModelOptions(checkpoint=str(tmp_path), tags="tokens"))
-    assert cfg2 == exp.model_cfg and tok2.tag_ids == exp.tokenizer.tag_ids
+    assert cfg2 == policy.model_cfg and tok2.tag_ids == policy.tokenizer.tag_ids
     for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    ids = exp.tokenizer.encode("x<mem> y</mem><answer> z</answer>")
+    ids = policy.tokenizer.encode("x<mem> y</mem><answer> z</answer>")
     assert transformers.AutoTokenizer.from_pretrained(tmp_path)("x<mem> y</mem><answer> z</answer>",
                                                                 add_special_tokens=False).input_ids == ids
