@@ -5,8 +5,9 @@ Cloud Storage answers every object read with ``x-goog-generation`` and ``x-goog-
 tensorstore's OCDBT driver (orbax's checkpoint arrays) keeps the generation of the manifest it
 read and updates the manifest with ``ifGenerationMatch`` on it, so without the header a second
 manifest update fails (``Malformed StorageGeneration``). ``start`` adds the two headers to the
-emulator's download handler; everything else is the emulator's own (preconditions are not
-enforced: one writer per object, as in these tests).
+emulator's download handler, and drops the emulator's tracebacks for clients that hang up early
+(``BrokenPipeError``); everything else is the emulator's own (preconditions are not enforced: one
+writer per object, as in these tests; one request at a time).
 
 ``emulator_env(url)`` is the environment that points the clients at it: ``STORAGE_EMULATOR_HOST``
 (gcsfs, hence ``etils.epath``), ``TENSORSTORE_GCS_HTTP_URL`` with a fixed test token
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 import time
 
 
@@ -73,6 +75,14 @@ def start(port: int, bucket: str):
     _patch_downloads()
     srv = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
     srv.start()
+    httpd = srv._api._httpd
+    report = httpd.handle_error
+
+    def handle_error(request, client_address):  # a client that hung up early is no error
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            report(request, client_address)
+
+    httpd.handle_error = handle_error
     return srv
 
 

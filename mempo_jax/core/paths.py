@@ -181,7 +181,9 @@ def move_folder(src: RunPath, dst: RunPath) -> None:
         os.replace(src, dst)
         return
     fs, path = fsspec.core.url_to_fs(os.fspath(src))
-    fs.mv(path, fsspec.core.url_to_fs(os.fspath(dst))[1], recursive=True)
+    target = fsspec.core.url_to_fs(os.fspath(dst))[1]
+    fs.copy(path.rstrip("/") + "/", target.rstrip("/") + "/", recursive=True)  # server-side copies
+    fs.rm(path, recursive=True)
 
 
 def complete_steps(folder: RunPath) -> list[int]:
