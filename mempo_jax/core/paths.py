@@ -26,6 +26,7 @@ Python side at an emulator, ``TENSORSTORE_GCS_HTTP_URL`` the checkpoint arrays (
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
 import shutil
@@ -86,11 +87,19 @@ def write_bytes_atomic(path: RunPath, data: bytes) -> None:
     Locally through ``PATH.tmp``, fsynced, and ``os.replace``; on Cloud Storage one object upload.
 
     Raises:
-      OSError: naming the file (e.g. ``ENOSPC``); a local temporary file is removed.
+      OSError: naming the file (e.g. ``ENOSPC``); a local temporary file is removed. On Cloud
+        Storage a failure that is no ``OSError`` (gcsfs's ``HttpError`` once its retries are spent)
+        is raised as one with ``errno.EIO``.
     """
     if is_remote(path):
-        with naming_file(path):
-            path.write_bytes(data)
+        try:
+            with naming_file(path):
+                path.write_bytes(data)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gcsfs / aiohttp / google-auth raise their own types
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise OSError(errno.EIO, f"{type(e).__name__}: {text[:200]}", str(path)) from None
         return
     path = pathlib.Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")

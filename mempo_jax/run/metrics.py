@@ -208,6 +208,11 @@ class MetricsWriter:
                 if v is not None:
                     self._tb.add_scalar(tensorboard_tag(stage, k), v, step)
 
+    def flush_events(self) -> None:
+        """Flush the TensorBoard events written so far to their file (nothing without TensorBoard)."""
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close both sinks."""
         self.log.close()

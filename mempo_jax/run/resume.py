@@ -148,8 +148,7 @@ class RunLogs:
         """
         if self._stage is None:
             return
-        if self.writer._tb is not None:
-            self.writer._tb.flush()
+        self.writer.flush_events()
         for root, _dirs, files in os.walk(self._stage):
             for name in files:
                 local = pathlib.Path(root, name)
