@@ -2,9 +2,10 @@
 
 A checkpoint holds the policy parameters, the optimizer state and a JSON metadata item (stage,
 step, seed, and what a resume needs: data-iterator state, metric-log offsets, fault counters,
-RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete, so
-a killed save is never taken for a complete one (leftover temporary folders are removed when a
-``Checkpointer`` opens the folder, see ``remove_partial_saves``); ``CheckpointManager`` keeps the last ``max_to_keep``.
+RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete (in a
+``gs://`` folder, which has no rename: under its final name, with ``commit_success.txt`` written
+last), so a killed save is never taken for a complete one (leftover temporary or uncommitted
+folders are removed when a ``Checkpointer`` opens the folder, see ``remove_partial_saves``); ``CheckpointManager`` keeps the last ``max_to_keep``.
 Nothing is pickled: arrays are tensorstore/OCDBT, metadata is JSON.
 
 Integrity: the metadata of every checkpoint also records a 32-bit checksum of every array
