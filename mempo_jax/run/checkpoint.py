@@ -462,7 +462,8 @@ def read_checkpoint(directory: str | os.PathLike, step: Optional[int] = None) ->
     Raises:
       FileNotFoundError: no complete checkpoint in ``directory``.
     """
-    ckpt = Checkpointer(directory, async_save=False)
+    # a reader never deletes a bucket's uncommitted step: it may be a live run's save in progress
+    ckpt = Checkpointer(directory, async_save=False, prepare=not paths.is_remote(directory))
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
@@ -649,7 +650,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     fields["lora_targets"] = tuple(fields.get("lora_targets", ()))
     model_cfg = ModelConfig(**fields)
     graphdef, params = split_model(abstract_model(model_cfg))  # shapes only: the checkpoint fills them
-    ckpt = Checkpointer(run_dir / folder, async_save=False)
+    ckpt = Checkpointer(run_dir / folder, async_save=False, prepare=not paths.is_remote(run_dir))  # as read_checkpoint
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / folder}")
