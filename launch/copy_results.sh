@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy a run folder (metrics.jsonl, summary.json, rollouts.jsonl, config.gin, checkpoints written
-# there) from worker 0 to this machine.
+# there) from worker 0 to this machine; a gs://BUCKET/PREFIX run folder from the bucket.
 #
 # Usage: launch/copy_results.sh --name NAME --zone ZONE (--config CONFIG | --run-dir DIR)
 #                               [--dest LOCAL_DIR] [--project P] [--dry-run]
@@ -28,4 +28,8 @@ if ((!DRY_RUN)); then
   mkdir -p "$DEST"
 fi
 location_flags
-gc compute tpus tpu-vm scp --recurse "$NAME:~/mempo_jax/$RUN_DIR" "$DEST" --worker=0 "${LOCATION[@]}"
+if [[ "$RUN_DIR" == gs://* ]]; then
+  gc storage cp --recursive "$RUN_DIR" "$DEST"
+else
+  gc compute tpus tpu-vm scp --recurse "$NAME:~/mempo_jax/$RUN_DIR" "$DEST" --worker=0 "${LOCATION[@]}"
+fi

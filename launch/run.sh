@@ -7,8 +7,8 @@
 #                      [--run-dir DIR] [--gin_param BINDING]... [--dry-run]
 #                      [--max-restarts N [--queued] [--spot] [--poll SECONDS] [--after-create CMD]]
 # --run-dir defaults to runs/<config name>. Metrics and summaries are written by worker 0;
-# checkpoints by every worker into DIR/checkpoints (put DIR on a shared file system, e.g. a
-# gcsfuse mount, for a multi-host slice).
+# checkpoints by every worker into DIR/checkpoints (for a multi-host slice DIR must be shared:
+# gs://BUCKET/PREFIX, written directly, or a gcsfuse mount).
 #
 # --max-restarts N: stay in the foreground and follow the job. Every --poll seconds (default 60)
 # it reads the slice's state (the queued resource's with --queued, else the TPU VM's) and each
@@ -17,8 +17,8 @@
 # (launch/delete.sh, launch/create.sh, launch/setup.sh, then --after-create CMD, run locally,
 # e.g. to copy data), and the job is relaunched; a worker that exited without finishing (a lost
 # process, a preemption's exit 0 before the end, exit 4) is relaunched on the same slice. The
-# trainer resumes from the last complete checkpoint, so DIR must outlive the slice (a gcsfuse
-# mount of a bucket). Each restart is one line on stderr; after N restarts, or when a worker
+# trainer resumes from the last complete checkpoint, so DIR must outlive the slice
+# (gs://BUCKET/PREFIX, or a gcsfuse mount of a bucket). Each restart is one line on stderr; after N restarts, or when a worker
 # stops with status 2 (bad config or input) or 3 (numerical faults), it gives up with that
 # status; it exits 0 once every worker reports the run done (RUN_DIR/summary.json written).
 # With --dry-run it prints the gcloud commands of the launch, one look at the job and one restart.
@@ -66,10 +66,15 @@ fi
 STATUS="$(printf '%q' "$(basename "$RUN_DIR").status")"
 PID="$(printf '%q' "$(basename "$RUN_DIR").pid")"
 SUMMARY="$(printf '%q' "$RUN_DIR/summary.json")"
+if [[ "$RUN_DIR" == gs://* ]]; then
+  FINISHED="gcloud storage ls $SUMMARY > /dev/null 2>&1"  # the worker's service account reads the bucket
+else
+  FINISHED="[ -f $SUMMARY ]"
+fi
 # The job appends its log, records the trainer's pid and, when it ends, writes "done" (exit 0 with a
 # summary) or its exit status. A relaunch first stops a trainer still running there (SIGTERM: it saves).
 JOB="$TRAIN >> ~/mempo_logs/$LOG 2>&1 < /dev/null & echo \$! > ~/mempo_logs/$PID; wait \$!; rc=\$?"
-JOB+="; rm -f ~/mempo_logs/$PID; if [ \$rc = 0 ] && [ -f $SUMMARY ]; then echo done; else echo \$rc; fi > ~/mempo_logs/$STATUS"
+JOB+="; rm -f ~/mempo_logs/$PID; if [ \$rc = 0 ] && $FINISHED; then echo done; else echo \$rc; fi > ~/mempo_logs/$STATUS"
 STOP="if [ -f ~/mempo_logs/$PID ]; then p=\$(cat ~/mempo_logs/$PID); kill \$p 2> /dev/null; while kill -0 \$p 2> /dev/null; do sleep 1; done; fi"
 REMOTE="mkdir -p ~/mempo_logs && { $STOP; } && rm -f ~/mempo_logs/$STATUS && cd ~/mempo_jax && MEMPO_MULTIHOST=1 nohup bash -c $(printf '%q' "$JOB") > /dev/null 2>&1 < /dev/null &"
 PROBE="cat ~/mempo_logs/$STATUS 2> /dev/null || echo running"

@@ -22,5 +22,6 @@ fi
 
 gc compute tpus tpu-vm scp "$TARBALL" "$NAME:~/mempo_jax.tar.gz" --worker=all "${LOCATION[@]}"
 INSTALL="mkdir -p ~/mempo_jax ~/mempo_logs && tar -xzf ~/mempo_jax.tar.gz -C ~/mempo_jax && cd ~/mempo_jax"
-INSTALL+=" && python3 -m pip install -q -r requirements.txt 'jax[tpu]$JAX_SPEC'"
+# gcsfs (pyproject's gcs extra): --run_dir gs://BUCKET/... without a gcsfuse mount
+INSTALL+=" && python3 -m pip install -q -r requirements.txt 'jax[tpu]$JAX_SPEC' 'gcsfs>=2026.4.0'"
 gc compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" --command="$INSTALL"

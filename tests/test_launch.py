@@ -112,6 +112,8 @@ def test_logs_copy_and_delete(stub, tmp_path):
                    "mempo-7b:~/mempo_jax/runs/qwen2_5_7b_v5p64", str(dest), "--worker=0", "--zone=us-east5-a",
                    "--project=my-proj"]
     assert dest.is_dir()
+    (cmd,) = commands("copy_results", [*BASE, "--run-dir", "gs://bkt/runs/7b", "--dest", str(dest)], stub)
+    assert cmd == ["gcloud", "storage", "cp", "--recursive", "gs://bkt/runs/7b", str(dest)]
     (cmd,) = commands("delete", BASE, stub)
     assert cmd == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "mempo-7b", "--zone=us-east5-a",
                    "--project=my-proj", "--quiet"]
@@ -257,6 +259,17 @@ def test_supervisor_dry_run_prints_one_restart(stub, scripted):
     proc, calls = scripted(["SUSPENDED", "ACTIVE", "SUSPENDED"], ["running"], "--max-restarts", "1")
     assert proc.returncode == 1  # preempted again after its one restart: it gives up
     assert calls[:2] == printed[:2] and calls[2:8] == printed[3:] and _kinds(calls[8:]) == ["describe"]
+
+
+def test_supervisor_of_a_bucket_run_folder_asks_the_bucket_for_the_summary(stub):
+    env, log = stub
+    args = ["--config", CONFIG, *BASE, "--run-dir", "gs://bkt/runs/7b", "--max-restarts", "1", "--dry-run"]
+    dry = run_script("run", args, env)
+    assert dry.returncode == 0 and not log.exists(), dry.stderr
+    launch = shlex.split(dry.stdout.splitlines()[0])[-1].removeprefix("--command=")
+    job = shlex.split(launch)[shlex.split(launch).index("-c") + 1]
+    assert job.startswith("python3 -m mempo_jax.commands.train --run_dir gs://bkt/runs/7b --gin_file " + CONFIG)
+    assert "if [ $rc = 0 ] && gcloud storage ls gs://bkt/runs/7b/summary.json > /dev/null 2>&1; then echo done" in job
 
 
 @pytest.mark.parametrize("args, message", [

@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence
 
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.commands.cli import command_name
+from mempo_jax.core.paths import is_remote, run_path
 from mempo_jax.run.backends import plan_corpora
 from mempo_jax.run.eval_report import format_table, write_chart
 from mempo_jax.run.export_protocol import PROMPT_FILE, PROTOCOL_FILE, ExportProtocol
@@ -84,7 +85,8 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     """The run folder, checkpoint step and checkpoint folder to evaluate, checked on disk.
 
     Args:
-      run_dir: ``--run_dir`` (a folder written by ``python -m mempo_jax.commands.train``) or None.
+      run_dir: ``--run_dir`` (a folder written by ``python -m mempo_jax.commands.train``, local or
+        ``gs://…``) or None.
       checkpoint: ``--checkpoint``: an integer step when ``run_dir`` is given, otherwise a path:
         ``RUN_DIR``, ``RUN_DIR/checkpoints`` or ``RUN_DIR/checkpoints/STEP`` (RL), or
         ``RUN_DIR/sft_checkpoint`` or ``RUN_DIR/sft_checkpoint/STEP`` (the SFT policy).
@@ -101,17 +103,17 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     """
     step: Optional[int] = None
     folder = "checkpoints"
-    run: Optional[pathlib.Path] = pathlib.Path(run_dir) if run_dir else None
+    run = run_path(run_dir) if run_dir else None
     if checkpoint is not None:
         if checkpoint.strip().isdigit() and run is not None:
             step = int(checkpoint)
         else:
-            p = pathlib.Path(checkpoint)
+            p = run_path(checkpoint)
             if p.name.isdigit() and p.parent.name in CHECKPOINT_FOLDERS:
                 p, step, folder = p.parent.parent, int(p.name), p.parent.name
             elif p.name in CHECKPOINT_FOLDERS:
                 p, folder = p.parent, p.name
-            if run is not None and run.resolve() != p.resolve():
+            if run is not None and not _same_folder(run, p):
                 raise ValueError(f"--run_dir {run} and --checkpoint {checkpoint} name different run folders")
             run = p
     if run is None:
@@ -134,6 +136,13 @@ def resolve_run(run_dir: Optional[str], checkpoint: Optional[str]) -> tuple[path
     elif step not in steps:
         raise FileNotFoundError(f"checkpoint step {step} not found under {run / folder} (have {steps})")
     return run, step, folder
+
+
+def _same_folder(a, b) -> bool:
+    """Whether two run folders (local or ``gs://…``) are the same one."""
+    if is_remote(a) or is_remote(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
 
 
 def resolve_hf_checkpoint(path: str) -> pathlib.Path:

@@ -28,7 +28,8 @@ evaluations are kept in ``eval_sft.json`` / ``eval_rl.json``. A run folder holdi
 is resumed from its newest durable point (``--resume`` insists on one); the logs are cut back to
 it, and every random draw is a pure function of (seed, stage, step), so the resumed run is the
 uninterrupted one, bit for bit on CPU. SIGTERM saves a checkpoint and exits 0 within
-``CheckpointConfig.grace_s``. Exit status: 0 done or preempted, 2 bad config or input,
+``CheckpointConfig.grace_s``. ``RUN_DIR`` may be ``gs://BUCKET/PREFIX`` (every file through
+``mempo_jax.core.paths``; docs/resume.md, *A run folder on Cloud Storage*). Exit status: 0 done or preempted, 2 bad config or input,
 3 numerical faults, 4 grace period exceeded, 5 another process of a multi-process run was lost
 (``DistributedConfig.peer_timeout_s``; the line names it and the last complete checkpoint).
 
@@ -65,10 +66,11 @@ from mempo_jax.recipes import gin_file_help
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.train"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--run_dir", required=True, help="output folder (metrics, summary, checkpoints)")
+    p.add_argument("--run_dir", required=True, help="output folder (metrics, summary, checkpoints): a local path or gs://BUCKET/PREFIX")
     p.add_argument("--gin_file", action="append", default=None, help=gin_file_help())
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. RLConfig.steps=10")
-    p.add_argument("--cache_dir", default=None, help="tokenizer cache (default $MEMPO_CACHE, else RUN_DIR/.cache)")
+    p.add_argument("--cache_dir", default=None, help="tokenizer cache (default $MEMPO_CACHE, else RUN_DIR/.cache; for a gs:// RUN_DIR "
+                   "~/.cache/mempo_jax/runs/<hash>)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in RUN_DIR (a run folder holding one is always resumed)")
     return p.parse_args(argv)

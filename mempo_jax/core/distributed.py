@@ -21,6 +21,8 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Shaped
 
+from mempo_jax.core.paths import is_remote
+
 # Environment variables read by ``maybe_initialize`` (explicit clusters, e.g. CPU tests or GPUs).
 ENV_COORDINATOR = "MEMPO_COORDINATOR"  # "host:port" of process 0
 ENV_NUM_PROCESSES = "MEMPO_NUM_PROCESSES"
@@ -115,7 +117,7 @@ def watch_peers(config: DistributedConfig, run_dir: Optional[str] = None, guardi
 
     state = jax_distributed.global_state
     return PeerWatch(state.client, jax.process_index(), jax.process_count(), config.peer_timeout_s,
-                     run_dir=None if run_dir is None else str(os.path.abspath(run_dir)),
+                     run_dir=None if run_dir is None else run_dir if is_remote(run_dir) else os.path.abspath(run_dir),
                      coordinator=state.coordinator_address, guardian=guardian).start()
 
 

@@ -42,22 +42,22 @@ import threading
 import time
 from typing import IO, Any, Callable, Optional
 
+from mempo_jax.core.paths import complete_steps, run_path
+
 EXIT_PEER_LOST = 5
 KEY_PREFIX = "mempo/peers/"
 RUNNING, LEFT = "run", "left"
 
 
 def last_complete_checkpoint(run_dir: Optional[str]) -> str:
-    """The newest complete checkpoint folder of a run folder (``RUN/checkpoints/N``, else
-    ``RUN/sft_checkpoint/N``), or a phrase saying there is none."""
+    """The newest complete checkpoint folder of a run folder, local or ``gs://…``
+    (``RUN/checkpoints/N``, else ``RUN/sft_checkpoint/N``; ``paths.complete_steps``), or a phrase
+    saying there is none."""
     if not run_dir:
         return "unknown (no run folder)"
-    run = pathlib.Path(run_dir)
+    run = run_path(run_dir)
     for folder in ("checkpoints", "sft_checkpoint"):
-        try:
-            steps = [int(p.name) for p in (run / folder).iterdir() if p.name.isdigit() and p.is_dir()]
-        except OSError:
-            continue
+        steps = complete_steps(run / folder)
         if steps:
             return str(run / folder / str(max(steps)))
     return f"none under {run} (the run starts afresh)"

@@ -2,9 +2,10 @@
 
 A checkpoint holds the policy parameters, the optimizer state and a JSON metadata item (stage,
 step, seed, and what a resume needs: data-iterator state, metric-log offsets, fault counters,
-RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete, so
-a killed save is never taken for a complete one (leftover temporary folders are removed when a
-``Checkpointer`` opens the folder, see ``remove_partial_saves``); ``CheckpointManager`` keeps the last ``max_to_keep``.
+RNG bookkeeping). Orbax writes each step to a temporary folder and renames it when complete (in a
+``gs://`` folder, which has no rename: under its final name, with ``commit_success.txt`` written
+last), so a killed save is never taken for a complete one (leftover temporary or uncommitted
+folders are removed when a ``Checkpointer`` opens the folder, see ``remove_partial_saves``); ``CheckpointManager`` keeps the last ``max_to_keep``.
 Nothing is pickled: arrays are tensorstore/OCDBT, metadata is JSON.
 
 Integrity: the metadata of every checkpoint also records a 32-bit checksum of every array
@@ -41,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mempo_jax.core import paths
+from mempo_jax.core.paths import run_path
 from mempo_jax.model.lora import trainable_part
 
 CHECKSUM_KEY = "array_checksums"  # reserved key of the metadata item (not returned by ``restore``)
@@ -89,7 +92,7 @@ def _quiet_late_reads(where: str):
     runs, and unregistered only when the restore succeeds (no read is left in flight then). Every
     other unraisable exception or log record is passed on."""
     global _late_read_filters_installed
-    names = {str(where), str(pathlib.Path(where).resolve())}
+    names = {str(where)} | (set() if paths.is_remote(where) else {str(pathlib.Path(where).resolve())})
     failed_before = names <= _failed_restores
     _failed_restores.update(names)
     if not _late_read_filters_installed:
@@ -143,7 +146,9 @@ class Checkpointer:
     restored without knowing the optimizer that trained it.
 
     Args:
-      directory: the checkpoint folder (``RUN_DIR/checkpoints``).
+      directory: the checkpoint folder (``RUN_DIR/checkpoints``), local or ``gs://…`` (orbax
+        writes a Cloud Storage step under its final name and marks it complete with
+        ``commit_success.txt``; ``steps`` lists only complete ones either way).
       max_to_keep: how many of the newest checkpoints are kept.
       async_save: save in a background thread (``wait()`` before exit).
       prepare: create the folder and remove partial saves now (``prepare()``); ``False`` opens it
@@ -152,7 +157,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int = 3, async_save: bool = True,
                  prepare: bool = True):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = run_path(directory)
+        if not paths.is_remote(self.directory):
+            self.directory = self.directory.absolute()
         if prepare:
             remove_partial_saves(self.directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
@@ -168,11 +175,12 @@ class Checkpointer:
         remove_partial_saves(self.directory)
         self._mgr.reload()
 
-    def set_aside(self, step: int, into: str | os.PathLike) -> pathlib.Path:
+    def set_aside(self, step: int, into: str | os.PathLike):
         """Move checkpoint ``step`` (e.g. a corrupt one) out of the folder, into the folder ``into``
-        as ``{folder name}-{step}`` (``-1``, ``-2``… when taken), on process 0; nothing is deleted.
-        Call ``prepare()`` afterwards. Returns the new path."""
-        into = pathlib.Path(into)
+        as ``{folder name}-{step}`` (``-1``, ``-2``… when taken), on process 0; nothing is deleted
+        (on Cloud Storage a copy of every object, then a delete). Call ``prepare()`` afterwards.
+        Returns the new path."""
+        into = run_path(into)
         dst = into / f"{self.directory.name}-{step}"
         n = 0
         while dst.exists():
@@ -180,7 +188,7 @@ class Checkpointer:
             dst = into / f"{self.directory.name}-{step}-{n}"
         if jax.process_index() == 0:
             into.mkdir(parents=True, exist_ok=True)
-            os.replace(self.directory / str(step), dst)
+            paths.move_folder(self.directory / str(step), dst)
         return dst
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
@@ -327,19 +335,24 @@ class Checkpointer:
 
 def remove_partial_saves(directory: str | os.PathLike) -> list[str]:
     """Delete the temporary folders of saves that never completed (``N.orbax-checkpoint-tmp…``,
-    left by a killed process), synchronously, on process 0 only; returns their names.
+    left by a killed process; on Cloud Storage also the step folders without
+    ``commit_success.txt``, ``paths.partial_steps``), synchronously, on process 0 only; returns
+    their names.
 
     Orbax never lists them as steps; removing them here, not in orbax's background cleanup
     thread, keeps a run that exits at once (a one-line error) free of that thread's noise.
     """
-    directory = pathlib.Path(directory)
+    directory = run_path(directory)
     if jax.process_index() != 0 or not directory.is_dir():
         return []
     removed = []
+    for p in paths.partial_steps(directory):
+        paths.rmtree(p)
+        removed.append(p.name)
     for p in directory.iterdir():
         if ".orbax-checkpoint-tmp" in p.name:
             if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+                paths.rmtree(p)
             else:
                 p.unlink(missing_ok=True)
             removed.append(p.name)
@@ -449,7 +462,8 @@ def read_checkpoint(directory: str | os.PathLike, step: Optional[int] = None) ->
     Raises:
       FileNotFoundError: no complete checkpoint in ``directory``.
     """
-    ckpt = Checkpointer(directory, async_save=False)
+    # a reader never deletes a bucket's uncommitted step: it may be a live run's save in progress
+    ckpt = Checkpointer(directory, async_save=False, prepare=not paths.is_remote(directory))
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
@@ -481,10 +495,10 @@ def _hf_tokenizer_json(tokenizer) -> Any:
         return json.loads((tokenizer.save(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
 
 
-def run_tokenizer_path(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
-    """The tokenizer a run folder holds: ``RUN_DIR/hf_tokenizer`` (a folder with ``tokenizer.json``)
-    when present, else ``RUN_DIR/tokenizer.model``, else None."""
-    run_dir = pathlib.Path(run_dir)
+def run_tokenizer_path(run_dir: str | os.PathLike):
+    """The tokenizer a run folder (local or ``gs://…``) holds: ``RUN_DIR/hf_tokenizer`` (a folder
+    with ``tokenizer.json``) when present, else ``RUN_DIR/tokenizer.model``, else None."""
+    run_dir = run_path(run_dir)
     if (run_dir / HF_TOKENIZER_DIR / "tokenizer.json").is_file():
         return run_dir / HF_TOKENIZER_DIR
     if (run_dir / SP_TOKENIZER_FILE).is_file():
@@ -494,15 +508,17 @@ def run_tokenizer_path(run_dir: str | os.PathLike) -> Optional[pathlib.Path]:
 
 def load_run_tokenizer(run_dir: str | os.PathLike):
     """The run folder's tokenizer: ``HFTokenizer(RUN_DIR/hf_tokenizer)`` or
-    ``SentencePieceTokenizer(RUN_DIR/tokenizer.model)`` (``run_tokenizer_path``).
+    ``SentencePieceTokenizer(RUN_DIR/tokenizer.model)`` (``run_tokenizer_path``; from a Cloud
+    Storage run folder, read from a local copy, ``paths.local_copy``).
 
     Raises:
       FileNotFoundError: the folder holds neither.
     """
     path = run_tokenizer_path(run_dir)
     if path is None:
-        raise FileNotFoundError(f"{pathlib.Path(run_dir) / SP_TOKENIZER_FILE} (or {HF_TOKENIZER_DIR}/tokenizer.json) "
+        raise FileNotFoundError(f"{run_path(run_dir) / SP_TOKENIZER_FILE} (or {HF_TOKENIZER_DIR}/tokenizer.json) "
                                 f"not found: is {run_dir} a run folder of mempo_jax.commands.train?")
+    path = paths.local_copy(path)
     if path.is_dir():
         from mempo_jax.text.hf_tokenizer import HFTokenizer
 
@@ -518,7 +534,7 @@ def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> Non
     belong to another model).
 
     Args:
-      run_dir: the run folder; absent files are not checked.
+      run_dir: the run folder (local or ``gs://…``); absent files are not checked.
       tokenizer: the tokenizer built now (SentencePiece: ``.path`` is its model file; HF: compared
         by the ``tokenizer.json`` it writes).
       model_cfg: the ``ModelConfig`` built now.
@@ -526,7 +542,7 @@ def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> Non
     Raises:
       ValueError: one line naming the file and the first fields that differ.
     """
-    run_dir = pathlib.Path(run_dir)
+    run_dir = run_path(run_dir)
     cfg_path = run_dir / "model_config.json"
     if cfg_path.is_file():
         try:
@@ -555,14 +571,14 @@ def check_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> Non
                                  "checkpoints belong to another vocabulary; use another --run_dir")
         return
     tok_path = run_dir / SP_TOKENIZER_FILE
-    if tok_path.is_file() and pathlib.Path(tokenizer.path).resolve() != tok_path.resolve():
+    if tok_path.is_file() and (paths.is_remote(tok_path) or pathlib.Path(tokenizer.path).resolve() != tok_path.resolve()):
         if _sha256(tok_path) != _sha256(tokenizer.path):
             raise ValueError(f"{tok_path} differs from the tokenizer this config builds ({tokenizer.path}): the "
                              "checkpoints belong to another vocabulary; use another --run_dir")
 
 
 def _sha256(path) -> str:
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(run_path(path).read_bytes()).hexdigest()
 
 
 def save_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None:
@@ -571,30 +587,31 @@ def save_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None
 
     A SentencePiece tokenizer's model file is copied to ``RUN_DIR/tokenizer.model``; an
     ``HFTokenizer`` (a run from a Hugging Face checkpoint) is saved, protocol tags included, to
-    ``RUN_DIR/hf_tokenizer/`` (written beside it and renamed into place).
+    ``RUN_DIR/hf_tokenizer/`` (written beside it and renamed into place; in a Cloud Storage run
+    folder written locally and uploaded, ``paths.replace_folder``). Every file is written whole
+    (``paths.write_bytes_atomic``).
     """
-    run_dir = pathlib.Path(run_dir)
+    run_dir = run_path(run_dir)
     if _is_hf_tokenizer(tokenizer):
         import tempfile
 
         dst = run_dir / HF_TOKENIZER_DIR
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=HF_TOKENIZER_DIR + ".tmp", dir=run_dir))
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=HF_TOKENIZER_DIR + ".tmp",
+                                            dir=None if paths.is_remote(run_dir) else run_dir))
         tokenizer.save(tmp)
         os.chmod(tmp, 0o755)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        paths.replace_folder(tmp, dst)
     else:
         _copy_sentencepiece(run_dir, tokenizer)
-    tmp = run_dir / "model_config.json.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2), encoding="utf-8")
-    os.replace(tmp, run_dir / "model_config.json")
+    paths.write_text_atomic(run_dir / "model_config.json", json.dumps(dataclasses.asdict(model_cfg), indent=2))
 
 
-def _copy_sentencepiece(run_dir: pathlib.Path, tokenizer) -> None:
+def _copy_sentencepiece(run_dir, tokenizer) -> None:
     src = pathlib.Path(tokenizer.path)
     dst = run_dir / SP_TOKENIZER_FILE
-    if src.resolve() != dst.resolve():
+    if paths.is_remote(dst):
+        paths.upload_file(src, dst)
+    elif src.resolve() != dst.resolve():
         tmp = dst.with_suffix(".tmp")
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
@@ -604,7 +621,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     """Rebuild a trained policy from a run folder written by ``python -m mempo_jax.commands.train``.
 
     Args:
-      run_dir: the run folder (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
+      run_dir: the run folder, local or ``gs://…`` (``tokenizer.model`` or ``hf_tokenizer/``, ``model_config.json``,
         ``checkpoints/``; a LoRA run's also ``config.gin``: its checkpoints hold the adapters, the
         base is rebuilt by ``experiment.lora_policy_params``).
       step: checkpoint step (default: the latest complete one).
@@ -622,7 +639,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     from mempo_jax.model.config import ModelConfig
     from mempo_jax.model.forward import abstract_model, split_model
 
-    run_dir = pathlib.Path(run_dir)
+    run_dir = run_path(run_dir)
     for name in ("model_config.json", folder):
         if not (run_dir / name).exists():
             raise FileNotFoundError(f"{run_dir / name} not found: is {run_dir} a run folder of mempo_jax.commands.train?")
@@ -633,7 +650,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     fields["lora_targets"] = tuple(fields.get("lora_targets", ()))
     model_cfg = ModelConfig(**fields)
     graphdef, params = split_model(abstract_model(model_cfg))  # shapes only: the checkpoint fills them
-    ckpt = Checkpointer(run_dir / folder, async_save=False)
+    ckpt = Checkpointer(run_dir / folder, async_save=False, prepare=not paths.is_remote(run_dir))  # as read_checkpoint
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / folder}")
@@ -643,5 +660,5 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
         from mempo_jax.config import load_config
         from mempo_jax.run.experiment import lora_policy_params
 
-        params = lora_policy_params(load_config([str(run_dir / "config.gin")]), model_cfg, params)
+        params = lora_policy_params(load_config([str(paths.local_copy(run_dir / "config.gin"))]), model_cfg, params)
     return tokenizer, model_cfg, graphdef, params

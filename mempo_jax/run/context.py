@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from mempo_jax.core import distributed
+from mempo_jax.core import distributed, paths
+from mempo_jax.core.paths import RunPath
 from mempo_jax.core.host_memory import release_free_memory
 
 from mempo_jax.run import lockstep
@@ -186,7 +187,8 @@ class RunContext:
     ``progress``.
 
     Attributes:
-      run_dir, run_cfg: the run folder and the whole ``RunConfig`` (``cfg``: its ``ExperimentConfig``).
+      run_dir, run_cfg: the run folder (``core.paths.run_path``: a ``pathlib.Path``, or an
+        ``etils.epath.Path`` for ``gs://…``) and the whole ``RunConfig`` (``cfg``: its ``ExperimentConfig``).
       exp: the ``Experiment``; its ``policy`` holds the device mesh (always one), the
         logical-axis rules and the rollout engine (host-local).
       sync, scorer: the lockstep header exchange and scorer (``lockstep.distribute`` of ``exp.scorer``).
@@ -200,7 +202,7 @@ class RunContext:
       progress: the ``RunProgress`` (saved steps, the RL step running).
     """
 
-    run_dir: pathlib.Path
+    run_dir: RunPath
     run_cfg: RunConfig
     exp: Experiment
     sync: lockstep.HostSync
@@ -327,6 +329,16 @@ def checkpoint_bytes(*trees) -> int:
                    for t in trees for x in jax.tree.leaves(t)))
 
 
+def default_cache_dir(run_dir) -> str:
+    """The tokenizer cache when neither ``--cache_dir`` nor ``$MEMPO_CACHE`` names one:
+    ``RUN_DIR/.cache`` for a local run folder; for a Cloud Storage one (the cache must be local)
+    ``~/.cache/mempo_jax/runs/<sha256 of RUN_DIR, 16 hex digits>``."""
+    if not paths.is_remote(run_dir):
+        return str(run_dir / ".cache")
+    digest = hashlib.sha256(str(run_dir).encode("utf-8")).hexdigest()[:16]
+    return str(pathlib.Path.home() / ".cache" / "mempo_jax" / "runs" / digest)
+
+
 def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> RunContext:
     """Build the run's context: checks, experiment, restore; then the run folder is prepared.
 
@@ -342,7 +354,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     from mempo_jax.run.experiment import build_experiment
 
     t_start = time.time()
-    run_dir, cfg, ck = pathlib.Path(args.run_dir), run_cfg.experiment, run_cfg.experiment.checkpoint
+    run_dir, cfg, ck = paths.run_path(args.run_dir), run_cfg.experiment, run_cfg.experiment.checkpoint
     # The smallest mesh unless the config binds MeshConfig or several processes run (then the bound
     # or default MeshConfig over every device).
     mesh_cfg = run_cfg.mesh if run_cfg.sharded or jax.process_count() > 1 else MeshConfig(1, 1, 1)
@@ -361,7 +373,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     if args.resume and not (sft_ckpt.steps() or rl_ckpt.steps()):
         raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'sft_checkpoint'} or "
                                 f"{run_dir / 'checkpoints'}")
-    cache = args.cache_dir or os.environ.get("MEMPO_CACHE") or str(run_dir / ".cache")
+    cache = args.cache_dir or os.environ.get("MEMPO_CACHE") or default_cache_dir(run_dir)
     with interruptible():
         exp = build_experiment(cfg, cache, mesh=mesh, rules=rules,
                                scoring_chunk_rows=cfg.execution.scoring_chunk_rows or None)
@@ -410,8 +422,9 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
     if ctx.primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         for where, why in point.skipped.items():  # kept, out of orbax's way (its step is saved again)
-            ckpt = ctx.sft_ckpt if pathlib.Path(where).parent == ctx.sft_ckpt.directory else ctx.rl_ckpt
-            kept = ckpt.set_aside(int(pathlib.Path(where).name), run_dir / CORRUPT_DIR)
+            folder, step = where.rsplit("/", 1)
+            ckpt = ctx.sft_ckpt if folder == str(ctx.sft_ckpt.directory) else ctx.rl_ckpt
+            kept = ckpt.set_aside(int(step), run_dir / CORRUPT_DIR)
             print(f"[mempo] skipped checkpoint {where}: {why}; resuming from {point.source}; the skipped "
                   f"one is kept as {kept}", file=sys.stderr, flush=True)
         for name, keep in ((EVAL_SFT_FILE, point.eval_sft), (EVAL_RL_FILE, point.eval_rl)):

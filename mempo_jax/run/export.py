@@ -27,6 +27,8 @@ from typing import Optional
 
 import jax
 
+from mempo_jax.core import paths
+from mempo_jax.core.paths import run_path
 from mempo_jax.run.export_protocol import ExportProtocol
 
 EXPORT_DIR = "hf_export"
@@ -41,7 +43,9 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     """Write ``params`` and ``tokenizer`` as a Hugging Face checkpoint folder.
 
     The folder is written as ``FOLDER.tmp`` and renamed into place when complete (an older export
-    there is replaced only then), so a crash never leaves a half-written export. Every process
+    there is replaced only then), so a crash never leaves a half-written export. A ``gs://…``
+    folder is written in the local temp dir and uploaded when complete (``paths.replace_folder``:
+    a crash during the upload leaves a partial folder, replaced by the next export). Every process
     must call it (sharded arrays are gathered collectively); process 0 alone writes.
 
     Args:
@@ -70,23 +74,30 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
     from mempo_jax.model.adapters import merge_adapters
 
     model_cfg, params = merge_adapters(model_cfg, params)  # a LoRA policy: its merged weights
-    folder = pathlib.Path(folder)
+    folder = run_path(folder)
     extra = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id}
     if source is not None and (pathlib.Path(source) / "config.json").is_file():
         src = json.loads((pathlib.Path(source) / "config.json").read_text(encoding="utf-8"))
         extra.update({k: src[k] for k in CARRIED_CONFIG_KEYS if k in src})
     writer = jax.process_index() == 0
-    tmp = folder.with_name(folder.name + ".tmp")
-    if writer and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _staging(folder, writer)
     save_hf_checkpoint(tmp, model_cfg, params, extra_config=extra, tokenizer=tokenizer)
     if writer:
         if protocol is not None:
             protocol.write(tmp, {k: extra[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id")})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        paths.replace_folder(tmp, folder)
     return folder
+
+
+def _staging(folder, writer: bool) -> pathlib.Path:
+    """Where an export of ``folder`` is written first: ``FOLDER.tmp`` beside a local folder (an older
+    one removed by process 0), a new folder of the local temp dir for a ``gs://`` one."""
+    if paths.is_remote(folder):
+        return paths.local_temp_folder(folder, prefix=folder.name + ".tmp")
+    tmp = folder.with_name(folder.name + ".tmp")
+    if writer and tmp.exists():
+        shutil.rmtree(tmp)
+    return tmp
 
 
 def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | os.PathLike) -> pathlib.Path:
@@ -104,14 +115,10 @@ def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | o
     if base.vocab_size != model_cfg.vocab_size:
         raise ValueError(f"the policy has {model_cfg.vocab_size} embedding rows and {source} {base.vocab_size}: "
                          "a PEFT adapter folder cannot carry the added rows; use the merged export")
-    folder = pathlib.Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    folder = run_path(folder)
     writer = jax.process_index() == 0
-    if writer and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _staging(folder, writer)
     save_peft_adapter(tmp, model_cfg, params, base_model=str(source))
     if writer:
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        paths.replace_folder(tmp, folder)
     return folder

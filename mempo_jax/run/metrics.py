@@ -18,17 +18,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-
-@contextlib.contextmanager
-def naming_file(path: str | os.PathLike):
-    """Re-raise an ``OSError`` without a file name (a failed ``write``/``flush``/``fsync``, e.g.
-    ``ENOSPC``) with ``path`` as its ``filename``, so the one-line error names the file."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-        raise
+from mempo_jax.core.paths import naming_file, run_path
+from mempo_jax.core import paths
 
 
 class LogChanged(ValueError):
@@ -217,6 +208,11 @@ class MetricsWriter:
                 if v is not None:
                     self._tb.add_scalar(tensorboard_tag(stage, k), v, step)
 
+    def flush_events(self) -> None:
+        """Flush the TensorBoard events written so far to their file (nothing without TensorBoard)."""
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close both sinks."""
         self.log.close()
@@ -314,7 +310,7 @@ def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) ->
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never half-written).
+    """Write JSON to ``path`` whole (``write_text_atomic``: never half-written).
 
     Raises:
       OSError: naming the file (e.g. ``ENOSPC``).
@@ -323,29 +319,19 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file, fsynced, and ``os.replace``.
+    """Write ``text`` (UTF-8) to ``path`` whole (``core.paths.write_text_atomic``: locally through a
+    temporary file, fsynced, and ``os.replace``; on Cloud Storage one object upload).
 
     Raises:
-      OSError: naming the file (e.g. ``ENOSPC``); the temporary file is removed.
+      OSError: naming the file (e.g. ``ENOSPC``); a local temporary file is removed.
     """
-    path = pathlib.Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with naming_file(path), open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    paths.write_text_atomic(run_path(path), text)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """All lines of a JSONL file (a trailing partial line, from a kill mid-write, is skipped)."""
     out = []
-    p = pathlib.Path(path)
+    p = run_path(path)
     if not p.exists():
         return out
     for line in p.read_text(encoding="utf-8").splitlines():

@@ -13,11 +13,14 @@ Matplotlib's Agg backend: no display needed.
 
 from __future__ import annotations
 
+import io
 import pathlib
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from mempo_jax.core import paths
+from mempo_jax.core.paths import run_path
 from mempo_jax.run.metrics import read_jsonl
 
 # the training reward; the share of groups whose outcome scores are all equal (their outcome advantage
@@ -76,6 +79,8 @@ def eval_points(records: Sequence[Mapping], metric: str = "f1") -> dict[str, lis
 def plot_runs(run_dirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, keys: Sequence[str] = DEFAULT_KEYS,
               stage: str = "rl", smooth: int = 5, title: str = ""):
     """Writes the curves of ``run_dirs`` to ``out`` (PNG, 120 dpi) and returns the figure's axes.
+    Run folders and ``out`` may be local or ``gs://…`` (``out`` is written whole,
+    ``paths.write_bytes_atomic``).
 
     Raises:
       FileNotFoundError: a folder without ``metrics.jsonl`` (named in the message).
@@ -88,10 +93,10 @@ def plot_runs(run_dirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, k
 
     logs = {}
     for d in run_dirs:
-        path = pathlib.Path(d) / "metrics.jsonl"
+        path = run_path(d) / "metrics.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no metrics log (is {d} a run folder of mempo_jax.commands.train?)")
-        logs[pathlib.Path(d).resolve().name] = read_jsonl(path)
+        logs[run_path(d).name if paths.is_remote(d) else pathlib.Path(d).resolve().name] = read_jsonl(path)
     present = [k for k in keys if any(np.isfinite(stage_series(r, stage, k)[1]).any() for r in logs.values())]
     if not present:
         raise ValueError(f"none of {', '.join(keys)} is logged at stage {stage!r} in {', '.join(map(str, run_dirs))}")
@@ -127,6 +132,11 @@ def plot_runs(run_dirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, k
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    if paths.is_remote(out):
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=120, format="png")
+        paths.write_bytes_atomic(run_path(out), buf.getvalue())
+    else:
+        fig.savefig(out, dpi=120)
     plt.close(fig)
     return axes

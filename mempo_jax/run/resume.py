@@ -30,11 +30,15 @@ import math
 import os
 import pathlib
 import shutil
+import tempfile
+import time
 import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import numpy as np
 
+from mempo_jax.core import paths
+from mempo_jax.core.paths import run_path
 from mempo_jax.run.checkpoint import CorruptCheckpoint
 from mempo_jax.run.metrics import AppendLog, MetricsWriter, read_jsonl
 
@@ -61,31 +65,47 @@ class RunLogs:
     Both are ``metrics.AppendLog`` writers: a log deleted (or replaced) during the run is
     recreated from the open file, one changed in place stops the run (``LogChanged``).
 
+    A run folder on Cloud Storage (``gs://``, which has no append): both logs and ``tb/`` are
+    written to a local staging folder exactly as above and uploaded whole (one atomic object write
+    each) at every durable point (``offsets``, so a checkpoint never records more than the bucket
+    holds), at ``close`` and after a write when ``upload_every_s`` has passed since the last upload.
+    A kill loses at most the lines written since the last upload, all after the last durable point
+    (which a resume cuts the logs back to anyway).
+
     Args:
-      run_dir: the run folder.
+      run_dir: the run folder (a local path or ``gs://…``).
       offsets: ``{"metrics": {"bytes", "lines", "crc32"}, "rollouts": {"bytes", "crc32"}}`` of
         the durable point resumed from, or ``None`` for a fresh run (both files and ``tb/`` are
         cleared); checked with ``check_logs``, then both files are cut back to them.
       source: the durable point, for error messages (e.g. ``"RUN/checkpoints/4"``).
       warn: receives the one-line notice of a recreated log (default: stderr).
+      upload_every_s: a remote run folder's upload interval between durable points.
 
     Raises:
       ValueError: from ``check_logs`` (before anything is changed).
     """
 
     def __init__(self, run_dir: str | os.PathLike, offsets: Optional[Mapping] = None, source: str = "",
-                 warn: Optional[Callable[[str], None]] = None):
-        self.run_dir = pathlib.Path(run_dir)
+                 warn: Optional[Callable[[str], None]] = None, upload_every_s: float = 60.0):
+        self.run_dir = run_path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.rollouts_path = self.run_dir / "rollouts.jsonl"
         offsets = offsets or _FRESH_OFFSETS
         check_logs(self.run_dir, offsets, source)
-        truncate_log(self.metrics_path, int(offsets["metrics"]["bytes"]), source)
-        truncate_log(self.rollouts_path, int(offsets["rollouts"]["bytes"]), source)
-        shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
-        self.writer = MetricsWriter(self.run_dir, warn=warn)
-        self.writer.mirror(read_jsonl(self.metrics_path))
-        self._rollouts = AppendLog(self.rollouts_path, warn)
+        kept = {name: truncate_log(self.run_dir / name, int(offsets[key]["bytes"]), source)
+                for key, name in (("metrics", "metrics.jsonl"), ("rollouts", "rollouts.jsonl"))}
+        paths.rmtree(self.run_dir / "tb")
+        self._stage, self._uploaded, self._upload_every_s = None, {}, float(upload_every_s)
+        local = self.run_dir
+        if paths.is_remote(self.run_dir):  # the logs are written here, then uploaded whole
+            self._stage = local = pathlib.Path(tempfile.mkdtemp(prefix="mempo_run_logs_"))
+            for name, data in kept.items():
+                (local / name).write_bytes(data)
+                self._uploaded[name] = len(data)
+        self._last_upload = time.monotonic()
+        self.writer = MetricsWriter(local, warn=warn)
+        self.writer.mirror(read_jsonl(local / "metrics.jsonl"))
+        self._rollouts = AppendLog(local / "rollouts.jsonl", warn)
 
     @property
     def lines(self) -> int:
@@ -95,39 +115,71 @@ class RunLogs:
     def write(self, step: int, stage: str, metrics: Mapping[str, float]) -> None:
         """One metrics line (``MetricsWriter.write``: flushed and fsynced)."""
         self.writer.write(step, stage, metrics)
+        self._maybe_upload()
 
     def write_rollouts(self, records: Sequence[Mapping]) -> None:
         """Append JSON lines to ``rollouts.jsonl``, flushed and fsynced."""
         if records:
             self._rollouts.append("".join(json.dumps(r) + "\n" for r in records))
+            self._maybe_upload()
 
     def offsets(self) -> dict:
         """The current offsets, as a durable point records them: what the writers account for,
-        after checking both files on disk (``AppendLog.check``: a deleted log is recreated first).
+        after checking both files on disk (``AppendLog.check``: a deleted log is recreated first)
+        and, in a remote run folder, uploading them (``upload``).
 
         Raises:
           LogChanged: a log was changed in place by another program.
+          OSError: a remote upload failed.
         """
         m, r = self.writer.log, self._rollouts
         m.check()
         r.check()
+        self.upload()
         return {"metrics": {"bytes": m.size, "lines": m.lines, "crc32": m.crc32},
                 "rollouts": {"bytes": r.size, "crc32": r.crc32}}
 
+    def upload(self) -> None:
+        """A remote run folder: upload each staged file (both logs, ``tb/``) that changed since its
+        last upload, whole. Nothing for a local run folder.
+
+        Raises:
+          OSError: an upload failed (naming the object).
+        """
+        if self._stage is None:
+            return
+        self.writer.flush_events()
+        for root, _dirs, files in os.walk(self._stage):
+            for name in files:
+                local = pathlib.Path(root, name)
+                rel = local.relative_to(self._stage).as_posix()
+                size = local.stat().st_size
+                if self._uploaded.get(rel) != size:
+                    paths.upload_file(local, self.run_dir.joinpath(*rel.split("/")))
+                    self._uploaded[rel] = size
+        self._last_upload = time.monotonic()
+
+    def _maybe_upload(self) -> None:
+        if self._stage is not None and time.monotonic() - self._last_upload >= self._upload_every_s:
+            self.upload()
+
     def close(self) -> None:
-        """Close both files and the TensorBoard writer."""
+        """Close both files and the TensorBoard writer; a remote run folder's staged files are
+        uploaded and the staging folder removed."""
         self.writer.close()
         self._rollouts.close()
-
-
-def _size(path: pathlib.Path) -> int:
-    return path.stat().st_size if path.exists() else 0
+        if self._stage is not None:
+            try:
+                self.upload()
+            finally:
+                shutil.rmtree(self._stage, ignore_errors=True)
+                self._stage = None
 
 
 def _head_stats(path: pathlib.Path, nbytes: int) -> tuple[int, int]:
     """``(newlines, crc32)`` of the first ``nbytes`` bytes of ``path`` (read in chunks)."""
     lines, crc, left = 0, 0, nbytes
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while left > 0:
             chunk = f.read(min(left, 1 << 24))
             if not chunk:
@@ -155,10 +207,10 @@ def check_logs(run_dir: str | os.PathLike, offsets: Optional[Mapping], source: s
     """
     if not offsets:
         return
-    run_dir = pathlib.Path(run_dir)
+    run_dir = run_path(run_dir)
     for name, rec in (("metrics.jsonl", offsets["metrics"]), ("rollouts.jsonl", offsets["rollouts"])):
         path, nbytes = run_dir / name, int(rec["bytes"])
-        size = _size(path)
+        size = paths.file_size(path)
         if size < nbytes:
             raise ValueError(f"{path} holds {size} bytes but {source or 'the checkpoint'} recorded {nbytes}: "
                              "logged lines were lost after the checkpoint was written (restore the file, or use "
@@ -175,19 +227,26 @@ def check_logs(run_dir: str | os.PathLike, offsets: Optional[Mapping], source: s
 
 
 def truncate_log(path: str | os.PathLike, nbytes: int, source: str = "") -> bytes:
-    """Cut ``path`` to its first ``nbytes`` bytes (creating it when ``nbytes == 0``); returns them.
+    """Cut ``path`` (local or ``gs://``) to its first ``nbytes`` bytes (creating it when
+    ``nbytes == 0``); returns them. Locally the file is truncated in place and fsynced; on Cloud
+    Storage the object is rewritten whole.
 
     Raises:
       ValueError: the file is shorter than ``nbytes`` (names the file and ``source``).
     """
-    path = pathlib.Path(path)
+    path = run_path(path)
     if nbytes == 0:
-        path.write_bytes(b"")
+        paths.write_bytes_atomic(path, b"") if paths.is_remote(path) else path.write_bytes(b"")
         return b""
-    size = _size(path)
+    size = paths.file_size(path)
     if size < nbytes:
         raise ValueError(f"{path} holds {size} bytes but {source or 'the checkpoint'} recorded {nbytes}: "
                          "logged lines were lost after the checkpoint was written")
+    if paths.is_remote(path):
+        data = path.read_bytes()[:nbytes]
+        if size > nbytes:
+            paths.write_bytes_atomic(path, data)
+        return data
     with open(path, "r+b") as f:
         f.truncate(nbytes)
         f.flush()
@@ -213,6 +272,8 @@ def _existing_folder(path: pathlib.Path) -> pathlib.Path:
 def check_output_folder(path: str | os.PathLike, flag: str = "--run_dir") -> None:
     """Before any work: ``path`` is a folder this process can write in, or is absent and its
     nearest existing ancestor is one. Nothing is created (the probe is an unnamed temporary file).
+    A Cloud Storage folder (``gs://…``): its bucket can be listed and ``path`` is not an object
+    (``paths.remote_folder_problem``; write permission shows at the first write).
 
     Args:
       path: the output folder.
@@ -223,8 +284,12 @@ def check_output_folder(path: str | os.PathLike, flag: str = "--run_dir") -> Non
         write permission.
     """
     import errno
-    import tempfile
 
+    if paths.is_remote(path):
+        problem = paths.remote_folder_problem(run_path(path))
+        if problem:
+            raise ValueError(f"{flag} {path}: {problem}")
+        return
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a folder")
@@ -246,6 +311,8 @@ def check_run_folder(run_dir: str | os.PathLike) -> None:
       ValueError: one line naming the folder or file.
     """
     check_output_folder(run_dir, "--run_dir")
+    if paths.is_remote(run_dir):  # objects have no permission bits of their own
+        return
     for name in _RUN_FILES:
         path = pathlib.Path(run_dir) / name
         if path.exists() and not os.access(path, os.W_OK):
@@ -255,10 +322,13 @@ def check_run_folder(run_dir: str | os.PathLike) -> None:
 def check_free_space(run_dir: str | os.PathLike, checkpoint_bytes: int) -> None:
     """Before a run starts: the file system of ``run_dir`` has room for at least one checkpoint
     (``checkpoint_bytes``: the policy parameters plus the optimizer state) and 1 MB for logs.
+    Nothing is checked for a Cloud Storage folder (a bucket has no free-space figure).
 
     Raises:
       ValueError: one line with the free and needed sizes.
     """
+    if paths.is_remote(run_dir):
+        return
     folder = _existing_folder(pathlib.Path(run_dir))
     free = shutil.disk_usage(folder).free
     need = int(checkpoint_bytes) + (1 << 20)
@@ -323,7 +393,7 @@ def find_resume_point(run_dir: str | os.PathLike, sft_ckpt, rl_ckpt, seed: int, 
     """Read the durable state of ``run_dir`` and check it against the config (reads metadata only).
 
     Args:
-      run_dir: the run folder.
+      run_dir: the run folder (local or ``gs://…``).
       sft_ckpt, rl_ckpt: ``Checkpointer`` of ``RUN/sft_checkpoint`` and ``RUN/checkpoints``.
       seed, sft_steps, rl_steps: the config's seed and stage lengths.
       skip: ``{checkpoint folder: reason}`` of checkpoints not to use (they did not restore).
@@ -339,7 +409,7 @@ def find_resume_point(run_dir: str | os.PathLike, sft_ckpt, rl_ckpt, seed: int, 
         that lacks resume metadata; or when checkpoints exist but none of a folder's reads
         (nothing to resume from: a fresh start would discard the run's logs).
     """
-    run_dir = pathlib.Path(run_dir)
+    run_dir = run_path(run_dir)
     p = ResumePoint(skipped=dict(skip or {}))
     p.sft_step, p.sft_meta = _newest_readable(sft_ckpt, seed, p.skipped)
     if p.sft_step is not None:
