@@ -178,7 +178,7 @@ MODULE_SECONDS = {
     "tests/tools/test_retriever_limits.py": 12, "tests/test_evaluate.py": 12, "tests/run/test_hf_train.py": 12,
     "tests/tools/test_retrieval_server.py": 12, "tests/core/test_mesh_rollouts.py": 10, "tests/agent/test_rollout.py": 9,
     "tests/model/test_hf_export.py": 8, "tests/test_objectives_sweep.py": 8, "tests/run/test_run_integrity.py": 7,
-    "tests/text/test_chat_template.py": 6,
+    "tests/text/test_chat_template.py": 6, "tests/run/test_gcs_run_dir.py": 60,
 }
 # The modules that use ``small_run`` start after this many seconds (as above) of other modules: the
 # small run trains in the background meanwhile (21 s of CPU alone, longer beside two busy workers).
