@@ -58,7 +58,7 @@ import time
 from typing import Protocol, Sequence
 
 from common import (REPO, CompileCounter, alternate, free_port, have_transformers, median, parser, setup_platform,
-                    table, tunix_same_weights, write_json)
+                    shared_data, table, tunix_same_weights, write_json)
 
 GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
 
@@ -76,8 +76,10 @@ def setup_smollm2(checkpoint=None):
     cwd = os.getcwd()
     os.chdir(REPO)  # the gin file's data paths are relative to the repository
     try:
+        hotpotqa = shared_data() / "hotpotqa" / "hotpotqa_dev_distractor_300.rpt.jsonl"  # the recipe's file
         cfg = load_config([str(GIN)], [f"ModelOptions.checkpoint = '{folder}'",
-                                       f"ModelOptions.system_prompt_path = '{REPO / 'configs/prompts/mempo_search_short.txt'}'"])
+                                       f"ModelOptions.system_prompt_path = '{REPO / 'configs/prompts/mempo_search_short.txt'}'",
+                                       f"ExperimentConfig.train_path = '{hotpotqa}'"])
         _, held, _, _, backend, _ = load_questions(cfg)
     finally:
         os.chdir(cwd)

@@ -59,6 +59,12 @@ def add_binding_arms(p: argparse.ArgumentParser, against: str) -> None:
     p.add_argument("--binding", action="append", default=[], help=argparse.SUPPRESS)
 
 
+def shared_data() -> pathlib.Path:
+    """The shared QA data folder: ``$MEMPO_SHARED_DATA``, else ``../shared/data`` beside the repository
+    (where the recipes' relative data paths point)."""
+    return pathlib.Path(os.environ.get("MEMPO_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
 def smollm2_checkpoint(folder: str | None) -> str:
     """``folder``, or the converted SmolLM2-135M-Instruct folder of ``python -m mempo_jax.commands.smollm2``."""
     if folder is not None:
