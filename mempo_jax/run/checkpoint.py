@@ -33,7 +33,6 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import sys
 from typing import Any, Optional
 
@@ -609,12 +608,8 @@ def save_run_artifacts(run_dir: str | os.PathLike, tokenizer, model_cfg) -> None
 def _copy_sentencepiece(run_dir, tokenizer) -> None:
     src = pathlib.Path(tokenizer.path)
     dst = run_dir / SP_TOKENIZER_FILE
-    if paths.is_remote(dst):
-        paths.upload_file(src, dst)
-    elif src.resolve() != dst.resolve():
-        tmp = dst.with_suffix(".tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+    if paths.is_remote(dst) or src.resolve() != dst.resolve():
+        paths.upload_file(src, dst)  # whole: a temporary file renamed into place, or one object upload
 
 
 def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: str = "checkpoints"):
