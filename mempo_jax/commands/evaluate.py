@@ -357,7 +357,7 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
 def _write_outputs(args, inputs: _Inputs, results: dict, records: list, rollout, corpus_notes: dict,
                    vocab_size: int) -> pathlib.Path:
     """``eval.json``, ``eval_meta.json``, ``predictions.jsonl``, ``eval.md`` and ``eval.png`` under ``--out``."""
-    from mempo_jax.run.metrics import write_json_atomic, write_text_atomic
+    from mempo_jax.core.paths import write_json_atomic, write_text_atomic
 
     out, hf_dir, run_dir, step = pathlib.Path(args.out), inputs.hf_dir, inputs.run_dir, inputs.step
     meta = {

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import pathlib
 import shutil
@@ -81,16 +82,18 @@ def naming_file(path: str | os.PathLike):
         raise
 
 
-def write_bytes_atomic(path: RunPath, data: bytes) -> None:
+def write_bytes_atomic(path: str | os.PathLike | RunPath, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader (or a crash) sees the old file or the new one.
 
     Locally through ``PATH.tmp``, fsynced, and ``os.replace``; on Cloud Storage one object upload.
+    ``path`` may be a string (``run_path`` turns it into a path object).
 
     Raises:
       OSError: naming the file (e.g. ``ENOSPC``); a local temporary file is removed. On Cloud
         Storage a failure that is no ``OSError`` (gcsfs's ``HttpError`` once its retries are spent)
         is raised as one with ``errno.EIO``.
     """
+    path = run_path(path)
     if is_remote(path):
         try:
             with naming_file(path):
@@ -115,9 +118,14 @@ def write_bytes_atomic(path: RunPath, data: bytes) -> None:
         raise
 
 
-def write_text_atomic(path: RunPath, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike | RunPath, text: str) -> None:
     """``write_bytes_atomic`` of ``text`` in UTF-8."""
     write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike | RunPath, obj) -> None:
+    """``write_text_atomic`` of ``obj`` as JSON (indented, keys sorted)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def upload_file(local: str | os.PathLike, dst: RunPath) -> None:

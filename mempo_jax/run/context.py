@@ -38,7 +38,7 @@ from mempo_jax.run import lockstep
 from mempo_jax.run.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
 from mempo_jax.rl.learner import make_optimizer
 from mempo_jax.core.mesh_config import MeshConfig
-from mempo_jax.run.metrics import write_text_atomic
+from mempo_jax.core.paths import write_text_atomic
 from mempo_jax.run.preemption import Preemption
 from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, FaultHooks, RunLogs, check_free_space,
                               check_logs, check_run_folder, find_resume_point, restore_newest)

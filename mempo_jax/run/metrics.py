@@ -19,7 +19,6 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from mempo_jax.core.paths import naming_file, run_path
-from mempo_jax.core import paths
 
 
 class LogChanged(ValueError):
@@ -307,25 +306,6 @@ def format_eval_table(evals: Mapping[str, Mapping[str, Mapping[str, float]]]) ->
                 f"{m['turns']:.2f} | {m['format_fail']:.3f} |" + kind_cells(m, kinds)
             )
     return "\n".join(lines)
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` whole (``write_text_atomic``: never half-written).
-
-    Raises:
-      OSError: naming the file (e.g. ``ENOSPC``).
-    """
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` whole (``core.paths.write_text_atomic``: locally through a
-    temporary file, fsynced, and ``os.replace``; on Cloud Storage one object upload).
-
-    Raises:
-      OSError: naming the file (e.g. ``ENOSPC``); a local temporary file is removed.
-    """
-    paths.write_text_atomic(run_path(path), text)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from mempo_jax.core import distributed
 from mempo_jax.core.host_memory import release_free_memory
 from mempo_jax.agent.trajectory import mode_name, parse_context_steps
-from mempo_jax.run.metrics import format_eval_table, paired_gains, write_json_atomic, write_text_atomic
+from mempo_jax.core.paths import write_json_atomic, write_text_atomic
+from mempo_jax.run.metrics import format_eval_table, paired_gains
 from mempo_jax.rl.interfaces import RLCluster
 from mempo_jax.rl.step import rl_step
 from mempo_jax.run.preemption import Preempted
