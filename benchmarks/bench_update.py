@@ -18,7 +18,7 @@ most, 64 MiB in a thread's arena) are mapped and unmapped on every use, so each 
 bindings and prints it over the recipe's.
 
 Run: ``python benchmarks/bench_update.py [--checkpoint DIR] [--rows 64] [--length 512] [--epochs 2]
-[--against BINDING ...] [--rows_npz FILE] [--json out.json]`` (``--small``: 8 rows of 128 columns,
+[--against BINDING ...] [--rows_npz FILE] [--json out.json]`` (``--small``: 8 rows of 64 columns,
 one epoch).
 """
 
@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     setup_platform(a.device)
     if a.small:
-        a.rows, a.length, a.epochs = 8, 128, 1
+        a.rows, a.length, a.epochs = 8, 64, 1
     a.checkpoint = smollm2_checkpoint(a.checkpoint)
     if a.arm:  # the child: one arm, its figures as the last stdout line
         print(json.dumps(_one_arm(a.checkpoint, a.rows, a.length, a.epochs, a.rows_npz, a.binding)))
