@@ -431,8 +431,7 @@ def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
     from mempo_jax.run.checkpoint import load_policy
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.run.run_folder import run_model_options
-    from mempo_jax.run.experiment import policy_format
+    from mempo_jax.run.run_folder import run_policy_format
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.search import ToolEnvironment
 
@@ -443,7 +442,7 @@ def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
     world = build_world(cfg.world)
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder="sft_checkpoint" if stage == "sft"
                                                          else "checkpoints")
-    fmt = policy_format(run_model_options(run_dir), tokenizer)
+    fmt = run_policy_format(run_dir, tokenizer)
     env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
     return WorldRun(cfg, world, tokenizer, model_cfg, graphdef, params, fmt, env,
                     f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")

@@ -57,7 +57,7 @@ from mempo_jax.core.paths import is_remote, run_path
 from mempo_jax.run.backends import plan_corpora
 from mempo_jax.run.eval_report import format_table, write_chart
 from mempo_jax.run.export_protocol import PROMPT_FILE, PROTOCOL_FILE, ExportProtocol
-from mempo_jax.run.run_folder import (CHECKPOINT_FOLDERS, DEFAULT_TOPK, checkpoint_steps, run_model_options,
+from mempo_jax.run.run_folder import (CHECKPOINT_FOLDERS, DEFAULT_TOPK, checkpoint_steps, run_policy_format,
                                       run_rollout_options)
 
 
@@ -312,8 +312,7 @@ def load_eval_policy(args, hf_dir: Optional[pathlib.Path], run_dir: Optional[pat
         fmt = policy_format(options, tokenizer)
     else:
         tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder)
-        tokenizer_dir = tokenizer.path.parent  # the run's tokenizer folder (an HF tokenizer's files, or tokenizer.model)
-        fmt = policy_format(run_model_options(run_dir), tokenizer, folder=tokenizer_dir)
+        fmt = run_policy_format(run_dir, tokenizer)
     return make_policy(model_cfg, graphdef, params, tokenizer, fmt)
 
 

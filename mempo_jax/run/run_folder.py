@@ -62,6 +62,18 @@ def run_model_options(run_dir) -> ModelOptions:
     return ModelOptions() if cfg is None else cfg.model
 
 
+def run_policy_format(run_dir, tokenizer):
+    """The ``AgentFormat`` a run's policy was trained with: ``experiment.policy_format`` over the
+    run's ``ModelOptions`` and its saved tokenizer folder (``tokenizer.path.parent``: the chat
+    template the run copied), so it does not depend on the directory a command runs from.
+
+    Args:
+      run_dir: the run folder (``RUN_DIR/config.gin``; default options without one).
+      tokenizer: the run's tokenizer, as ``checkpoint.load_policy`` returns it.
+    """
+    return policy_format(run_model_options(run_dir), tokenizer, folder=tokenizer.path.parent)
+
+
 def run_source_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
     """The Hugging Face folder a run started from (``ModelOptions.checkpoint`` in
     ``RUN_DIR/config.gin``) when it still exists, else None."""
@@ -80,5 +92,4 @@ def run_protocol(run_dir: str | os.PathLike, tokenizer) -> ExportProtocol | None
     cfg, _ = _run_config(run_dir)
     if cfg is None:
         return None
-    fmt = policy_format(cfg.model, tokenizer, folder=tokenizer.path.parent)
-    return ExportProtocol.of_run(cfg, fmt.system_prompt)
+    return ExportProtocol.of_run(cfg, run_policy_format(run_dir, tokenizer).system_prompt)

@@ -74,3 +74,32 @@ def test_invalid_json_names_the_file(tmp_path):
     (tmp_path / PROMPT_FILE).write_text("p")
     with pytest.raises(ValueError, match=f"{PROTOCOL_FILE}: not valid JSON"):
         ExportProtocol.read(tmp_path)
+
+
+def test_a_run_folders_format_comes_from_its_saved_tokenizer_from_any_directory(tmp_path, monkeypatch, smollm2_dir):
+    """``run_folder.run_policy_format``: a run whose ``ModelOptions.checkpoint`` is a relative path
+    (``ckpt/…``, as a recipe writes it) is prompted from its own ``hf_tokenizer/`` with its chat
+    template, from a directory where that relative path does not exist."""
+    import shutil
+
+    from mempo_jax.run.checkpoint import HF_TOKENIZER_DIR, load_run_tokenizer
+    from mempo_jax.run.experiment import policy_format
+    from mempo_jax.run.run_folder import run_model_options, run_policy_format
+
+    run = tmp_path / "run"
+    (run / HF_TOKENIZER_DIR).mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, run / HF_TOKENIZER_DIR / name)
+    (run / "config.gin").write_text("ExperimentConfig.model = @ModelOptions()\n"
+                                    "ModelOptions.checkpoint = 'ckpt/smollm2-135m-instruct'\n"
+                                    "ModelOptions.chat_template = 'require'\n")
+    monkeypatch.chdir(tmp_path)  # no ckpt/ here
+    tokenizer = load_run_tokenizer(run)
+    fmt = run_policy_format(run, tokenizer)
+    text = tokenizer.decode(fmt.prompt_ids("Where was Fouxnul born?"))
+    # the chat template's three turns (its special tokens are dropped by decode)
+    assert text.startswith("system\nAnswer the question.") and text.endswith("\nuser\nWhere was Fouxnul born?\nassistant\n")
+    assert fmt.prompt_ids("q") == policy_format(run_model_options(run), tokenizer,
+                                                folder=smollm2_dir).prompt_ids("q")  # as from the source
+    with pytest.raises(FileNotFoundError, match="ckpt/smollm2-135m-instruct"):
+        policy_format(run_model_options(run), tokenizer)  # the source path alone: relative to the cwd
