@@ -13,7 +13,8 @@ at 8 objectives PT(k1) <= 0.4 x PT(full) and TT(k1) <= 0.5 x TT(full) at equal o
 better EM.
 
 Writes a Markdown table (stdout and ``--out/objectives.md``), a PNG plot (``--out/objectives.png``:
-EM, TT, PT against K, one line per mode) and JSON (``--json``).
+EM, TT, PT against K, one line per mode), every answer (``--out/objectives_predictions.jsonl.gz``:
+one ``prediction_record`` per question, K and mode, with ``"objectives": K``) and JSON (``--json``).
 
 Run: ``python benchmarks/objectives_sweep.py --run_dir runs/tiny [--stage rl|sft] [--num 48]
 [--objectives 1,2,4,8] [--json sweep.json] [--out DIR]``. ``--small``: a random-initialised
@@ -23,6 +24,8 @@ policy of a small world at 1 and 2 objectives, 3 questions each (the smoke test;
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import pathlib
 import sys
 import tempfile
@@ -43,7 +46,7 @@ def budget_for(base, k: int, prompt_tokens: int = 160):
 
 
 def sweep(sample_fn, params, fmt, env, base, singles, objectives, num: int, modes, temperature: float, key,
-          seed: int = 0, progress=print) -> dict:
+          seed: int = 0, progress=print, records: list | None = None) -> dict:
     """``{"K": {mode: metrics + rollout options}}`` over ``objectives`` x ``modes``.
 
     Args:
@@ -53,10 +56,12 @@ def sweep(sample_fn, params, fmt, env, base, singles, objectives, num: int, mode
       objectives: the K values; num: questions per K; modes: context modes (``1``, ``"full"``).
       temperature: sampling temperature (0: greedy); key: PRNG key (the same for every K and mode).
       seed: composition seed.
+      records: when given, receives one prediction record per question, K and mode
+        (``evaluation.prediction_record`` plus ``"objectives": K``; dataset ``tiny_world_objectives``).
     """
     from mempo_jax.agent.trajectory import mode_name
     from mempo_jax.data.world import compose_objectives
-    from mempo_jax.run.evaluation import evaluate_policy
+    from mempo_jax.run.evaluation import evaluate_policy, prediction_records
 
     out: dict = {}
     for k in objectives:
@@ -69,6 +74,9 @@ def sweep(sample_fn, params, fmt, env, base, singles, objectives, num: int, mode
             m = {key_: v for key_, v in res.metrics.items() if not key_.startswith("eval/")}
             m.update(wall_s=time.perf_counter() - t, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens)
             out[str(k)][mode_name(mode)] = m
+            if records is not None:
+                records += [{**r, "objectives": k} for r in prediction_records(qs, res, mode_name(mode),
+                                                                                "tiny_world_objectives")]
             progress(f"[objectives] K={k} {mode_name(mode)}: EM {m['em']:.3f} TT {m['tt']:.0f} PT {m['pt']:.0f} "
                      f"turns {m['turns']:.2f} ({m['wall_s']:.0f} s)")
     return out
@@ -152,8 +160,9 @@ def main(argv=None) -> dict:
                                                                   else tiny_world_policy(run_dir, args.stage))
         singles = [q for q in world.heldout if q.kind == "single"]
         t0 = time.perf_counter()
+        records: list = []
         results = sweep(sample_fn, params, fmt, env, base, singles, ks, num, modes, 0.0,
-                        jax.random.PRNGKey(args.seed), args.seed)
+                        jax.random.PRNGKey(args.seed), args.seed, records=records)
     rat = ratios(results)
     rows = [[k, mode, m["n"], m["em"], m["f1"], m["tt"], m["pt"], m["turns"], m["format_fail"]]
             for k, by_mode in results.items() for mode, m in by_mode.items()]
@@ -176,7 +185,10 @@ def main(argv=None) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "objectives.md").write_text(text + "\n", encoding="utf-8")
         write_plot(results, out_dir / "objectives.png", policy)
-        print(f"[objectives] -> {out_dir / 'objectives.md'}, {out_dir / 'objectives.png'}", flush=True)
+        with gzip.open(out_dir / "objectives_predictions.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        print(f"[objectives] -> {out_dir / 'objectives.md'}, {out_dir / 'objectives.png'}, "
+              f"{out_dir / 'objectives_predictions.jsonl.gz'}", flush=True)
     config = {"run_dir": None if args.small else str(run_dir), "stage": args.stage, "policy": policy,
               "objectives": ks, "num": num, "modes": args.modes, "seed": args.seed, "small": args.small,
               "topk": cfg.topk, "wall_s": time.perf_counter() - t0}

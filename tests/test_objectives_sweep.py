@@ -69,3 +69,14 @@ def test_small_sweep_writes_table_plot_and_json(tmp_path, capsys):
     assert (tmp_path / "objectives.png").stat().st_size > 1000
     assert "| 2 | full | 3 |" in (tmp_path / "objectives.md").read_text()
     assert "| K | TT k1/full |" in capsys.readouterr().out
+    import gzip
+
+    with gzip.open(tmp_path / "objectives_predictions.jsonl.gz", "rt") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 2 * 2 * 3  # K x mode x question
+    for k, modes in res.items():  # the records are the answers behind each row's EM and TT
+        for mode, m in modes.items():
+            rows = [r for r in records if r["objectives"] == int(k) and r["mode"] == mode]
+            assert len(rows) == 3 and len({r["id"] for r in rows}) == 3
+            assert sum(r["em"] for r in rows) / 3 == pytest.approx(m["em"])
+            assert sum(r["tt"] for r in rows) / 3 == pytest.approx(m["tt"])
