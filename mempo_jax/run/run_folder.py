@@ -92,4 +92,5 @@ def run_protocol(run_dir: str | os.PathLike, tokenizer) -> ExportProtocol | None
     cfg, _ = _run_config(run_dir)
     if cfg is None:
         return None
-    return ExportProtocol.of_run(cfg, run_policy_format(run_dir, tokenizer).system_prompt)
+    fmt = policy_format(cfg.model, tokenizer, folder=tokenizer.path.parent)  # run_policy_format, config read once
+    return ExportProtocol.of_run(cfg, fmt.system_prompt)
