@@ -44,7 +44,7 @@ PEAKS = {"H100": {"hbm_bytes_s": 3.35e12, "bf16_flop_s": 989e12},
          "H200": {"hbm_bytes_s": 4.8e12, "bf16_flop_s": 989e12}}
 
 SIZES = {  # full run / --smoke
-    "decode_batches": ((1, 16, 64), (1, 4)), "decode_prompt": (128, 16), "decode_steps": ((16, 80), (2, 6)),
+    "decode_batches": ((1, 16, 64), (4,)), "decode_prompt": (128, 16), "decode_steps": ((16, 80), (2, 6)),
     "prefill": ((8, 2048), (2, 64)), "parity": ((4, 256), (2, 24)),
 }
 

@@ -21,8 +21,8 @@ from mempo_jax.run.compare import compare, format_comparison, load_evaluation, n
 def main(argv=None) -> int:
     """Compare; returns 0, or 2 after one ``error: …`` line on stderr."""
     p = argparse.ArgumentParser(prog=command_name("mempo_jax.commands.compare"), description=__doc__.split("\n\n")[0])
-    p.add_argument("a", help="RUN_DIR[:STAGE] (stage base, sft or rl; default rl)")
-    p.add_argument("b", help="RUN_DIR[:STAGE] to compare against")
+    p.add_argument("a", help="RUN_DIR[:STAGE] (stage base, sft or rl; default rl), or a mempo-evaluate --out folder")
+    p.add_argument("b", help="RUN_DIR[:STAGE] or mempo-evaluate --out folder to compare against")
     p.add_argument("--samples", type=_positive, default=2000,
                    help="bootstrap resamples (default %(default)s, as EvalConfig.bootstrap_samples)")
     p.add_argument("--seed", type=int, default=0,

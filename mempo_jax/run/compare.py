@@ -2,7 +2,9 @@
 
 Each side is a run folder of ``python -m mempo_jax.commands.train`` and one of its evaluation stages
 (``base``, ``sft`` or ``rl``; default ``rl``): its ``eval_<stage>.json`` holds the per-question EM
-and F1 of every evaluated context mode, in held-out order. Both sides must have evaluated the same
+and F1 of every evaluated context mode, in held-out order. A side may also be the ``--out`` folder
+of ``mempo-evaluate`` (``eval_meta.json`` beside ``predictions.jsonl``): its modes are then
+``DATASET/MODE`` (``hotpotqa/k1``), the per-question scores those of its prediction records. Both sides must have evaluated the same
 questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
 in the same order). Printed, per mode shared by both and per metric: each side's mean, the paired
 difference A − B with its percentile-bootstrap 95 % interval (``run.metrics.paired_gains``, the
@@ -13,7 +15,8 @@ per-question F1 is compared on EM alone.
 
 Comparing two arms from the same SFT start (MemPO against GRPO, ``RLConfig.memory_coef = 0``):
 ``mempo-compare runs/mempo runs/grpo``; RL against SFT within one run: ``mempo-compare runs/x:rl
-runs/x:sft`` (the ``rl_vs_sft`` entry of its ``summary.json``).
+runs/x:sft`` (the ``rl_vs_sft`` entry of its ``summary.json``); two checkpoints evaluated on a
+dataset: ``mempo-compare eval/rl eval/sft`` (each ``mempo-evaluate --out eval/… --dataset …``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from mempo_jax.run.metrics import paired_gains
 from mempo_jax.run.resume import PREDICTIONS_FILE
 
 STAGES = ("base", "sft", "rl")
+# Files of a ``mempo-evaluate --out`` folder (``mempo_jax.commands.evaluate``).
+EVALUATE_META, EVALUATE_PREDICTIONS = "eval_meta.json", "predictions.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +94,71 @@ def _per_question(path: pathlib.Path, stored: dict, metric: str) -> Optional[dic
     return out
 
 
+def _read_records(preds: pathlib.Path) -> list[dict]:
+    """The JSON records of a predictions file (``.jsonl`` or ``.jsonl.gz``).
+
+    Raises:
+      ValueError: the file is unreadable, or a line is not a JSON object (``FILE:LINE``).
+    """
+    try:
+        raw = preds.read_bytes()
+        lines = (gzip.decompress(raw) if preds.suffix == ".gz" else raw).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+        raise ValueError(f"{preds}: not readable ({e})") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{preds}:{i}: not a prediction record ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{preds}:{i}: not a prediction record (not a JSON object)")
+        out.append(rec)
+    return out
+
+
+def _load_evaluate_folder(spec: str, folder: pathlib.Path) -> Evaluation:
+    """A ``mempo-evaluate --out`` folder: modes ``DATASET/MODE``, scores from ``predictions.jsonl``.
+
+    Raises:
+      ValueError: ``FILE:LINE`` of a record without a finite ``em`` (or ``f1``), ``id``, ``dataset``
+        or ``mode``; a file with no record.
+    """
+    preds = folder / EVALUATE_PREDICTIONS
+    if not preds.is_file():
+        raise ValueError(f"{spec}: no {preds} beside {folder / EVALUATE_META}")
+    per: dict = {"em": {}, "f1": {}}
+    ids: dict = {}
+    kinds: dict = {}
+    for i, rec in enumerate(_read_records(preds), 1):
+        try:
+            mode = f"{rec['dataset']}/{rec['mode']}"
+            scores = {m: rec[m] for m in ("em", "f1")}
+            ids.setdefault(mode, []).append(rec["id"])
+        except KeyError as e:
+            raise ValueError(f"{preds}:{i}: no {e.args[0]} field") from None
+        for metric, v in scores.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{preds}:{i}: {metric} is {v!r}, not a finite number")
+            per[metric].setdefault(mode, []).append(float(v))
+        kinds.setdefault(mode, []).append(rec.get("kind"))
+    if not ids:
+        raise ValueError(f"{preds}: no prediction record")
+    if any(k is None for ks in kinds.values() for k in ks):
+        kinds = None
+    return Evaluation(spec, per, ids, preds, kinds)
+
+
 def load_evaluation(spec: str) -> Evaluation:
-    """The evaluation named by ``spec`` (``parse_side``).
+    """The evaluation named by ``spec`` (``parse_side``): a run folder's stage, or a
+    ``mempo-evaluate --out`` folder (``eval_meta.json`` in it).
 
     Raises:
       ValueError: one line naming the missing or unreadable file or field.
     """
     run, stage = parse_side(spec)
+    if (run / EVALUATE_META).is_file():
+        return _load_evaluate_folder(spec, run)
     path = run / f"eval_{stage}.json"
     if not path.is_file():
         raise ValueError(f"{spec}: no {path} (this stage was not evaluated, or the run has not reached it)")
@@ -118,17 +181,11 @@ def load_evaluation(spec: str) -> Evaluation:
         preds = preds.with_name(preds.name + ".gz")  # as committed beside a results page
     if preds.is_file():
         ids, kinds = {}, {}
-        try:
-            raw = preds.read_bytes()
-            lines = (gzip.decompress(raw) if preds.suffix == ".gz" else raw).decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
-            raise ValueError(f"{preds}: not readable ({e})") from None
-        for i, line in enumerate(lines, 1):
+        for i, rec in enumerate(_read_records(preds), 1):
             try:
-                rec = json.loads(line)
                 ids.setdefault(rec["mode"], []).append(rec["id"])
                 kinds.setdefault(rec["mode"], []).append(rec.get("kind"))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except KeyError as e:
                 raise ValueError(f"{preds}:{i}: not a prediction record ({e})") from None
         if any(k is None for ks in kinds.values() for k in ks):
             kinds = None

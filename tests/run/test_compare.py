@@ -81,6 +81,52 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, make, message):
     assert err.startswith("error: ") and message.format(run=run) in err and "\n" not in err
 
 
+def _write_evaluate_out(folder, records):
+    """A ``mempo-evaluate --out`` folder: ``eval_meta.json`` and ``predictions.jsonl``."""
+    folder.mkdir(parents=True)
+    (folder / "eval_meta.json").write_text("{}")
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _record(dataset, mode, qid, em, f1, **extra):
+    return {"dataset": dataset, "mode": mode, "id": qid, "em": em, "f1": f1, **extra}
+
+
+def test_evaluate_out_folders_compare_per_dataset_and_mode_by_hand(tmp_path, capsys):
+    a = [_record("hotpotqa", "k1", "q1", 1.0, 1.0), _record("hotpotqa", "k1", "q2", 0.0, 0.5),
+         _record("nq", "k1", "n1", 1.0, 1.0), _record("hotpotqa", "full", "q1", 0.0, 0.0)]
+    b = [_record("hotpotqa", "k1", "q1", 0.0, 0.25), _record("hotpotqa", "k1", "q2", 0.0, 0.5),
+         _record("nq", "k1", "n1", 1.0, 1.0)]
+    _write_evaluate_out(tmp_path / "a", a)
+    _write_evaluate_out(tmp_path / "b", b)
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert list(r) == ["hotpotqa/k1", "nq/k1"] and "also evaluated hotpotqa/full" in err
+    em, f1 = r["hotpotqa/k1"]["em"], r["hotpotqa/k1"]["f1"]
+    assert (em["a"], em["b"], em["diff"], em["above"], em["below"], em["n"]) == (0.5, 0.0, 0.5, 1, 0, 2)
+    assert (f1["a"], f1["b"], f1["diff"], f1["above"], f1["below"]) == (0.75, 0.375, 0.375, 1, 0)
+    assert r["nq/k1"]["em"]["diff"] == 0.0
+    _write_evaluate_out(tmp_path / "c", [dict(x, id="other") for x in b])
+    with pytest.raises(ValueError, match="list different questions"):
+        compare(load_evaluation(str(tmp_path / "a")), load_evaluation(str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("records, message", [
+    ([], "predictions.jsonl: no prediction record"),
+    ([{"dataset": "d", "mode": "k1", "id": "q", "em": 1.0}], "predictions.jsonl:1: no f1 field"),
+    ([_record("d", "k1", "q", 1.0, 1.0), _record("d", "k1", "r", None, 1.0)],
+     "predictions.jsonl:2: em is None, not a finite number"),
+    ([[1, 2]], "predictions.jsonl:1: not a prediction record (not a JSON object)"),
+])
+def test_bad_evaluate_out_folder_is_one_line_naming_file_and_line(tmp_path, capsys, records, message):
+    _write_evaluate_out(tmp_path / "bad", records)
+    _write_evaluate_out(tmp_path / "ok", [_record("d", "k1", "q", 1.0, 1.0)])
+    assert main([str(tmp_path / "bad"), str(tmp_path / "ok")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
 def test_samples_below_one_are_refused(tmp_path, capsys):
     _write_eval(tmp_path / "a", "rl", {"k1": [1]}, {"k1": [1]})
     with pytest.raises(SystemExit):

@@ -255,6 +255,13 @@ def test_evaluate_hf_checkpoint_equals_the_run_folder(checkpoint_run, retriever,
     assert meta["rollout_options_from"] == str(checkpoint_run / "hf_export" / "mempo_protocol.json")
     assert (tmp_path / "hf" / "eval.png").read_bytes()[:4] == b"\x89PNG"
     assert "Hugging Face checkpoint" in (tmp_path / "hf" / "eval.md").read_text()
+    # mempo-compare reads the two --out folders: every dataset and mode, no question apart
+    from mempo_jax.run.compare import compare, load_evaluation
+
+    diff = compare(load_evaluation(str(tmp_path / "hf")), load_evaluation(str(tmp_path / "run")))
+    assert sorted(diff) == ["bamboogle/full", "bamboogle/k1", "nq/full", "nq/k1"]
+    assert all(r["diff"] == 0 and r["above"] == r["below"] == 0 and r["n"] == 2
+               for metrics in diff.values() for r in metrics.values())
 
 
 def test_evaluate_hf_checkpoint_zero_shot_on_pooled_hotpotqa(scripted_checkpoint, data, tmp_path):
