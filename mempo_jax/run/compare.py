@@ -3,7 +3,7 @@
 Each side is a run folder of ``python -m mempo_jax.commands.train`` and one of its evaluation stages
 (``base``, ``sft`` or ``rl``; default ``rl``): its ``eval_<stage>.json`` holds the per-question EM
 and F1 of every evaluated context mode, in held-out order. A side may also be the ``--out`` folder
-of ``mempo-evaluate`` (``eval_meta.json`` beside ``predictions.jsonl``): its modes are then
+of ``mempo-evaluate`` (``eval_meta.json`` beside ``predictions.jsonl``, or its gzipped copy): its modes are then
 ``DATASET/MODE`` (``hotpotqa/k1``), the per-question scores those of its prediction records. Both sides must have evaluated the same
 questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
 in the same order). Printed, per mode shared by both and per metric: each side's mean, the paired
@@ -125,6 +125,8 @@ def _load_evaluate_folder(spec: str, folder: pathlib.Path) -> Evaluation:
         or ``mode``; a file with no record.
     """
     preds = folder / EVALUATE_PREDICTIONS
+    if not preds.is_file() and preds.with_name(preds.name + ".gz").is_file():
+        preds = preds.with_name(preds.name + ".gz")  # as committed beside a results page
     if not preds.is_file():
         raise ValueError(f"{spec}: no {preds} beside {folder / EVALUATE_META}")
     per: dict = {"em": {}, "f1": {}}

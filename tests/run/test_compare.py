@@ -6,6 +6,7 @@ RL-vs-SFT comparison equals the ``rl_vs_sft`` gains the trainer wrote to ``summa
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -107,6 +108,12 @@ def test_evaluate_out_folders_compare_per_dataset_and_mode_by_hand(tmp_path, cap
     assert (em["a"], em["b"], em["diff"], em["above"], em["below"], em["n"]) == (0.5, 0.0, 0.5, 1, 0, 2)
     assert (f1["a"], f1["b"], f1["diff"], f1["above"], f1["below"]) == (0.75, 0.375, 0.375, 1, 0)
     assert r["nq/k1"]["em"]["diff"] == 0.0
+    gz = tmp_path / "a_gz"  # committed gzipped beside a results page: the same comparison
+    gz.mkdir()
+    (gz / "eval_meta.json").write_text("{}")
+    (gz / "predictions.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a" / "predictions.jsonl").read_bytes()))
+    b_eval = load_evaluation(str(tmp_path / "b"))
+    assert compare(load_evaluation(str(gz)), b_eval) == compare(load_evaluation(str(tmp_path / "a")), b_eval)
     _write_evaluate_out(tmp_path / "c", [dict(x, id="other") for x in b])
     with pytest.raises(ValueError, match="list different questions"):
         compare(load_evaluation(str(tmp_path / "a")), load_evaluation(str(tmp_path / "c")))
