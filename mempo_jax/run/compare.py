@@ -2,10 +2,10 @@
 
 Each side is a run folder of ``python -m mempo_jax.commands.train`` and one of its evaluation stages
 (``base``, ``sft`` or ``rl``; default ``rl``): its ``eval_<stage>.json`` holds the per-question EM
-and F1 of every evaluated context mode, in held-out order. A side may also be the ``--out`` folder
-of ``mempo-evaluate`` (``eval_meta.json`` beside ``predictions.jsonl``, or its gzipped copy): its modes are then
-``DATASET/MODE`` (``hotpotqa/k1``), the per-question scores those of its prediction records. Both sides must have evaluated the same
-questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
+and F1 of every evaluated context mode, in held-out order. A side may also be the ``--out``
+folder of ``mempo-evaluate`` (``eval_meta.json`` beside ``predictions.jsonl``, or its gzipped
+copy): its modes are then ``DATASET/MODE`` (``hotpotqa/k1``), the per-question scores those of its
+prediction records. Both sides must have evaluated the same questions (same count; where both wrote ``eval_<stage>_predictions.jsonl``, the same question ids
 in the same order). Printed, per mode shared by both and per metric: each side's mean, the paired
 difference A − B with its percentile-bootstrap 95 % interval (``run.metrics.paired_gains``, the
 statistic ``summary.json`` reports for RL − SFT: the same numbers where ``--samples`` and ``--seed``
@@ -94,6 +94,13 @@ def _per_question(path: pathlib.Path, stored: dict, metric: str) -> Optional[dic
     return out
 
 
+def _stored(preds: pathlib.Path) -> pathlib.Path:
+    """``preds``, or its gzipped copy (``…jsonl.gz``, as committed beside a results page) where
+    only that exists."""
+    gz = preds.with_name(preds.name + ".gz")
+    return gz if not preds.is_file() and gz.is_file() else preds
+
+
 def _read_records(preds: pathlib.Path) -> list[dict]:
     """The JSON records of a predictions file (``.jsonl`` or ``.jsonl.gz``).
 
@@ -124,9 +131,7 @@ def _load_evaluate_folder(spec: str, folder: pathlib.Path) -> Evaluation:
       ValueError: ``FILE:LINE`` of a record without a finite ``em`` (or ``f1``), ``id``, ``dataset``
         or ``mode``; a file with no record.
     """
-    preds = folder / EVALUATE_PREDICTIONS
-    if not preds.is_file() and preds.with_name(preds.name + ".gz").is_file():
-        preds = preds.with_name(preds.name + ".gz")  # as committed beside a results page
+    preds = _stored(folder / EVALUATE_PREDICTIONS)
     if not preds.is_file():
         raise ValueError(f"{spec}: no {preds} beside {folder / EVALUATE_META}")
     per: dict = {"em": {}, "f1": {}}
@@ -178,9 +183,7 @@ def load_evaluation(spec: str) -> Evaluation:
         if values is not None:
             per[metric] = values
     ids = kinds = None
-    preds = run / PREDICTIONS_FILE.format(stage=stage)
-    if not preds.is_file() and preds.with_name(preds.name + ".gz").is_file():
-        preds = preds.with_name(preds.name + ".gz")  # as committed beside a results page
+    preds = _stored(run / PREDICTIONS_FILE.format(stage=stage))
     if preds.is_file():
         ids, kinds = {}, {}
         for i, rec in enumerate(_read_records(preds), 1):
