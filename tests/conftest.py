@@ -85,6 +85,10 @@ XLA_CACHE = pathlib.Path(os.environ.get("MEMPO_TEST_XLA_CACHE") or SESSION_CACHE
 SPM_CACHE = SESSION_CACHE / "spm"
 os.environ["MEMPO_XLA_CACHE"] = str(XLA_CACHE)  # read by train.py / evaluate.py, here and in subprocesses
 os.environ["MEMPO_XLA_CACHE_MIN_S"] = "0"
+if os.environ.get("EXP_CACHE"):
+    import jax
+    jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def one_device_flags() -> str:
