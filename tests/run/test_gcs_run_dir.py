@@ -7,6 +7,8 @@ The fast tests check the path layer and the run's logs on the bucket; the slow o
 run of ``benchmarks/chaos_resume.py`` into the bucket, preempts it (SIGTERM in RL step 3), resumes
 it from the bucket and compares the result with the session's uninterrupted local ``small_run``:
 the same metrics (but timing), rollouts, summary (but wall time), parameters and optimizer state.
+It is also the suite's SIGTERM-preemption test: a local run folder takes the same code path but
+for the path layer, which the fast tests cover.
 """
 
 from __future__ import annotations
@@ -150,11 +152,18 @@ def test_a_run_on_a_bucket_is_preempted_resumed_and_equals_the_local_run(emulato
     first = subprocess.run(fault_command({"sigterm_rollout_step": 3}) + cmd[3:], env=one_device_env(**env), cwd=REPO,
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "preempted" in first.stderr
+    assert "SIGTERM: saving a checkpoint" in first.stderr and "preempted: checkpoint saved" in first.stderr
     files = set(paths.iter_files(paths.run_path(run)))
     assert {"config.gin", "model_config.json", "tokenizer.model", "metrics.jsonl", "rollouts.jsonl",
             "eval_sft.json", "sft_checkpoint/6/commit_success.txt"} <= files
     assert "summary.json" not in files
+    # the rollout of RL step 3 was abandoned; its state (after step 2) is checkpoint 3, the log's 7 + 3 lines
+    assert sorted({int(f.split("/")[1]) for f in files if f.startswith("checkpoints/")}) == [2, 3]
+    fs, path = fsspec.core.url_to_fs(run)
+    fs.get(path + "/checkpoints/", str(tmp_path / "preempted"), recursive=True)
+    meta = read_checkpoint(tmp_path / "preempted", 3)[1]["meta"]
+    assert meta["data_iterator"] == {"next_index": 3} and meta["metrics"]["lines"] == 7 + 3
+    assert len(paths.run_path(run).joinpath("metrics.jsonl").read_text().splitlines()) == 7 + 3
     second = subprocess.run(cmd, env=one_device_env(**env), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resuming RL after step 3 ({run}/checkpoints/3)" in second.stdout
@@ -163,7 +172,6 @@ def test_a_run_on_a_bucket_is_preempted_resumed_and_equals_the_local_run(emulato
     assert not [f for f in files if ".tmp" in f or "orbax-checkpoint-tmp" in f]
 
     local = tmp_path / "small"
-    fs, path = fsspec.core.url_to_fs(run)
     fs.get(path + "/", str(local), recursive=True)
     diff = compare_runs(small_run, local)
     assert diff == {"lost": 0, "duplicated": 0, "changed": 0, "order_ok": True, "params_equal": True,
