@@ -6,8 +6,9 @@ tensorstore's OCDBT driver (orbax's checkpoint arrays) keeps the generation of t
 read and updates the manifest with ``ifGenerationMatch`` on it, so without the header a second
 manifest update fails (``Malformed StorageGeneration``). ``start`` adds the two headers to the
 emulator's download handler, and drops the emulator's tracebacks for clients that hang up early
-(``BrokenPipeError``); everything else is the emulator's own (preconditions are not enforced: one
-writer per object, as in these tests; one request at a time).
+(``BrokenPipeError``), and lets its socket queue ``LISTEN_BACKLOG`` connections, not 5; everything
+else is the emulator's own (preconditions are not enforced: one writer per object, as in these
+tests; one request at a time).
 
 ``emulator_env(url)`` is the environment that points the clients at it: ``STORAGE_EMULATOR_HOST``
 (gcsfs, hence ``etils.epath``), ``TENSORSTORE_GCS_HTTP_URL`` with a fixed test token
@@ -24,6 +25,9 @@ import argparse
 import socket
 import sys
 import time
+
+
+LISTEN_BACKLOG = 128  # pending connections the emulator's socket queues
 
 
 def free_port() -> int:
@@ -76,6 +80,10 @@ def start(port: int, bucket: str):
     srv = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
     srv.start()
     httpd = srv._api._httpd
+    # http.server listens with a backlog of 5: gcsfs opens many connections at once (a recursive
+    # get), and a connection past the backlog waits out TCP's SYN retries (1 s, 3 s, 7 s, ...), up
+    # to a minute of idle time per copied run folder. On Linux a second listen() sets the backlog.
+    httpd.socket.listen(LISTEN_BACKLOG)
     report = httpd.handle_error
 
     def handle_error(request, client_address):  # a client that hung up early is no error

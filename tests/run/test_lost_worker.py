@@ -3,7 +3,7 @@ lost process and the last complete checkpoint, and the relaunched run ends bitwi
 uninterrupted one.
 
 Two CPU processes of 2 emulated devices each, joined on 127.0.0.1, run the small trainer run
-(2 SFT steps, 2 RL steps, a checkpoint after every step) on a (1, 2, 2) mesh. One process
+(1 SFT step, 2 RL steps, a checkpoint after every step) on a (1, 2, 2) mesh. One process
 SIGKILLs itself (``tests/fault_train.py``): process 1 during the rollout of RL step 1, then,
 in the relaunched run, process 0 (the coordinator) at the start of RL step 1's update, while
 process 1 waits in the update's collectives. A third launch finishes the run. Unit tests of
@@ -30,7 +30,7 @@ from fault_train import fault_command  # noqa: E402
 
 from conftest import FAST_XLA, SPM_CACHE, XLA_CACHE, free_port  # noqa: E402
 
-PARAMS = ("SFTConfig.steps=2", "RLConfig.steps=2", "CheckpointConfig.every_steps=1", "CheckpointConfig.max_to_keep=3",
+PARAMS = ("SFTConfig.steps=1", "RLConfig.steps=2", "CheckpointConfig.every_steps=1", "CheckpointConfig.max_to_keep=3",
           "EvalConfig.num_questions=2", "MeshConfig.data=1", "MeshConfig.fsdp=2", "MeshConfig.tensor=2",
           "DistributedConfig.peer_timeout_s=10.0")
 LIMIT_S = 60.0
