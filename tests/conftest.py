@@ -167,24 +167,23 @@ def pytest_configure(config):
                    "-m 'not slow' leaves it out")
 
 
-# Test modules that take long: seconds in one process (``-n 0``, ``--durations=0``: calls and
-# fixtures) on a 2-core box beside another training run, before ``--xla_cpu_use_fusion_emitters=false``
-# (now ~2/3 of that; the order is what counts). Every other module took under 5 s.
+# Test modules that take long: seconds of their tests' calls and fixtures under the README command
+# (two xdist workers) on an idle 2-core box; the order is what counts. Every other module took
+# under 6 s.
 MODULE_SECONDS = {
-    "tests/run/test_resume.py": 80, "tests/run/test_lost_worker.py": 75, "tests/agent/test_engine.py": 60,
-    "tests/test_train_mesh.py": 85, "tests/model/test_attention_kernels.py": 30,
-    "tests/run/test_qa_training.py": 72, "tests/run/test_faults.py": 72, "tests/test_train_e2e.py": 68,
-    "tests/test_ablation.py": 67, "tests/run/test_multiprocess.py": 57, "tests/model/test_model.py": 48,
-    "tests/rl/test_learner.py": 43, "tests/test_benchmarks.py": 55, "tests/test_plan.py": 35,
-    "tests/agent/test_tags.py": 25, "tests/agent/test_sampling.py": 25, "tests/core/test_mesh_steps.py": 24,
-    "tests/model/test_bfloat16.py": 23, "tests/model/test_attention.py": 20, "tests/model/test_vocab_resize.py": 19,
-    "tests/data/test_messages.py": 19, "tests/rl/test_memory_reward.py": 18, "tests/rl/test_losses.py": 18,
-    "tests/model/test_hf_parity.py": 17, "tests/text/test_stop_strings.py": 17, "tests/rl/test_advantage.py": 13,
-    "tests/rl/test_old_logprobs.py": 13, "tests/rl/test_scoring.py": 13, "tests/core/test_sharding.py": 13,
-    "tests/tools/test_retriever_limits.py": 12, "tests/test_evaluate.py": 12, "tests/run/test_hf_train.py": 12,
-    "tests/tools/test_retrieval_server.py": 12, "tests/core/test_mesh_rollouts.py": 10, "tests/agent/test_rollout.py": 9,
-    "tests/model/test_hf_export.py": 8, "tests/test_objectives_sweep.py": 8, "tests/run/test_run_integrity.py": 7,
-    "tests/text/test_chat_template.py": 6, "tests/run/test_gcs_run_dir.py": 25,
+    "tests/run/test_lost_worker.py": 100, "tests/test_benchmarks.py": 75, "tests/agent/test_engine.py": 57,
+    "tests/run/test_resume.py": 54, "tests/test_train_mesh.py": 39, "tests/test_train_e2e.py": 29,
+    "tests/test_plan.py": 26, "tests/run/test_lora_run.py": 25, "tests/rl/test_learner.py": 24,
+    "tests/core/test_logprobs.py": 24, "tests/run/test_qa_training.py": 23, "tests/run/test_faults.py": 22,
+    "tests/run/test_gcs_run_dir.py": 19, "tests/test_ablation.py": 19, "tests/agent/test_tags.py": 17,
+    "tests/run/test_multiprocess.py": 17, "tests/model/test_lora.py": 16, "tests/agent/test_sampling.py": 12,
+    "tests/tools/test_retriever_limits.py": 11, "tests/rl/test_memory_reward.py": 10, "tests/model/test_model.py": 10,
+    "tests/model/test_bfloat16.py": 9, "tests/model/test_lora_peft.py": 9, "tests/model/test_attention.py": 9,
+    "tests/tools/test_retrieval_server.py": 9, "tests/run/test_memory_release.py": 9,
+    "tests/core/test_mesh_steps.py": 8, "tests/text/test_stop_strings.py": 8, "tests/data/test_messages.py": 8,
+    "tests/model/test_hf_parity.py": 7, "tests/model/test_attention_kernels.py": 7,
+    "tests/core/test_mesh_rollouts.py": 7, "tests/model/test_vocab_resize.py": 7, "tests/rl/test_advantage.py": 7,
+    "tests/rl/test_losses.py": 7, "tests/test_evaluate.py": 6, "tests/model/test_hf_export.py": 6,
 }
 # The modules that use ``small_run`` start after this many seconds (as above) of other modules: the
 # small run trains in the background meanwhile (21 s of CPU alone, longer beside two busy workers).
