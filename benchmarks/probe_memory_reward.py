@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
         for baseline, hindsight in VIEWS:
             full, mem, answers = memory_contexts(res.trajectories, [(i, t) for i, t, _ in labelled], tok, "gold",
                                                  codec=fmt.codec, baseline_steps=1 if baseline == "input" else FULL,
-                                                 hindsight=hindsight)
+                                                 hindsight=hindsight, continuation=full_prefix)
             out = scorer(params, full, mem, answers)
             r = np.asarray(out.r_mem, np.float64)
             name = f"{baseline}{'+hindsight' if hindsight else ''}"

@@ -73,5 +73,12 @@ class RLConfig:
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
         check(self, "filter_groups", str, choices=tuple(GROUP_FILTERS.names()))
 
+    @property
+    def scores_memory(self) -> bool:
+        """Whether a step runs the memory-reward pass: when A_M enters the advantage
+        (``memory_coef != 0``) or its metrics are asked for (``MemoryRewardConfig.score_when_unused``).
+        GRPO (``memory_coef = 0``) skips it by default: its updates do not read R_M."""
+        return self.memory_coef != 0.0 or self.memory_reward.score_when_unused
+
 
 __all__ = ["RLConfig"]

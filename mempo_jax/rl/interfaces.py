@@ -27,7 +27,13 @@ T = TypeVar("T")
 
 @runtime_checkable
 class MemoryScorer(Protocol):
-    """Scores P(Z | full_traj[t]) and P(Z | mem_traj[t]) of M turns (docs/algorithm.md §3)."""
+    """Scores P(Z | full_traj[t]) and P(Z | mem_traj[t]) of M turns (docs/algorithm.md §3).
+
+    ``full_prefix``: the never-scored ids the scorer places on the full view only, before Z's
+    answer prefix (``MemoryRewardConfig.prefix``); the hindsight views put them on both.
+    """
+
+    full_prefix: Sequence[int]
 
     def __call__(self, params: Any, full_contexts: Sequence[Sequence[int]], mem_contexts: Sequence[Sequence[int]],
                  answers: Sequence[Sequence[int]]) -> MemoryRewardOutput:

@@ -270,12 +270,18 @@ class MemoryRewardConfig:
         (``full_traj[t]``) or ``"input"`` (the context the policy wrote turn t's memory from;
         the same as ``"full"`` in full mode).
       hindsight: append the tool results returned from turn t on
-        (``Trajectory.later_observations``) to both views of turn t's memory.
+        (``Trajectory.later_observations``) to both views of turn t's memory; both views then end
+        with the same tool results and the same never-scored continuation (the empty
+        ``<mem></mem>`` of ``prefix``, ``memory_views.memory_contexts``) before Z.
       norm: how R_M becomes A_M within a segment (``advantage.MEMORY_NORMS``): ``"zscore"`` or
         ``"center"`` (mean subtracted only, in R_M's units).
       group: which ``<mem>`` turns share one R_M mean/std (``MEMORY_GROUPINGS``):
         ``"question"`` (every turn of every trajectory of the question's group) or ``"turn"``
         (the group's turns of the same index).
+      score_when_unused: run the memory-reward pass even when ``RLConfig.memory_coef = 0``
+        (GRPO), for its ``mem/*`` metrics only; the update does not read it. ``False`` (default):
+        GRPO skips the pass and logs ``mem/reward/mean``, ``mem/p_full/mean`` and
+        ``mem/p_mem/mean`` as 0.
 
     Raises:
       ValueError: one line naming the field and the known values.
@@ -290,12 +296,14 @@ class MemoryRewardConfig:
     hindsight: bool = False
     norm: str = "zscore"
     group: str = "question"
+    score_when_unused: bool = False
 
     def __post_init__(self):
         check(self, "answer", str, choices=MEMORY_ANSWERS)
         check(self, "prefix", str, choices=MEMORY_PREFIXES)
         check(self, "include_malformed", bool)
         check(self, "hindsight", bool)
+        check(self, "score_when_unused", bool)
         for name, registry in (("trajectories", MEMORY_TRAJECTORIES), ("scale", MEMORY_REWARD_SCALES),
                                ("baseline", MEMORY_BASELINES), ("norm", MEMORY_NORMS), ("group", MEMORY_GROUPINGS)):
             check(self, name, str, choices=tuple(registry.names()))

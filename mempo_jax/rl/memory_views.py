@@ -69,7 +69,8 @@ def memory_view(tr: Trajectory, t: int, codec=None) -> Optional[list[int]]:
 
 
 def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, int]], tokenizer, answer_source: str,
-                    *, codec=None, baseline_steps: int = FULL, hindsight: bool = False):
+                    *, codec=None, baseline_steps: int = FULL, hindsight: bool = False,
+                    continuation: Sequence[int] = ()):
     """``(full_contexts, mem_contexts, answers)`` for every recorded ``<mem>`` turn.
 
     ``full_traj[t]`` (``baseline_steps = FULL``, the default; else the k-step policy context of
@@ -81,6 +82,11 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
     as single ids), gold when the trajectory gave no answer. Never decoded and re-encoded.
     ``hindsight`` (``MemoryRewardConfig.hindsight``): both views of turn t end with
     ``Trajectory.later_observations(t)``, the tool results of turns t.. (none for the answer turn).
+    After a tool result the policy writes a ``<mem>`` block, so a memory view that ends with one
+    also gets ``continuation``, the never-scored ids the scorer puts on the full view
+    (``MemoryRewardScorer.full_prefix``, the empty ``<mem></mem>`` of
+    ``MemoryRewardConfig.prefix = "empty_mem"``): the two views then share everything from the
+    tool results on and differ only in the history against the memory.
 
     Raises:
       ValueError: for an unknown ``answer_source``.
@@ -94,7 +100,7 @@ def memory_contexts(trajs: Sequence[Trajectory], mem_turn: Sequence[tuple[int, i
         tr = trajs[tr_i]
         later = tr.later_observations(t) if hindsight else []
         full.append(tr.policy_context(baseline_steps, t) + later)
-        mem.append(memory_view(tr, t, codec) + later)
+        mem.append(memory_view(tr, t, codec) + later + (list(continuation) if later else []))
         z = answer_ids_of(tr.turns[-1], codec) if answer_source == "generated" and tr.answer else None
         answers.append(z if z is not None else gold_answer_ids(tokenizer, tr.golds))
     return full, mem, answers

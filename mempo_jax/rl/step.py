@@ -37,7 +37,8 @@ from mempo_jax.rl.config import RLConfig
 from mempo_jax.rl.group_filter import group_share, kept_trajectories, zero_std_group_share
 from mempo_jax.rl.interfaces import PolicyLearner, RLCluster
 from mempo_jax.rl.learner import TRAIN_MIN_LENGTH, ppo_plan
-from mempo_jax.rl.memory_reward import MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, memory_reward_values
+from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardOutput,
+                                        memory_reward_values)
 from mempo_jax.rl.memory_views import memory_contexts, scored_memory_turns
 from mempo_jax.rl.rewards import score_trajectories
 
@@ -65,7 +66,8 @@ def precompile_rl_step(cluster: RLCluster, cfg: RLConfig, key: jax.Array) -> dic
     n_traj = cfg.questions_per_step * cfg.group_size
     mine = process_slice(cfg.questions_per_step)  # this process's questions (its rollout's slots)
     out = {"sampler": engine.warm(learner.params, cfg.rollout, (mine.stop - mine.start) * cfg.group_size, key)}
-    out["scorer"] = scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
+    out["scorer"] = (scorer.precompile(learner.params, scorer.length_buckets(scoring_length_bound(cfg)))
+                     if cfg.scores_memory else 0)
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
     out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
@@ -255,12 +257,15 @@ def rl_step(cluster: RLCluster, questions, cfg: RLConfig, key: jax.Array, rng: n
     mr = cfg.memory_reward
     scored = scored_memory_turns(trajs, rows.mem_turn, mr.include_malformed,
                                  MEMORY_TRAJECTORIES.get(mr.trajectories)(rewards))
-    full, mem, answers = memory_contexts(trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer,
-                                         mr.answer, codec=fmt.codec, hindsight=mr.hindsight,
-                                         baseline_steps=MEMORY_BASELINES.get(mr.baseline)(cfg.rollout.context_steps))
-    mem_out = scorer(learner.params, full, mem, answers)
     r_mem = np.zeros((len(rows.mem_turn),), np.float32)
-    r_mem[scored] = memory_reward_values(mem_out, mr.scale)
+    mem_out = MemoryRewardOutput(*(np.zeros((0,), np.float32),) * 3)
+    if cfg.scores_memory:  # GRPO (memory_coef = 0): R_M would be multiplied by 0, so it is not scored
+        full, mem, answers = memory_contexts(
+            trajs, [mt for mt, k in zip(rows.mem_turn, scored) if k], tokenizer, mr.answer, codec=fmt.codec,
+            hindsight=mr.hindsight, continuation=scorer.full_prefix,
+            baseline_steps=MEMORY_BASELINES.get(mr.baseline)(cfg.rollout.context_steps))
+        mem_out = scorer(learner.params, full, mem, answers)
+        r_mem[scored] = memory_reward_values(mem_out, mr.scale)
     ref_logp = detached_logprobs(learner, cluster.reference, rows)
     adv, a_t, a_m = compute_advantages(trajs, rows, rewards, r_mem, len(questions), cfg.memory_coef,
                                        max_rows=training_row_bound(cfg), max_mem=mem_turn_bound(cfg),

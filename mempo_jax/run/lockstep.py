@@ -112,6 +112,11 @@ class DistributedScorer:
         start = int(counts[: jax.process_index()].sum())
         return MemoryRewardOutput(*(x[start : start + m] for x in out))
 
+    @property
+    def full_prefix(self) -> list[int]:
+        """The wrapped scorer's ``full_prefix``."""
+        return self.scorer.full_prefix
+
     def length_buckets(self, max_tokens: int) -> list[int]:
         """The wrapped scorer's ``length_buckets``."""
         return self.scorer.length_buckets(max_tokens)

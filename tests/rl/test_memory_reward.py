@@ -32,6 +32,7 @@ MALFORMED = {
 }
 VALID = "<mem> alice</mem><search> alice</search>"
 ANSWER = "<mem> paris</mem><answer> paris</answer>"
+WRONG = "<mem> rome</mem><answer> rome</answer>"
 
 
 def _turn(text, tok=TOK):
@@ -388,3 +389,85 @@ def test_memory_reward_variants_are_bound_by_name_and_old_field_names_are_refuse
         load_config([str(old)])
     assert str(e.value) == (f"config error: RLConfig.memory_norm moved to MemoryRewardConfig.norm; bind "
                             f"MemoryRewardConfig.norm instead ({old}:{line}: RLConfig.memory_norm = 'center')")
+
+
+def test_hindsight_views_of_a_real_step_differ_only_in_history_against_memory():
+    """``MemoryRewardConfig.hindsight`` through ``rl_step`` with the scorer's ``"empty_mem"`` prefix:
+    every scored pair of rows is ``H + S`` against ``V + S'``, with ``H`` the baseline context,
+    ``V`` the memory view and one shared tail from the tool results on. A turn followed by tool
+    results gets ``later + <mem></mem> + <think></think><answer> + Z`` on both views (the policy
+    writes a ``<mem>`` block after a tool result); the answer turn, which has none, ends both views
+    in a closed ``<mem>`` block (``…</mem> + T + Z``)."""
+    from mempo_jax.rl.memory_reward import MemoryRewardScorer, build_scoring_batch
+    from mempo_jax.run.experiment import answer_prefix_ids
+
+    tok, env, questions, learner, toy_scorer = _toy_learner_and_scorer()
+    full_prefix, answer_prefix = answer_prefix_ids(tok, "empty_mem")
+    scorer = _Recording(MemoryRewardScorer(toy_scorer.scorer.logits_fn, tok.pad_id, answer_prefix,
+                                           full_prefix=full_prefix, chunk_rows=8))
+    cfg = RLConfig(questions_per_step=2, group_size=2, memory_reward=MemoryRewardConfig(hindsight=True),
+                   rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
+                                         max_observation_tokens=8, temperature=1.0, context_steps=1,
+                                         min_rows_bucket=8))
+    cluster = RLCluster(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+                        _scripted_sample_fn([[VALID] * 4, [VALID] * 4, [ANSWER]]), scorer, AgentFormat.plain(tok), env)
+    _, trajs = rl_step(cluster, questions[:2], cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+    (full, mem, answers), = scorer.calls
+    ids, valid, _ = build_scoring_batch(full, mem, answers, answer_prefix, tok.pad_id, full_prefix=full_prefix)
+    m = len(full)
+    pairs = sorted((ids[i][valid[i]].tolist(), ids[m + i][valid[m + i]].tolist()) for i in range(m))
+    close = tok.encode("</mem>")
+    want, tails = [], 0
+    for tr in trajs:
+        for t in range(len(tr.turns)):
+            later, z = tr.later_observations(t), tok.encode(" " + tr.golds[0][0])
+            history, memory = tr.full_traj(t), tr.mem_traj(t)
+            assert memory[-len(close):] == close  # the memory view ends in its closed block
+            if later:
+                tail = later + full_prefix + answer_prefix + z
+                want.append((history + tail, memory + tail))
+                tails += 1
+            else:  # the answer turn: the full view gets the empty block the memory view already has
+                want.append((history + full_prefix + answer_prefix + z, memory + answer_prefix + z))
+    assert pairs == sorted(want) and tails == 8 and m == 12
+    assert full_prefix == tok.encode("<mem></mem>") and full_prefix[-len(close):] == close
+
+
+def test_grpo_skips_the_memory_reward_pass_and_updates_bitwise_alike():
+    """``RLConfig.memory_coef = 0`` (GRPO) skips the memory-reward pass (``RLConfig.scores_memory``):
+    the scorer is never called, and the advantages and the updated parameters are bitwise those of
+    a step that scored R_M and multiplied it by 0 (``MemoryRewardConfig.score_when_unused``)."""
+    from mempo_jax.rl import step as step_mod
+
+    runs = {}
+    for score in (False, True):
+        tok, env, questions, learner, scorer = _toy_learner_and_scorer()
+        seen = []
+        real = step_mod.compute_advantages
+
+        def recording(*a, **k):
+            seen.append(real(*a, **k))
+            return seen[-1]
+
+        step_mod.compute_advantages = recording
+        try:
+            cfg = RLConfig(questions_per_step=2, group_size=3, memory_coef=0.0,
+                           memory_reward=MemoryRewardConfig(score_when_unused=score),
+                           rollout=RolloutConfig(max_turns=3, max_new_tokens=12, max_context_tokens=160,
+                                                 max_observation_tokens=8, temperature=1.0, context_steps=1,
+                                                 min_rows_bucket=8))
+            assert cfg.scores_memory is score
+            cluster = RLCluster(learner, jax.tree.map(lambda x: x.copy(), learner.params),
+                                _scripted_sample_fn([[VALID] * 6, [VALID, ANSWER] * 3, [WRONG]]), scorer,
+                                AgentFormat.plain(tok), env)
+            m, _ = rl_step(cluster, questions[:2], cfg, jax.random.PRNGKey(0), np.random.default_rng(0))
+        finally:
+            step_mod.compute_advantages = real
+        runs[score] = (m, seen[0][0], jax.tree.map(np.asarray, learner.params), len(scorer.calls))
+    (m0, adv0, p0, calls0), (m1, adv1, p1, calls1) = runs[False], runs[True]
+    assert calls0 == 0 and calls1 == 1
+    assert m1["mem/p_mem/mean"] > 0 and m0["mem/p_mem/mean"] == 0.0  # scored only when asked
+    assert np.asarray(adv0).tobytes() == np.asarray(adv1).tobytes() and np.abs(adv0).max() > 0
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
+    assert m0["actor/pg_loss"] == m1["actor/pg_loss"]
+    assert RLConfig(memory_coef=1.0).scores_memory and not RLConfig(memory_coef=0.0).scores_memory
