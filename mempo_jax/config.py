@@ -462,6 +462,11 @@ class ExperimentConfig:
         return self.execution.sft_micro_batch_rows or self.sft.batch_rows
 
     @property
+    def rl_seed(self) -> int:
+        """The RL stage's seed: ``RLConfig.seed``, else ``seed``."""
+        return self.seed if self.rl.seed is None else self.rl.seed
+
+    @property
     def qa_train_path(self) -> str:
         """The training QA file: ``train_path``, else ``data_path`` ("" for the tiny world)."""
         return self.train_path or self.data_path

@@ -47,6 +47,7 @@ def _one_error(err: list[str]) -> str:
     ("RLConfig.group_size=0", "RLConfig.group_size must be >= 1, got 0"),
     ("RLConfig.questions_per_step=0", "RLConfig.questions_per_step must be >= 1, got 0"),
     ("RLConfig.ppo_epochs=1.5", "RLConfig.ppo_epochs must be an int, got 1.5"),
+    ("RLConfig.seed=-1", "RLConfig.seed must be >= 0, got -1"),
     ('RLConfig.outcome_metric="bleu"', "RLConfig.outcome_metric: unknown metric 'bleu'"),
     ('MemoryRewardConfig.answer="both"', "MemoryRewardConfig.answer must be one of ('gold', 'generated'), got 'both'"),
     ('MemoryRewardConfig.group="step"', "MemoryRewardConfig.group must be one of ('question', 'turn'), got 'step'"),

@@ -40,6 +40,9 @@ class RLConfig:
         ``"none"`` (default, every group) or ``"outcome_std"`` (only groups whose outcome rewards
         differ; the others are dropped before the memory reward, the log-probs and the update, and
         a step in which no group differs updates nothing). One process only.
+      seed: the RL stage's own seed (its rollout keys, question order and PPO shuffles); ``None``
+        (default): ``ExperimentConfig.seed``. Arms of one SFT start that differ only in this seed
+        share the world, the data split, the SFT policy and the frozen reference.
     """
 
     steps: int = 40
@@ -55,6 +58,7 @@ class RLConfig:
     old_logprobs: str = "trainer"
     memory_reward: MemoryRewardConfig = MemoryRewardConfig()
     filter_groups: str = "none"
+    seed: int | None = None
 
     def __post_init__(self):
         check(self, "steps", int, lo=0)
@@ -72,6 +76,8 @@ class RLConfig:
         check(self, "memory_reward", MemoryRewardConfig)
         check(self, "old_logprobs", str, choices=("trainer", "sampler"))
         check(self, "filter_groups", str, choices=tuple(GROUP_FILTERS.names()))
+        if self.seed is not None:
+            check(self, "seed", int, lo=0)
 
     @property
     def scores_memory(self) -> bool:

@@ -381,7 +381,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     sync, scorer = lockstep.distribute(exp.scorer)
     key = jax.random.PRNGKey(cfg.seed)
     ctx = RunContext(run_dir, run_cfg, exp, sync, scorer, sft_ckpt, rl_ckpt, pre,
-                     interruptible, hooks, t_start, jax.random.fold_in(key, RL_STREAM),
+                     interruptible, hooks, t_start, jax.random.fold_in(jax.random.PRNGKey(cfg.rl_seed), RL_STREAM),
                      jax.random.fold_in(key, EVAL_STREAM), make_optimizer(cfg.sft.optim), make_optimizer(cfg.optim))
     point, (sft_state, rl_state) = restore_newest(
         lambda skip: find_resume_point(run_dir, sft_ckpt, rl_ckpt, cfg.seed, cfg.sft.steps, cfg.rl.steps, skip),
@@ -407,7 +407,7 @@ def _restore(ctx: RunContext, point):
     rl = None
     if point.rl_step is not None:
         rl = full(ctx.rl_ckpt.restore(point.rl_step, target, ctx.opt_target(ctx.rl_opt)))
-        RLCheckpoint.from_meta(rl[2], point.rl_step, ctx.rl_key, ctx.cfg.seed, point.source)  # checks the RNG stream
+        RLCheckpoint.from_meta(rl[2], point.rl_step, ctx.rl_key, ctx.cfg.rl_seed, point.source)  # checks the RNG stream
     check_logs(ctx.run_dir, point.newest(), point.source)
     return sft, rl
 

@@ -332,13 +332,13 @@ class _RLRun:
                                        micro_batch_rows=cfg.execution.micro_batch_rows,
                                        logprob_chunk_rows=cfg.execution.logprob_chunk_rows,
                                        before_update=self._before_update)
-        self.order = iter(grain.MapDataset.range(len(ctx.exp.train_questions)).shuffle(seed=cfg.seed).repeat()
+        self.order = iter(grain.MapDataset.range(len(ctx.exp.train_questions)).shuffle(seed=cfg.rl_seed).repeat()
                           .batch(cfg.rl.questions_per_step))
         self.faults = FaultCounter(cfg.checkpoint.max_consecutive_nonfinite, cfg.rl.num_mini_batches * cfg.rl.ppo_epochs)
         self.start = 0
         if ctx.rl_state is not None:
             self.learner.params, self.learner.opt_state, meta = ctx.rl_state
-            record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.seed, ctx.point.source)
+            record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.rl_seed, ctx.point.source)
             self.learner.num_updates, self.start = record.updates, record.step
             self.order.set_state(record.data_iterator)
             self.faults.load(record.faults)
@@ -360,7 +360,7 @@ class _RLRun:
         """Save the policy, optimizer state and ``record`` as RL checkpoint ``record.step``."""
         ctx = self.ctx
         ctx.save(ctx.rl_ckpt, record.step, self.learner,
-                 record.meta(ctx.meta("rl", record.step, self.learner), ctx.rl_key, ctx.cfg.seed))
+                 record.meta(ctx.meta("rl", record.step, self.learner), ctx.rl_key, ctx.cfg.rl_seed))
         ctx.progress.rl_saved = record.step
 
     def step(self, ref_params, step: int):
@@ -380,7 +380,7 @@ class _RLRun:
                 policy = ctx.exp.policy
                 cluster = RLCluster(self.learner, ref_params, policy.engine, ctx.scorer, policy.fmt, ctx.exp.tool_env)
                 m, trajs = rl_step(cluster, qs, cfg.rl, jax.random.fold_in(ctx.rl_key, step),
-                                   np.random.default_rng([cfg.seed, RL_STREAM, step]),
+                                   np.random.default_rng([cfg.rl_seed, RL_STREAM, step]),
                                    traj_offset=first * cfg.rl.group_size, progress=self._progress)
         except Preempted:
             if ctx.progress.rl_saved != step:

@@ -471,3 +471,13 @@ def test_grpo_skips_the_memory_reward_pass_and_updates_bitwise_alike():
     assert all(a.tobytes() == b.tobytes() for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
     assert m0["actor/pg_loss"] == m1["actor/pg_loss"]
     assert RLConfig(memory_coef=1.0).scores_memory and not RLConfig(memory_coef=0.0).scores_memory
+
+
+def test_rl_seed_defaults_to_the_experiment_seed():
+    """``RLConfig.seed`` (the RL stage's own stream) falls back to ``ExperimentConfig.seed``."""
+    from mempo_jax.config import ExperimentConfig
+
+    assert ExperimentConfig().rl_seed == 0 and ExperimentConfig(seed=3).rl_seed == 3
+    assert ExperimentConfig(seed=3, rl=RLConfig(seed=1)).rl_seed == 1
+    with pytest.raises(ValueError, match=r"^RLConfig.seed must be an int, got 1.5$"):
+        RLConfig(seed=1.5)

@@ -239,6 +239,9 @@ def test_run_folder_of_another_seed_or_with_lost_metrics(finished_copy, capsys):
     assert rc == 2 and err == (f"error: {finished_copy / 'sft_checkpoint'}/6: checkpoint of seed 0, but "
                                "ExperimentConfig.seed = 1")
     assert _snapshot(finished_copy) == before
+    rc, err = _main(capsys, finished_copy, *NAN_PARAMS, "RLConfig.seed=1")  # the RL stage's own seed
+    assert rc == 2 and "the checkpoint's RNG stream is not this config's (seed 1)" in err
+    assert _snapshot(finished_copy) == before
     with open(finished_copy / "metrics.jsonl", "r+b") as f:
         f.truncate(100)
     rc, err = _main(capsys, finished_copy, *NAN_PARAMS)
