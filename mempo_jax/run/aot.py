@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import math
 import os
 
 INSTALL_HINT = "libtpu is not installed: pip install 'mempo-jax[tpu]'"
@@ -41,6 +42,13 @@ def topology_name(tpu) -> str:
         raise ValueError(f"TPUConfig.accelerator_type={tpu.accelerator_type!r}: no {chip} topology of {n} chips "
                          f"(pass --topology)")
     return f"{_TOPOLOGY_CHIP[chip]}:{grid}"
+
+
+def accelerator_of(topology: str) -> str:
+    """The accelerator type of a topology name (``v5e:2x2`` → ``v5litepod-4``, ``v5p:2x2x1`` → ``v5p-8``)."""
+    chip, grid = topology.split(":")
+    chips = math.prod(int(n) for n in grid.split("x"))
+    return {"v5e": f"v5litepod-{chips}", "v5p": f"v5p-{2 * chips}"}.get(chip, f"{chip}-{chips}")
 
 
 def _pinned_libtpu() -> str | None:
@@ -101,7 +109,7 @@ def slice_devices(topology: str, accelerator_type: str = "") -> tuple:
     problem = libtpu_problem()
     if problem:
         raise RuntimeError(problem)
-    _quiet_libtpu_env(accelerator_type or topology)
+    _quiet_libtpu_env(accelerator_type or accelerator_of(topology))
     from jax.experimental import topologies
 
     kwargs = {"chips_per_host_bounds": (1, 1, 1)} if topology.endswith(":1x1") else {}
