@@ -13,11 +13,14 @@ arguments).compile()`` on a mesh of them runs the real TPU compiler: ``memory_an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
 import math
 import os
+import re
+import time
 
 INSTALL_HINT = "libtpu is not installed: pip install 'mempo-jax[tpu]'"
 
@@ -119,3 +122,143 @@ def slice_devices(topology: str, accelerator_type: str = "") -> tuple:
     except Exception as e:  # libtpu's own error types
         raise RuntimeError(f"TPU topology {topology!r}: {str(e).splitlines()[0]}") from e
     return tuple(desc.devices)
+
+
+# The knob to turn per program when the compiler says it does not fit (the one-line error).
+KNOBS = {
+    "update": "ExecutionConfig.micro_batch_rows, ExecutionConfig.remat or MeshConfig (more fsdp / tensor)",
+    "sft": "ExecutionConfig.sft_micro_batch_rows, ExecutionConfig.remat or MeshConfig",
+    "logprobs": "ExecutionConfig.logprob_chunk_rows or RolloutConfig.max_context_tokens",
+    "scoring": "ExecutionConfig.scoring_chunk_rows or RolloutConfig.max_context_tokens",
+    "prefill": "RolloutConfig.num_slots, RolloutConfig.max_context_tokens or MeshConfig.rollout_tensor",
+    "decode": "RolloutConfig.num_slots, RolloutConfig.max_context_tokens or MeshConfig.rollout_tensor",
+    "eval_prefill": "EvalConfig.num_slots or RolloutConfig.max_context_tokens",
+    "eval_decode": "EvalConfig.num_slots or RolloutConfig.max_context_tokens",
+}
+_OOM = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def uses_kernel(hlo_text: str) -> bool:
+    """Whether a compiled TPU program calls a Pallas (Mosaic) kernel: a ``tpu_custom_call`` in its HLO."""
+    return "tpu_custom_call" in hlo_text
+
+
+def _cost(compiled) -> dict:
+    """``cost_analysis()``'s ``flops`` and ``bytes accessed`` (the compiler's estimates per device)."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+    return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def compile_program(name: str, build, hbm_bytes: int) -> dict:
+    """Lower (``build()``) and compile one program for the TPU; never raises for a compile error.
+
+    Returns:
+      ``{"name", "compiled", "compile_s"}`` and, compiled: ``"tpu_bytes"`` (memory_analysis:
+      arguments + temporaries + outputs − aliased, per chip), ``"memory"`` (those terms),
+      ``"peak_bytes"`` (the compiler's ``peak_memory_in_bytes``, where reported), ``"attention"``
+      (``"kernel"``: a Pallas kernel in the program, else ``"xla"``), ``"flops"``,
+      ``"bytes_accessed"``; not compiled: ``"error"`` (the compiler's first line) and, when it ran
+      out of HBM, ``"tpu_bytes"`` / ``"hbm_bytes"`` as the compiler names them.
+    """
+    from mempo_jax.run.memory_plan import _memory
+
+    t = time.perf_counter()
+    try:
+        compiled = build().compile()
+    except Exception as e:  # the TPU compiler's errors (out of HBM / VMEM, a kernel it cannot lower)
+        msg = " ".join(str(e).split())
+        row = {"name": name, "compiled": False, "compile_s": round(time.perf_counter() - t, 2), "error": msg[:400]}
+        m = _OOM.search(msg)
+        if m:
+            row["tpu_bytes"] = int(float(m.group(1)) * _UNIT[m.group(2)])
+            row["hbm_bytes"] = int(float(m.group(3)) * _UNIT[m.group(4)])
+        return row
+    mem = _memory(compiled)
+    peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
+    return {"name": name, "compiled": True, "compile_s": round(time.perf_counter() - t, 2), "tpu_bytes": mem["total"],
+            "memory": mem, "peak_bytes": peak, "attention": "kernel" if uses_kernel(compiled.as_text()) else "xla",
+            **_cost(compiled), "hbm_bytes": hbm_bytes}
+
+
+def aot_report(cfg, pod, topology: str | None = None, only=None) -> dict:
+    """Every program of a run of ``cfg`` (``memory_plan.phase_programs``) compiled for its TPU slice
+    (``pod.tpu``; ``topology`` overrides ``topology_name``), each beside the plan's figure.
+
+    Returns:
+      ``{"topology", "accelerator_type", "hbm_bytes", "programs": [compile_program row + "plan_bytes"]}``.
+
+    Raises:
+      RuntimeError: ``libtpu_problem``, or a topology libtpu cannot build.
+      ValueError: as ``phase_programs`` (a mesh that does not match the slice).
+    """
+    from mempo_jax.run.memory_plan import (build_plan, eval_slots, phase_programs, program_plan_bytes,
+                                           rollout_plan)
+
+    topo = topology or topology_name(pod.tpu)
+    devices = slice_devices(topo, pod.tpu.accelerator_type)
+    plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    rollout = rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
+    slots = eval_slots(cfg, pod.tpu)
+    eval_rollout = None
+    if slots:
+        ro = dataclasses.replace(cfg.rl.rollout, num_slots=slots)
+        eval_rollout = rollout_plan(dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, rollout=ro)),
+                                    pod.mesh, pod.tpu, pod.plan)
+    plans = program_plan_bytes(plan, rollout, eval_rollout)
+    programs = phase_programs(cfg, pod.mesh, pod.tpu, pod.plan, devices)
+    rows = []
+    for name, build in programs.items():
+        if only and name not in only:
+            continue
+        row = compile_program(name, build, pod.tpu.hbm_bytes)
+        row["plan_bytes"] = plans.get(name)
+        rows.append(row)
+    return {"topology": topo, "accelerator_type": pod.tpu.accelerator_type, "chip": pod.tpu.chip.name,
+            "hbm_bytes": pod.tpu.hbm_bytes, "programs": rows}
+
+
+def fits(row: dict) -> bool:
+    """A program compiled and its bytes per chip are within the chip's HBM."""
+    return row["compiled"] and row["tpu_bytes"] <= row["hbm_bytes"]
+
+
+def fit_error(report: dict) -> str | None:
+    """The one-line error of the first program that did not compile or fit (its bytes over the HBM
+    and the knob to turn), or ``None`` when every program fits."""
+    for row in report["programs"]:
+        if fits(row):
+            continue
+        name = row["name"]
+        if "tpu_bytes" in row:
+            over = row["tpu_bytes"] - row["hbm_bytes"]
+            return (f"program '{name}' does not fit a {report['chip']} chip of {report['topology']}: "
+                    f"{row['tpu_bytes'] / 2**30:.2f} GiB per chip, {over / 2**30:.2f} GiB over its "
+                    f"{row['hbm_bytes'] / 2**30:.2f} GiB HBM; lower {KNOBS.get(name, 'its sizes')}")
+        return f"program '{name}' does not compile for {report['topology']}: {row['error'][:300]}"
+    return None
+
+
+def format_report(report: dict) -> str:
+    """``aot_report`` as a table: GiB per chip, plan / compiler ratio, headroom, TFLOPs and GB
+    accessed (``cost_analysis``), attention, compile seconds."""
+    gib = lambda n: f"{n / 2**30:7.2f}" if n is not None else "      -"  # noqa: E731
+    lines = [f"TPU compiler ({report['topology']}, {report['accelerator_type']}: "
+             f"{report['hbm_bytes'] / 2**30:.2f} GiB HBM per chip), GiB per chip:",
+             f"  {'program':<13}{'args':>8}{'temps':>8}{'outs':>8}{'total':>8}{'plan':>8}{'plan/tpu':>9}"
+             f"{'headroom':>9}{'TFLOP':>9}{'GB acc.':>9}  {'attention':<9}{'compile s':>10}"]
+    for row in report["programs"]:
+        plan = row.get("plan_bytes")
+        if not row["compiled"]:
+            total = row.get("tpu_bytes")
+            lines.append(f"  {row['name']:<13}{'':>24}{gib(total) if total else '      ?':>8}{gib(plan):>8}"
+                         f"{'':>9}{'':>9}{'':>18}  {'FAILED':<9}{row['compile_s']:>10.1f}   {row['error'][:120]}")
+            continue
+        m = row["memory"]
+        ratio = f"{plan / row['tpu_bytes']:9.2f}" if plan and row["tpu_bytes"] else f"{'-':>9}"
+        lines.append(f"  {row['name']:<13}{gib(m['arguments']):>8}{gib(m['temporaries']):>8}{gib(m['outputs']):>8}"
+                     f"{gib(row['tpu_bytes']):>8}{gib(plan):>8}{ratio}{gib(row['hbm_bytes'] - row['tpu_bytes']):>9}"
+                     f"{row['flops'] / 1e12:9.2f}{row['bytes_accessed'] / 1e9:9.2f}  {row['attention']:<9}"
+                     f"{row['compile_s']:>10.1f}")
+    return "\n".join(lines)
