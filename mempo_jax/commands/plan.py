@@ -1,5 +1,5 @@
 """``python -m mempo_jax.commands.plan --gin_file=CONFIG [--gin_param B] [--json] [--xla] [--aot
-[--topology NAME]]`` (``mempo-plan``): the memory plan of a recipe on its TPU slice
+[--topology NAME] [--program NAME]]`` (``mempo-plan``): the memory plan of a recipe on its TPU slice
 (``mempo_jax.run.memory_plan``), and the TPU compiler's own figures.
 
 Prints the plan per device and the rollout mesh's (``--json``: both as JSON, in bytes); ``--xla``
@@ -49,6 +49,9 @@ def _parse_args(argv):
     p.add_argument("--topology", default=None,
                    help="with --aot: the TPU topology to compile for (e.g. v5e:2x2, v5p:2x2x1; default: "
                         "TPUConfig.accelerator_type's)")
+    p.add_argument("--program", action="append", default=[],
+                   help="with --aot: compile only this program (repeatable; update, sft, logprobs, scoring, prefill, "
+                        "decode, eval_prefill, eval_decode)")
     return p.parse_args(argv)
 
 
@@ -66,7 +69,7 @@ def _aot(args, cfg, pod) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        report = aot.aot_report(cfg, pod, args.topology)
+        report = aot.aot_report(cfg, pod, args.topology, args.program)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         print(_error(e), file=sys.stderr)
         return 2

@@ -164,7 +164,11 @@ def compile_program(name: str, build, hbm_bytes: int) -> dict:
     """
     from mempo_jax.run.memory_plan import _memory
 
+    import jax
+
     t = time.perf_counter()
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a compile-only executable cannot be loaded back
     try:
         compiled = build().compile()
     except Exception as e:  # the TPU compiler's errors (out of HBM / VMEM, a kernel it cannot lower)
@@ -175,6 +179,8 @@ def compile_program(name: str, build, hbm_bytes: int) -> dict:
             row["tpu_bytes"] = int(float(m.group(1)) * _UNIT[m.group(2)])
             row["hbm_bytes"] = int(float(m.group(3)) * _UNIT[m.group(4)])
         return row
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
     mem = _memory(compiled)
     peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
     return {"name": name, "compiled": True, "compile_s": round(time.perf_counter() - t, 2), "tpu_bytes": mem["total"],
@@ -183,8 +189,9 @@ def compile_program(name: str, build, hbm_bytes: int) -> dict:
 
 
 def aot_report(cfg, pod, topology: str | None = None, only=None) -> dict:
-    """Every program of a run of ``cfg`` (``memory_plan.phase_programs``) compiled for its TPU slice
-    (``pod.tpu``; ``topology`` overrides ``topology_name``), each beside the plan's figure.
+    """Every program of a run of ``cfg`` (``memory_plan.phase_programs``; ``only``: those names)
+    compiled for its TPU slice (``pod.tpu``; ``topology`` overrides ``topology_name``), each beside
+    the plan's figure.
 
     Returns:
       ``{"topology", "accelerator_type", "hbm_bytes", "programs": [compile_program row + "plan_bytes"]}``.
@@ -208,6 +215,9 @@ def aot_report(cfg, pod, topology: str | None = None, only=None) -> dict:
                                     pod.mesh, pod.tpu, pod.plan)
     plans = program_plan_bytes(plan, rollout, eval_rollout)
     programs = phase_programs(cfg, pod.mesh, pod.tpu, pod.plan, devices)
+    unknown = sorted(set(only or ()) - set(programs))
+    if unknown:
+        raise ValueError(f"--program {unknown[0]!r} is not a program of this run: {', '.join(programs)}")
     rows = []
     for name, build in programs.items():
         if only and name not in only:
