@@ -64,6 +64,8 @@ from mempo_jax.core.sharding import active_mesh, logical_to_spec
 
 _log = logging.getLogger(__name__)
 
+# logical axes of a KV cache ``[layers, slots, kv_heads, size, head_dim]`` (KVCache.k / .v; model.placement)
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 BLOCK_Q = 256  # query rows per tile (tokens)
 BLOCK_K = 256  # key columns per tile (tokens)
 
@@ -530,8 +532,6 @@ def _paged_decode(q, k, v, mask: AttentionMask, layer, rows, platform: str, inte
     active = active_mesh()
     if active is None or active[0].size == 1:
         return kernel(q, k, v, slot, lengths, layer).astype(q.dtype)
-    from mempo_jax.model.placement import CACHE_AXES
-
     mesh, rules = active
     cache_spec = logical_to_spec(CACHE_AXES, rules, mesh.shape, k.shape)
     slot_axes, heads = _batch_head_axes(cache_spec, 1, 2)

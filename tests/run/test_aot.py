@@ -17,11 +17,16 @@ from mempo_jax import config as config_lib
 from mempo_jax.commands import plan as plan_command
 from mempo_jax.core import mesh_config
 from mempo_jax.core.mesh_config import TPUConfig
+from mempo_jax.model import attention
 from mempo_jax.run import aot
 from mempo_jax.run import memory_plan as plan
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROBLEM = aot.libtpu_problem()
+# The plan's log-prob figure over the TPU compiler's for the small model: never below it; 1.64 measured
+# (docs/results.md, "TPU compiler"), above the [1.0, 1.3] target: the forward phases' terms are
+# calibrated against XLA's CPU compiler, not yet the TPU's.
+RATIO_BAND = (1.0, 1.7)
 needs_libtpu = pytest.mark.skipif(PROBLEM is not None, reason=f"no TPU compiler here: {PROBLEM}")
 
 
@@ -81,14 +86,17 @@ def test_v5e_auto_runs_the_kernels_where_the_shapes_allow():
 def test_v5p_head_dim_64_decodes_on_xla_and_xla_has_no_kernel(caplog):
     """head_dim 64 on v5p:2x2x1: ``"auto"`` keeps splash in scoring but leaves the decode to XLA
     (the TPU paged-attention kernel needs a multiple of 128) with one log line; ``"xla"`` compiles
-    the update with no kernel at all, at the plan's figure within the band measured for it."""
-    with caplog.at_level("WARNING"):
+    the log-prob pass with no kernel at all, the plan's figure for it within ``RATIO_BAND`` of the
+    compiler's."""
+    attention._log_fallback.cache_clear()  # once per process and reason
+    with caplog.at_level("WARNING", logger="mempo_jax.model.attention"):
         _, _, rows = _compile(small_recipe("v5p-8", 64), ("scoring", "decode"), "v5p:2x2x1")
     assert rows["scoring"]["attention"] == "kernel" and rows["decode"]["attention"] == "xla"
-    cfg, pod, rows = _compile(small_recipe("v5p-8", 64, "xla"), ("update",), "v5p:2x2x1")
-    assert rows["update"]["attention"] == "xla"
-    ours = plan.phase_totals(plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan))["update"]
-    ratio = ours / rows["update"]["tpu_bytes"]
+    assert any("head_dim is 64; that path uses XLA attention" in r.getMessage() for r in caplog.records)
+    cfg, pod, rows = _compile(small_recipe("v5p-8", 64, "xla"), ("logprobs",), "v5p:2x2x1")
+    assert rows["logprobs"]["attention"] == "xla"
+    ours = plan.phase_totals(plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan))["logprobs"]
+    ratio = ours / rows["logprobs"]["tpu_bytes"]
     assert RATIO_BAND[0] <= ratio <= RATIO_BAND[1], ratio
 
 
@@ -136,4 +144,3 @@ def test_aot_command_json_and_exit_codes(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == "error: libtpu is not installed: pip install 'mempo-jax[tpu]'\n"
 
 
-RATIO_BAND = (0.5, 2.0)
