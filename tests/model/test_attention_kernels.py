@@ -154,9 +154,10 @@ def test_the_strategy_reaches_the_forward_passes_and_the_decode():
 
 def test_kernels_under_shard_map_on_a_mesh_equal_xla():
     """On a (2, 1, 2) mesh of 4 emulated devices (``activation_sharding``) the kernels run under
-    ``shard_map``: splash on each device's rows and kv heads, forward and gradient; paged decode over
-    the cache as placed (slots over ``data``, kv heads over ``tensor``), rows reading slots held by
-    the other device (``rows``) gathered by the ``psum``. Both equal XLA on the same mesh."""
+    ``shard_map``: splash on each device's rows and kv heads, forward and gradient; paged decode (the
+    TPU and the GPU kernel) over the cache as placed (slots over ``data``, kv heads over ``tensor``),
+    rows reading slots held by the other device (``rows``) gathered by the ``psum``. Each equals XLA
+    on the same mesh."""
     from mempo_jax.core.sharding import activation_sharding, make_mesh
     from mempo_jax.model.placement import cache_shardings
 
@@ -174,17 +175,18 @@ def test_kernels_under_shard_map_on_a_mesh_equal_xla():
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, **F32)
 
-    q, kc, vc, mask, rows = _cache_case(np.random.default_rng(5), jnp.bfloat16, h=4, kvh=2, slots=4)
     cfg = ModelConfig.tiny(32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     sh = cache_shardings(cfg, 4, 64, mesh).k
-    kc, vc = jax.device_put(kc, sh), jax.device_put(vc, sh)
     rows = jnp.asarray([3, 0, 1, 2], jnp.int32)  # rows 0 and 3 read slots of the other data shard
+    for impl, platform, dtype, tol in (("pallas", "tpu", jnp.bfloat16, 2e-2), ("cudnn", "gpu", jnp.float32, 2e-5)):
+        q, kc, vc, mask, _ = _cache_case(np.random.default_rng(5), dtype, h=4, kvh=2, slots=4)
+        kc, vc = jax.device_put(kc, sh), jax.device_put(vc, sh)
 
-    def decode(impl):
-        with activation_sharding(mesh):
-            return _decode(impl, q, kc, vc, mask, rows)
+        def decode(impl):
+            with activation_sharding(mesh):
+                return _decode(impl, q, kc, vc, mask, rows)
 
-    want = decode("xla")
-    with interpret_kernels("tpu"):
-        got = decode("pallas")
-    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        want = decode("xla")
+        with interpret_kernels(platform):
+            got = decode(impl)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
