@@ -144,3 +144,28 @@ def test_aot_command_json_and_exit_codes(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == "error: libtpu is not installed: pip install 'mempo-jax[tpu]'\n"
 
 
+
+
+@needs_libtpu
+def test_commands_start_quietly_with_libtpu_on_a_host_without_chips():
+    """With libtpu installed and ``JAX_PLATFORMS`` unset, importing the commands sets it to ``cpu`` on
+    a host without TPU chips (or a GPU), so JAX's start-up neither loads libtpu (its errors on stderr,
+    its lock file) nor changes a set value."""
+    import os
+    import subprocess
+    import sys
+
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu():
+        pytest.skip("this host has an accelerator")
+    code = ("import os, mempo_jax.commands, jax; jax.devices(); "
+            "print(os.environ.get('JAX_PLATFORMS'), jax.default_backend())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu", "cpu"], out
+    assert "TPU" not in out.stderr and "libtpu" not in out.stderr, out.stderr
+    env["JAX_PLATFORMS"] = "cpu,tpu"
+    out = subprocess.run([sys.executable, "-c", "import os, mempo_jax.commands; print(os.environ['JAX_PLATFORMS'])"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "cpu,tpu"
