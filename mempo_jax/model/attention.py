@@ -36,7 +36,7 @@ default backend. A Mosaic (Pallas TPU) or Triton (Pallas GPU) kernel cannot be p
 so on a mesh of several devices each kernel runs under ``jax.shard_map`` over the mesh's batch and
 head axes (the activations' logical-axis rules): splash attention on each device's rows and kv
 heads with their segment ids; paged decode on each device's cache slots and kv heads, every query
-row visiting the device that holds its slot (``_sharded_paged_decode``). cuDNN's attention
+row served by the device that holds its slot (``_paged_decode``). cuDNN's attention
 (``jax.nn.dot_product_attention(implementation="cudnn")``) is a ``custom_partitioning`` call in
 JAX (batch and head dimensions sharded, sequence and head_dim not): it partitions under ``jit``
 as it is.
