@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mempo_jax.model.attention import check_kernels
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
@@ -151,6 +152,7 @@ class SlotSampler:
         self.pad_id = int(pad_id)
         self.block = int(block)
         self.mesh, self.rules = mesh_or_local(mesh), (DEFAULT_RULES if rules is None else rules)
+        check_kernels(attention_impl, model_cfg.head_dim, self.mesh)  # an explicit kernel that cannot run stops here
         self._tables = None
         if stop_automaton is not None:
             if stop_automaton.vocab_size != model_cfg.vocab_size:

@@ -12,4 +12,12 @@ Each runs as its console script (``pyproject.toml``) or as ``python -m mempo_jax
 * ``retrieval_server`` (``mempo-retrieve-server``): the Search-R1 ``/retrieve`` server;
 * ``write_sft_messages`` (``mempo-write-sft-messages``): the scripted agent's SFT file;
 * ``smollm2`` (``mempo-smollm2``): SmolLM2-135M-Instruct as a Hugging Face folder.
+
+Importing the package runs ``cli.skip_absent_tpu``: with ``libtpu`` installed on a host without TPU
+chips, JAX's start-up would load it and print libtpu's errors; the commands then run on the CPU
+backend quietly (a set ``JAX_PLATFORMS`` wins).
 """
+
+from mempo_jax.commands.cli import skip_absent_tpu
+
+skip_absent_tpu()

@@ -247,11 +247,18 @@ def activation_sharding(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iter
     places the activations, which on an fsdp mesh (parameters sharded on ``embed``) can choose to
     gather the rows of every attention output rather than the layer's weights.
     """
-    token = _ACTIVATIONS.set(None if mesh is None or mesh.size == 1 else (mesh, tuple(rules)))
+    token = _ACTIVATIONS.set(None if mesh is None else (mesh, tuple(rules)))
     try:
         yield
     finally:
         _ACTIVATIONS.reset(token)
+
+
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The ``(mesh, rules)`` of the innermost ``activation_sharding`` block (a one-device mesh
+    included), or ``None`` outside one: the mesh a model function is being traced for (its devices
+    name the platform the program is compiled for, ``model.attention.resolve_impl``)."""
+    return _ACTIVATIONS.get()
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
@@ -267,7 +274,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
       ValueError: as ``logical_to_spec`` (an unknown name, a rank mismatch).
     """
     active = _ACTIVATIONS.get()
-    if active is None:
+    if active is None or active[0].size == 1:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh.shape,

@@ -28,10 +28,29 @@ slots through the Pallas GPU paged-attention kernel (``jax.experimental.pallas.o
 order, key validity and packed-row segments become the kernels' segment ids / mask, cache
 positions their per-row lengths. ``interpret_kernels(platform)`` runs a platform's kernel paths on
 the host (Pallas in interpret mode, cuDNN's call through its XLA implementation), for tests.
+
+The platform is the one the program is compiled for: that of the devices of the mesh the model
+function is traced under (``core.sharding.activation_sharding``), so a CPU host lowering for a
+TPU slice's compile-only devices (``run.aot``) gets the TPU program; without a mesh, JAX's
+default backend. A Mosaic (Pallas TPU) or Triton (Pallas GPU) kernel cannot be partitioned by XLA,
+so on a mesh of several devices each kernel runs under ``jax.shard_map`` over the mesh's batch and
+head axes (the activations' logical-axis rules): splash attention on each device's rows and kv
+heads with their segment ids; paged decode on each device's cache slots and kv heads, every query
+row served by the device that holds its slot (``_paged_decode``). cuDNN's attention
+(``jax.nn.dot_product_attention(implementation="cudnn")``) is a ``custom_partitioning`` call in
+JAX (batch and head dimensions sharded, sequence and head_dim not): it partitions under ``jit``
+as it is.
+
+A kernel that cannot take a shape (``kernel_problem``: the TPU paged-attention kernel needs a
+head_dim that is a multiple of 128) leaves that path to XLA under ``"auto"``, with one log line;
+an explicit ``"pallas"`` is refused at start-up (``check_kernels``) with one line naming the field,
+the shape and the reason.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 from typing import NamedTuple, Optional
 
@@ -41,6 +60,12 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
+from mempo_jax.core.sharding import active_mesh, logical_to_spec
+
+_log = logging.getLogger(__name__)
+
+# logical axes of a KV cache ``[layers, slots, kv_heads, size, head_dim]`` (KVCache.k / .v; model.placement)
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 BLOCK_Q = 256  # query rows per tile (tokens)
 BLOCK_K = 256  # key columns per tile (tokens)
 
@@ -318,10 +343,32 @@ def interpret_kernels(platform: str):
         _interpret.pop()
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The concrete strategy of ``ExecutionConfig.attention_impl`` on ``backend`` (default
-    ``jax.default_backend()``, or the platform of ``interpret_kernels``): ``"auto"`` → ``"cudnn"``
-    on GPU, ``"pallas"`` on TPU, ``"xla"`` elsewhere; any other value is returned as it is.
+def mesh_platform(mesh) -> str | None:
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform of a ``jax.sharding.Mesh``'s devices (compile-only
+    TPU devices included); ``None`` for ``None`` or a device-less ``AbstractMesh``."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return None
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def target_platform(backend: str | None = None, mesh=None) -> str:
+    """The platform a program is built for: that of ``interpret_kernels``, else of ``mesh``'s devices
+    (default: the mesh of the enclosing ``activation_sharding``), else ``backend``, else JAX's default backend."""
+    if _interpret:
+        return _interpret[-1]
+    if mesh is None and backend is None:
+        active = active_mesh()
+        mesh = active[0] if active else None
+    return mesh_platform(mesh) or backend or jax.default_backend()
+
+
+def resolve_impl(impl: str, backend: str | None = None, mesh=None) -> str:
+    """The concrete strategy of ``ExecutionConfig.attention_impl`` on the target platform
+    (``target_platform``: ``interpret_kernels``' platform, else the devices of ``mesh`` or of the
+    traced function's ``activation_sharding`` mesh, else ``backend``, else
+    ``jax.default_backend()``): ``"auto"`` → ``"cudnn"`` on GPU, ``"pallas"`` on TPU, ``"xla"``
+    elsewhere; any other value is returned as it is.
 
     Raises:
       ValueError: an unknown name, or ``"cudnn"`` off a GPU / ``"pallas"`` off a TPU (one line
@@ -329,7 +376,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"ExecutionConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    platform = _interpret[-1] if _interpret else (backend or jax.default_backend())
+    platform = target_platform(backend, mesh)
     if impl == "auto":
         return _AUTO.get(platform, "xla")
     need = _KERNEL_PLATFORM.get(impl)
@@ -374,23 +421,31 @@ def _splash_kernel(length: int, groups: int, block: int, interpret: bool):
     return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def _splash_attention(q, k, v, mask: AttentionMask, interpret: bool):
-    """Splash attention on ``q [B, T, H, hd]``, ``k, v [B, S = T, kv, hd]``: the rows padded to a
-    multiple of 128 tokens, one kernel call per (row, kv head) under ``vmap``; our mask as the
-    kernel's causal mask and segment ids (``_kernel_segments``)."""
+def _batch_head_axes(spec: jax.sharding.PartitionSpec, batch_dim: int, head_dim: int):
+    """The mesh axes of a ``PartitionSpec``'s batch and head dimensions (entries, ``None``: not sharded)."""
+    entry = lambda i: spec[i] if i < len(spec) else None  # noqa: E731
+    return entry(batch_dim), entry(head_dim)
+
+
+def _axis_names(entry) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def _splash_local(q, k, v, seg, interpret: bool):
+    """Splash attention on one device's shard: ``q [B, T, H, hd]``, ``k, v [B, T, kv, hd]``,
+    ``seg [B, L]`` kernel segment ids (``_kernel_segments``, ``L`` = T padded to 128): one kernel
+    call per (row, kv head) under ``vmap``, the kernel's causal mask over ``L`` tokens."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, t, h, hd = q.shape
     kvh = k.shape[2]
-    g = h // kvh
-    length = -(-t // 128) * 128
+    length = seg.shape[1]
     block = next(n for n in (512, 256, 128) if length % n == 0)
-    kernel = _splash_kernel(length, g, block, interpret)
+    kernel = _splash_kernel(length, h // kvh, block, interpret)
     pad = ((0, 0), (0, 0), (0, length - t), (0, 0))
     qg = jnp.pad(jnp.transpose(_grouped(_scaled(q), kvh), (0, 2, 3, 1, 4)), ((0, 0),) + pad)  # [B, kv, g, L, hd]
     kk = jnp.pad(jnp.swapaxes(k, 1, 2).astype(q.dtype), pad)  # [B, kv, L, hd]
     vv = jnp.pad(jnp.swapaxes(v, 1, 2).astype(q.dtype), pad)
-    seg = _kernel_segments(mask, length)
 
     def one(qh, kh, vh, s):
         return kernel(qh, kh, vh, segment_ids=splash.SegmentIds(s, s))
@@ -399,29 +454,41 @@ def _splash_attention(q, k, v, mask: AttentionMask, interpret: bool):
     return jnp.transpose(out, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, hd)
 
 
-def _paged_decode(q, k, v, mask: AttentionMask, layer, rows, platform: str, interpret: bool):
-    """One-token decode over the whole KV cache ``[layers, slots, kv, size, hd]`` through a Pallas
-    paged-attention kernel (``platform`` ``"gpu"`` or ``"tpu"``), the cache read in place.
+def _splash_attention(q, k, v, mask: AttentionMask, interpret: bool):
+    """Splash attention on ``q [B, T, H, hd]``, ``k, v [B, S = T, kv, hd]``: the rows padded to a
+    multiple of 128 tokens, our mask as the kernel's causal mask and segment ids
+    (``_kernel_segments``). On a mesh of several devices (``core.sharding.active_mesh``) the kernel
+    runs under ``shard_map``: rows over the ``batch`` rule's axes, kv heads (and their query heads)
+    over the ``kv_heads`` rule's, segment ids with their rows; each device's kernel sees its shard."""
+    b, t, h, hd = q.shape
+    kvh = k.shape[2]
+    seg = _kernel_segments(mask, -(-t // 128) * 128)
+    local = functools.partial(_splash_local, interpret=interpret)
+    active = active_mesh()
+    if active is None or active[0].size == 1:
+        return local(q, k, v, seg)
+    mesh, rules = active
+    rows, heads = _batch_head_axes(logical_to_spec(("batch", None, "kv_heads", None), rules, mesh.shape,
+                                                   (b, t, kvh, hd)), 0, 2)
+    P = jax.sharding.PartitionSpec
+    qkv = P(rows, None, heads, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows, None)), out_specs=qkv,
+                         check_vma=False)(q, k, v, seg)
 
-    The cache is viewed as pages of one kv head each (a free reshape: ``[1, layers · slots · kv ·
-    pages, page, hd]``); query row b becomes ``kv`` kernel rows of ``groups`` heads, (row b, kv
-    head j) reading the pages of layer ``layer``, slot ``rows[b]``, head j, ``positions + 1`` of
-    them valid (``AttentionMask.cached``). Returns ``[B, 1, H, hd]`` in ``q.dtype``, or ``None``
-    where the cache size has no page size (a multiple of 16 tokens): the caller takes XLA.
-    """
+
+def _paged_local(q, k, v, slot, lengths, layer, page: int, platform: str, interpret: bool):
+    """The paged-attention kernel over one device's cache ``[layers, slots, kv, size, hd]``: query row
+    b (``q [B, 1, H, hd]``) reads layer ``layer`` of slot ``slot[b]`` (an index into this cache),
+    its first ``lengths[b]`` positions. Returns ``[B, 1, H, hd]`` in the kernel's dtype."""
     nl, slots, kvh, size, hd = k.shape
     b, _, h, _ = q.shape
-    page = 16 if platform == "gpu" else next((n for n in (128, 64, 32, 16) if size % n == 0), 0)
-    if not page or size % page:
-        return None
     pps = size // page
     per_block = next(n for n in (8, 4, 2, 1) if pps % n == 0)
     kp, vp = k.reshape(1, -1, page, hd), v.reshape(1, -1, page, hd)
-    slot = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     first = ((jnp.asarray(layer, jnp.int32) * slots + slot)[:, None] * kvh + jnp.arange(kvh, dtype=jnp.int32)) * pps
     pages = (first[..., None] + jnp.arange(pps, dtype=jnp.int32)).reshape(b * kvh, pps)
-    lengths = jnp.repeat(jnp.clip(mask.q_index[:, 0] + 1, 1, size).astype(jnp.int32), kvh)
     qr = _scaled(q).reshape(b * kvh, h // kvh, hd)
+    lengths = jnp.repeat(lengths, kvh)
     if platform == "gpu":
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
@@ -434,7 +501,93 @@ def _paged_decode(q, k, v, mask: AttentionMask, layer, rows, platform: str, inte
 
         with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
             out = tpu_paged(qr, kp, vp, lengths, pages, pages_per_compute_block=per_block)
-    return out.reshape(b, 1, h, hd).astype(q.dtype)
+    return out.reshape(b, 1, h, hd)
+
+
+def _paged_decode(q, k, v, mask: AttentionMask, layer, rows, platform: str, interpret: bool):
+    """One-token decode over the whole KV cache ``[layers, slots, kv, size, hd]`` through a Pallas
+    paged-attention kernel (``platform`` ``"gpu"`` or ``"tpu"``), the cache read in place.
+
+    The cache is viewed as pages of one kv head each (a free reshape: ``[1, layers · slots · kv ·
+    pages, page, hd]``); query row b becomes ``kv`` kernel rows of ``groups`` heads, (row b, kv
+    head j) reading the pages of layer ``layer``, slot ``rows[b]``, head j, ``positions + 1`` of
+    them valid (``AttentionMask.cached``).
+
+    On a mesh of several devices the kernel runs under ``shard_map`` over the cache as it is
+    placed (``model.placement.cache_shardings``: slots over the ``batch`` rule's axes, kv heads over
+    ``kv_heads``'): every device gets all query rows of its heads, serves the rows whose slot it
+    holds (the others read one page and are zeroed) and a ``psum`` over the slot axes gathers the
+    rows; the cache is never moved. Returns ``[B, 1, H, hd]`` in ``q.dtype``, or ``None`` where
+    the cache size has no page size (a multiple of 16 tokens): the caller takes XLA.
+    """
+    nl, slots, kvh, size, hd = k.shape
+    b, _, h, _ = q.shape
+    page = 16 if platform == "gpu" else next((n for n in (128, 64, 32, 16) if size % n == 0), 0)
+    if not page or size % page:
+        return None
+    slot = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    lengths = jnp.clip(mask.q_index[:, 0] + 1, 1, size).astype(jnp.int32)
+    layer = jnp.asarray(layer, jnp.int32)
+    kernel = functools.partial(_paged_local, page=page, platform=platform, interpret=interpret)
+    active = active_mesh()
+    if active is None or active[0].size == 1:
+        return kernel(q, k, v, slot, lengths, layer).astype(q.dtype)
+    mesh, rules = active
+    cache_spec = logical_to_spec(CACHE_AXES, rules, mesh.shape, k.shape)
+    slot_axes, heads = _batch_head_axes(cache_spec, 1, 2)
+    names = _axis_names(slot_axes)
+
+    def local(q, k, v, slot, lengths, layer):
+        if not names:
+            return kernel(q, k, v, slot, lengths, layer)
+        held = k.shape[1]
+        first = jax.lax.axis_index(names) * held
+        here = (slot >= first) & (slot < first + held)
+        out = kernel(q, k, v, jnp.where(here, slot - first, 0), jnp.where(here, lengths, 1), layer)
+        return jax.lax.psum(jnp.where(here[:, None, None, None], out, jnp.zeros_like(out)), names)
+
+    P = jax.sharding.PartitionSpec
+    qs = P(None, None, heads, None)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(qs, cache_spec, cache_spec, P(), P(), P()), out_specs=qs,
+                        check_vma=False)(q, k, v, slot, lengths, layer)
+    return out.astype(q.dtype)
+
+
+# what "auto" left to XLA, logged once per reason (kernel_problem)
+@functools.lru_cache(maxsize=None)
+def _log_fallback(problem: str) -> None:
+    _log.warning("attention_impl='auto': %s; that path uses XLA attention", problem)
+
+
+def kernel_problem(impl: str, head_dim: int, platform: str) -> str | None:
+    """Why a concrete strategy's kernel cannot take this model on ``platform`` (one phrase naming
+    the kernel, the shape and the reason), or ``None``. The TPU paged-attention kernel (decode over
+    the KV cache) needs ``head_dim`` a multiple of 128: its Mosaic lowering tiles a block's last two
+    dimensions by 8 and 128 (the TPU compiler: "The Pallas TPU lowering currently requires … divisible
+    by 8 and 128"); interpret mode has no such limit."""
+    if impl == "pallas" and platform == "tpu" and head_dim % 128:
+        return (f"the Pallas TPU paged-attention kernel (decode) needs head_dim a multiple of 128 (its Mosaic "
+                f"lowering tiles by 8 x 128), this model's head_dim is {head_dim}")
+    return None
+
+
+def check_kernels(impl: str, head_dim: int, mesh=None) -> str:
+    """Start-up check of ``ExecutionConfig.attention_impl`` for a model of ``head_dim`` on ``mesh``
+    (its devices' platform, ``target_platform``): returns the resolved strategy; under ``"auto"`` a
+    path whose kernel cannot take the shape is logged once and left to XLA (``attention`` does so
+    as it traces).
+
+    Raises:
+      ValueError: as ``resolve_impl``, or an explicit ``"pallas"`` whose kernel cannot take the
+        shape (one line: the field, the shape, the reason).
+    """
+    resolved = resolve_impl(impl, mesh=mesh)
+    problem = None if _interpret else kernel_problem(resolved, head_dim, target_platform(mesh=mesh))
+    if problem and impl == "auto":
+        _log_fallback(problem)
+    elif problem:
+        raise ValueError(f"ExecutionConfig.attention_impl={impl!r}: {problem} (use 'auto' or 'xla')")
+    return resolved
 
 
 def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayLike, "*cache _ _ head_dim"],
@@ -467,12 +620,17 @@ def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayL
     Raises:
       ValueError: as ``blocked_attention``, or from ``resolve_impl``.
     """
-    impl = resolve_impl(impl)
+    requested, impl = impl, resolve_impl(impl)
     interpret = bool(_interpret)
     if layer is not None:
         if impl != "xla" and q.shape[1] == 1 and isinstance(mask, AttentionMask) and (
                 k.dtype == jnp.bfloat16 if impl == "pallas" else k.dtype == q.dtype):
-            out = _paged_decode(q, k, v, mask, layer, rows, _KERNEL_PLATFORM[impl], interpret)
+            problem = None if interpret else kernel_problem(impl, q.shape[-1], _KERNEL_PLATFORM[impl])
+            if problem and requested != "auto":
+                raise ValueError(f"ExecutionConfig.attention_impl={requested!r}: {problem} (use 'auto' or 'xla')")
+            out = None if problem else _paged_decode(q, k, v, mask, layer, rows, _KERNEL_PLATFORM[impl], interpret)
+            if problem:
+                _log_fallback(problem)
             if out is not None:
                 return out
         return blocked_attention(q, k, v, mask, layer=layer, rows=rows, kv_bound=kv_bound, block_k=block_k)

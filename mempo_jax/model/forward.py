@@ -156,7 +156,7 @@ class DecoderLogitsFn:
                  mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, dense_max_len: int = BLOCKED_MIN_LEN,
                  attention_impl: str = "xla"):
         remat_policy(remat)
-        resolve_impl(attention_impl)
+        resolve_impl(attention_impl, mesh=mesh)
         if logit_chunk < 1:
             raise ValueError(f"logit_chunk must be >= 1, got {logit_chunk}")
         if dense_max_len < 1:

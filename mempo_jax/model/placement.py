@@ -10,12 +10,11 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
+from mempo_jax.model.attention import CACHE_AXES
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache
 from mempo_jax.model.forward import abstract_model, create_model, split_model
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, logical_to_sharding, param_shardings
-
-CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v dimensions
 
 
 def init_sharded_params(cfg: ModelConfig, seed: int, mesh: Mesh,

@@ -414,11 +414,164 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
                       terms, shapes, peak, int(plan_cfg.hbm_fraction * tpu.hbm_bytes))
 
 
-def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
+TRAINING_PROGRAMS = ("update", "logprobs", "scoring")  # what ``xla_phases`` compiles (``--xla``)
+
+
+def _memory(compiled) -> dict:
+    """``compiled.memory_analysis()`` as ``{"arguments", "temporaries", "outputs", "aliased", "total"}``
+    bytes per device, ``total`` = arguments + temporaries + outputs − aliased."""
+    m = compiled.memory_analysis()
+    d = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+         "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes}
+    d["total"] = d["arguments"] + d["temporaries"] + d["outputs"] - d["aliased"]
+    return d
+
+
+def eval_slots(cfg, tpu) -> int | None:
+    """KV-cache slots of an evaluation rollout on one host (``run.stages``: ``EvalConfig.num_slots``,
+    else one per held-out question of the host, bucketed as ``engine.num_slots``); ``None`` when
+    ``EvalConfig.num_questions`` is 0 (every held-out question: a count the recipe does not fix)."""
+    from mempo_jax.agent.engine import num_slots
+
+    ro = cfg.rl.rollout
+    if cfg.eval.num_slots:
+        return int(cfg.eval.num_slots)
+    if not cfg.eval.num_questions:
+        return None
+    hosts = max(tpu.num_devices // chips_per_host(tpu), 1)
+    return num_slots(ro, -(-cfg.eval.num_questions // hosts))
+
+
+def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
+    """Every program a run of ``cfg`` compiles, built as the run builds it, at the plan's shapes
+    (``step_shapes``), with abstract parameters (nothing allocated): ``{name: () -> jax.stages.Lowered}``
+    (each lowered when called).
+
+    * ``update``: the PPO step (``Learner._ppo_step``) on one micro-batch of ``micro_batch_rows`` x
+      ``train_len`` packed rows; ``sft``: the SFT step on ``sft_micro_batch_rows`` (when SFT runs);
+    * ``logprobs``: the packed log-prob pass of the reference / old log-probs (``PackedLogprobs``);
+    * ``scoring``: the memory-reward scorer's packed pass (``MemoryRewardScorer.packed_logprobs``);
+    * ``prefill`` / ``decode``: the slot sampler's ``extend`` at the largest prefill call
+      (``engine.extend_shapes``) and its ``decode`` chunk over every slot, on the rollout mesh of
+      one host's first devices (``core.rollout_mesh``), parameters in ``ExecutionConfig.rollout_dtype``;
+    * ``eval_prefill`` / ``eval_decode``: the same at the evaluation's slot count (``eval_slots``),
+      when it differs from the rollout's.
+
+    The mesh is ``mesh_cfg``'s over ``devices`` (default this process's ``jax.devices()``; a TPU
+    slice's compile-only devices: ``run.aot.slice_devices``), the model ``model_config`` with
+    ``cfg.lora``'s adapters.
+
+    Raises:
+      ValueError: fewer devices than the slice has; as ``model_config``.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mempo_jax.agent.engine import extend_shapes, num_slots
+    from mempo_jax.agent.slot_sampler import SlotSampler
+    from mempo_jax.core.rollout_mesh import rollout_mesh
+    from mempo_jax.core.sharding import logical_to_sharding, make_mesh
+    from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
+    from mempo_jax.model.lora import split_trainable
+    from mempo_jax.rl.learner import Learner, make_optimizer
+    from mempo_jax.rl.losses import LossConfig
+    from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
+    from mempo_jax.rl.packed_logprobs import PackedLogprobs
+
+    n = tpu.num_devices
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < n:
+        raise ValueError(f"the programs of {tpu.accelerator_type} need {n} devices, there are {len(devices)} "
+                         f"(CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+    mesh = make_mesh(*mesh_cfg.shape(n), devices=devices[:n])
+    rules = mesh_cfg.rules
+    model_cfg = cfg.lora.model_config(model_config(cfg, mesh, rules))
+    graphdef, abstract = split_model(abstract_model(model_cfg))
+    ex = cfg.execution
+    fn = make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options)
+    learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
+                      rules=rules)
+    s = step_shapes(cfg, plan_cfg)
+    bs = logical_to_sharding(("batch", None), mesh, rules)
+    sds = lambda r, length, dt: jax.ShapeDtypeStruct((r, int(length)), dt, sharding=bs)  # noqa: E731
+    length = s["train_len"]
+
+    def ppo_batch(rows):
+        batch = {k: sds(rows, length, jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
+        batch["valid"] = sds(rows, length, jnp.bool_)
+        batch.update({k: sds(rows, length, jnp.float32)
+                      for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
+        return batch
+
+    programs = {"update": lambda: learner._ppo_step.lower(*split_trainable(learner.params), learner.opt_state,
+                                                          ppo_batch(s["micro_batch_rows"]), 1, LossConfig())}
+    if cfg.sft.steps > 0:
+        rows = ex.sft_micro_batch_rows or ex.micro_batch_rows
+        sft_batch = {"input_ids": sds(rows, length, jnp.int32), "valid": sds(rows, length, jnp.bool_),
+                     "loss_mask": sds(rows, length, jnp.float32)}
+        programs["sft"] = lambda: learner._sft_step.lower(*split_trainable(learner.params), learner.opt_state,
+                                                          sft_batch, 1)
+    lp = PackedLogprobs(fn, 1.0, rows_per_call=s["logprob_rows"], param_shardings=learner.param_shardings,
+                        batch_sharding=bs)
+    programs["logprobs"] = lambda: lp._call.lower(learner.params, *[sds(s["logprob_rows"], length, jnp.int32)] * 3)
+    scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=learner.param_shardings)
+    r, sl = s["scoring_rows"], s["scoring_len"]
+    programs["scoring"] = lambda: scorer.packed_logprobs.lower(learner.params, *[sds(r, sl, jnp.int32)] * 3,
+                                                               *[sds(r, sl // ANSWER_FRACTION, jnp.int32)] * 2)
+
+    # the rollout: one host's rollout mesh, as experiment.make_policy builds it
+    ro = cfg.rl.rollout
+    host = [d for d in devices[:n] if d.process_index == devices[0].process_index][:chips_per_host(tpu)]
+    local = rollout_mesh(make_mesh(len(host), 1, 1, devices=host), model_cfg.num_heads, model_cfg.num_kv_heads,
+                         mesh_cfg.rollout_tensor)
+    sampler = SlotSampler(graphdef, model_cfg, (), 0, mesh=local, rules=rules, param_dtype=ex.rollout_param_dtype,
+                          attention_impl=ex.attention_impl)
+    size = sampler.cache_size(ro.max_context_tokens)
+    rep = NamedSharding(local, PartitionSpec())
+    floating = lambda a: sampler.param_dtype if sampler.param_dtype and jnp.issubdtype(a.dtype, jnp.floating) else a.dtype  # noqa: E731
+    rparams = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, floating(a), sharding=sh), abstract,
+                           sampler.param_shardings)
+    scalar = lambda dt, shape=(): jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
+    greedy = {"rollout": ro.temperature == 0.0, "eval": cfg.eval.temperature == 0.0}
+
+    def state(slots):
+        shapes = jax.eval_shape(lambda: sampler.init_state(slots, size, ro.max_new_tokens))
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            sampler.state_shardings(slots, size))
+
+    def prefill(slots, which):
+        rows, width = max(extend_shapes(ro, slots))
+        st = state(slots)
+        i32 = functools.partial(scalar, jnp.int32)
+        return sampler._program("extend", st).lower(
+            rparams, st, i32((rows,)), i32((rows, width)), i32((rows,)), i32((rows,)), scalar(jnp.bool_, (rows,)),
+            i32((rows,)), i32((rows,)), key, scalar(jnp.float32), scalar(jnp.float32), greedy=greedy[which],
+            use_top_p=False)
+
+    def decode(slots, which):
+        st = state(slots)
+        return sampler._program("decode", st).lower(rparams, st, key, scalar(jnp.float32), scalar(jnp.float32),
+                                                    rows=None, steps=ro.decode_chunk, greedy=greedy[which],
+                                                    use_top_p=False)
+
+    slots = num_slots(ro, -(-cfg.rl.questions_per_step // max(n // chips_per_host(tpu), 1)) * cfg.rl.group_size)
+    programs["prefill"] = functools.partial(prefill, slots, "rollout")
+    programs["decode"] = functools.partial(decode, slots, "rollout")
+    evaluation = eval_slots(cfg, tpu)
+    if evaluation and evaluation != slots:
+        programs["eval_prefill"] = functools.partial(prefill, evaluation, "eval")
+        programs["eval_decode"] = functools.partial(decode, evaluation, "eval")
+    return programs
+
+
+def xla_phases(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     """XLA's own ``compiled.memory_analysis()`` per device of the update, log-prob and scoring
-    programs at the plan's shapes (``step_shapes``), compiled with abstract parameters (no weights
-    allocated) on a mesh of this process's devices shaped like the slice's (on CPU:
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+    programs (``phase_programs``) on a mesh of ``devices`` (default this process's devices,
+    shaped like the slice's; on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
 
     Returns:
       ``{phase: {"arguments", "temporaries", "outputs", "aliased"}}`` bytes, and for each phase
@@ -428,53 +581,8 @@ def xla_phases(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
     Raises:
       ValueError: fewer devices than the slice has.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from mempo_jax.core.sharding import logical_to_sharding, make_mesh
-    from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
-    from mempo_jax.rl.learner import Learner, make_optimizer
-    from mempo_jax.rl.losses import LossConfig
-    from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
-    from mempo_jax.rl.packed_logprobs import PackedLogprobs
-    from mempo_jax.model.lora import split_trainable
-
-    n = tpu.num_devices
-    if len(jax.devices()) < n:
-        raise ValueError(f"xla_phases needs {n} devices, this process has {len(jax.devices())} "
-                         f"(CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
-    mesh = make_mesh(*mesh_cfg.shape(n), devices=jax.devices()[:n])
-    rules = mesh_cfg.rules
-    model_cfg = model_config(cfg, mesh, rules)
-    graphdef, abstract = split_model(abstract_model(model_cfg))
-    ex = cfg.execution
-    fn = make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options)
-    learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
-                      rules=rules)
-    s = step_shapes(cfg, plan_cfg)
-    bs = logical_to_sharding(("batch", None), mesh, rules)
-    sds = lambda r, length, dt: jax.ShapeDtypeStruct((r, int(length)), dt, sharding=bs)  # noqa: E731
-    micro, length = s["micro_batch_rows"], s["train_len"]
-    batch = {k: sds(micro, length, jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
-    batch["valid"] = sds(micro, length, jnp.bool_)
-    batch.update({k: sds(micro, length, jnp.float32) for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
-    programs = {"update": learner._ppo_step.lower(*split_trainable(learner.params), learner.opt_state, batch, 1,
-                                                  LossConfig())}
-    lp = PackedLogprobs(fn, 1.0, rows_per_call=s["logprob_rows"], param_shardings=learner.param_shardings,
-                        batch_sharding=bs)
-    programs["logprobs"] = lp._call.lower(learner.params, *[sds(s["logprob_rows"], length, jnp.int32)] * 3)
-    scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=learner.param_shardings)
-    r, sl = s["scoring_rows"], s["scoring_len"]
-    programs["scoring"] = scorer.packed_logprobs.lower(learner.params, *[sds(r, sl, jnp.int32)] * 3,
-                                                       *[sds(r, sl // ANSWER_FRACTION, jnp.int32)] * 2)
-    out = {}
-    for phase, lowered in programs.items():
-        m = lowered.compile().memory_analysis()
-        d = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-             "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes}
-        d["total"] = d["arguments"] + d["temporaries"] + d["outputs"] - d["aliased"]
-        out[phase] = d
-    return out
+    programs = phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices)
+    return {phase: _memory(programs[phase]().compile()) for phase in TRAINING_PROGRAMS}
 
 
 def phase_totals(plan: MemoryPlan) -> dict:
@@ -483,6 +591,21 @@ def phase_totals(plan: MemoryPlan) -> dict:
     return {"update": plan.params + plan.opt_state + plan.phases["update"],
             "logprobs": plan.params + plan.phases["logprobs"],
             "scoring": plan.params + plan.phases["scoring"]}
+
+
+def program_plan_bytes(plan: MemoryPlan, rollout: dict, eval_rollout: dict | None = None) -> dict:
+    """The plan's bytes per device of each ``phase_programs`` program: ``phase_totals``; ``sft`` as
+    the update (the plan's update phase covers SFT); ``prefill`` the rollout mesh's parameters and
+    KV cache (``rollout_plan``) plus the sampling phase's logits and layer terms; ``decode`` the
+    parameters and cache alone; ``eval_*`` the same with ``eval_rollout``'s cache."""
+    out = dict(phase_totals(plan))
+    out["sft"] = out["update"]
+    transient = plan.terms["sampling"]["logits"] + plan.terms["sampling"]["layer"]
+    for prefix, r in (("", rollout), ("eval_", eval_rollout)):
+        if r is not None:
+            out[f"{prefix}prefill"] = r["per_device_bytes"] + transient
+            out[f"{prefix}decode"] = r["per_device_bytes"]
+    return out
 
 
 def _gib(n: int) -> str:

@@ -150,3 +150,43 @@ def test_the_strategy_reaches_the_forward_passes_and_the_decode():
     np.testing.assert_allclose(np.asarray(out["cudnn"].logprobs), np.asarray(out["xla"].logprobs), rtol=1e-4, atol=1e-4)
     cache = init_cache(cfg, 2, 32)
     assert cache.k.shape == (2, 2, 2, 32, 16)
+
+
+def test_kernels_under_shard_map_on_a_mesh_equal_xla():
+    """On a (2, 1, 2) mesh of 4 emulated devices (``activation_sharding``) the kernels run under
+    ``shard_map``: splash on each device's rows and kv heads, forward and gradient; paged decode (the
+    TPU and the GPU kernel) over the cache as placed (slots over ``data``, kv heads over ``tensor``),
+    rows reading slots held by the other device (``rows``) gathered by the ``psum``. Each equals XLA
+    on the same mesh."""
+    from mempo_jax.core.sharding import activation_sharding, make_mesh
+    from mempo_jax.model.placement import cache_shardings
+
+    mesh = make_mesh(2, 1, 2, devices=jax.devices()[:4])
+    q, k, v, mask, real = _packed(np.random.default_rng(4), b=2, t=40, h=4, kvh=2, hd=16)
+
+    def on_mesh(impl, *args):
+        with activation_sharding(mesh):
+            return _value_and_grads(impl, *args)
+
+    want, want_grads = on_mesh("xla", q, k, v, mask, real)
+    with interpret_kernels("tpu"):
+        got, got_grads = on_mesh("pallas", q, k, v, mask, real)
+    np.testing.assert_allclose(got, want, **F32)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, **F32)
+
+    cfg = ModelConfig.tiny(32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    sh = cache_shardings(cfg, 4, 64, mesh).k
+    rows = jnp.asarray([3, 0, 1, 2], jnp.int32)  # rows 0 and 3 read slots of the other data shard
+    for impl, platform, dtype, tol in (("pallas", "tpu", jnp.bfloat16, 2e-2), ("cudnn", "gpu", jnp.float32, 2e-5)):
+        q, kc, vc, mask, _ = _cache_case(np.random.default_rng(5), dtype, h=4, kvh=2, slots=4)
+        kc, vc = jax.device_put(kc, sh), jax.device_put(vc, sh)
+
+        def decode(impl):
+            with activation_sharding(mesh):
+                return _decode(impl, q, kc, vc, mask, rows)
+
+        want = decode("xla")
+        with interpret_kernels(platform):
+            got = decode(impl)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
