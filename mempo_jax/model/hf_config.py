@@ -185,7 +185,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None, extra: dict[st
         out.update(use_sliding_window=False)
     if gemma:
         del out["hidden_act"]
-        out.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # HF's field is an int
+        out.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                    sliding_window=cfg.sliding_window or 4096, layer_types=_layer_type_names(cfg),
                    rope_local_base_freq=cfg.rope_local_base_freq or cfg.rope_theta,
                    final_logit_softcapping=cfg.final_logit_softcapping, attn_logit_softcapping=None)
