@@ -50,6 +50,15 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # legacy file; tokenizer_config.
 SPECIAL_TOKEN_NAMES: tuple[str, ...] = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases
+# Template variables every checkpoint's template is rendered with by the agent
+# (``ChatTemplate.from_checkpoint``): a template's own reasoning mode is off. The MemPO turn is
+# ``<mem>…</mem>``, an optional ``<think>…</think>``, one action (docs/algorithm.md §1), so a
+# template that opens a native reasoning block first (Qwen3 with ``enable_thinking`` true or
+# unset) would put a ``<think>`` before the ``<mem>``. With it false, Qwen3's generation prompt
+# ends with its closed, empty block ``<think>\n\n</think>\n\n`` and the sampled turn follows;
+# the protocol's own ``<think>`` stays the policy's reasoning, inside the turn. Templates without
+# the variable ignore it.
+PROTOCOL_TEMPLATE_VARIABLES: Mapping[str, Any] = {"enable_thinking": False}
 
 # The MemPO system prompt shipped with the package; ``{action_tags}`` and ``{actions}`` are filled in.
 SYSTEM_PROMPT_FILE = "prompts/mempo_system.txt"
@@ -191,6 +200,9 @@ class ChatTemplate:
       special_tokens: template variables such as ``{"bos_token": "<|im_start|>", …}`` (what
         transformers passes from ``tokenizer.special_tokens_map``).
       source: where the template came from (a file path), named in error messages.
+      variables: template variables every ``render`` passes (its keyword arguments win), e.g.
+        ``PROTOCOL_TEMPLATE_VARIABLES``; none by default (``render`` is then exactly
+        ``apply_chat_template``).
 
     Raises:
       ValueError: the template does not compile (names ``source`` and the jinja2 message).
@@ -200,20 +212,25 @@ class ChatTemplate:
     ``get_chat_template``).
     """
 
-    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, source: str = "<string>"):
+    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, source: str = "<string>",
+                 variables: Mapping[str, Any] | None = None):
         if not isinstance(template, str) or not template:
             raise ValueError(f"chat template {source}: empty or not text")
         self.template = template
         self.special_tokens = dict(special_tokens or {})
         self.source = source
+        self.variables = dict(variables or {})
         try:
             self._compiled = _environment().from_string(template)
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template {source} does not compile: {exc}") from None
 
     @classmethod
-    def from_checkpoint(cls, folder: str | os.PathLike, name: str | None = None) -> "ChatTemplate":
-        """Load the chat template of an HF checkpoint folder, with the priority transformers uses.
+    def from_checkpoint(cls, folder: str | os.PathLike, name: str | None = None,
+                        variables: Mapping[str, Any] | None = PROTOCOL_TEMPLATE_VARIABLES) -> "ChatTemplate":
+        """Load the chat template of an HF checkpoint folder, with the priority transformers uses,
+        rendered with ``variables`` (default ``PROTOCOL_TEMPLATE_VARIABLES``: the template's own
+        reasoning mode off; None: none).
 
         1. ``chat_template.jinja`` (the default) and ``additional_chat_templates/NAME.jinja``; when
            any of these files exists, ``tokenizer_config.json``'s template is ignored.
@@ -277,7 +294,7 @@ class ChatTemplate:
         if want not in templates:
             raise ValueError(f"no chat template named {want!r} in {folder}; available: {sorted(templates)}")
         template, source = templates[want]
-        return cls(template, _special_tokens(config), source)
+        return cls(template, _special_tokens(config), source, variables)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
                **kwargs) -> str:
@@ -286,8 +303,9 @@ class ChatTemplate:
         Args:
           messages: ``[{"role": …, "content": str}, …]``; keys with a None value are dropped first.
           add_generation_prompt: open an assistant turn at the end.
-          **kwargs: further template variables (e.g. ``enable_thinking``); they override the
-            special tokens of the same name. ``tools`` and ``documents`` are None unless given.
+          **kwargs: further template variables (e.g. ``enable_thinking``); they override
+            ``self.variables`` and the special tokens of the same name. ``tools`` and
+            ``documents`` are None unless given.
 
         Returns:
           The rendered string (special tokens as text).
@@ -297,7 +315,7 @@ class ChatTemplate:
             (``raise_exception`` or a jinja2 error); names ``source``.
         """
         chat = _normalize_messages(messages, self.source)
-        variables = {**self.special_tokens, **kwargs}
+        variables = {**self.special_tokens, **self.variables, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
