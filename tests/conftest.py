@@ -181,7 +181,7 @@ MODULE_SECONDS = {
     "tests/model/test_bfloat16.py": 9, "tests/model/test_lora_peft.py": 9, "tests/model/test_attention.py": 9,
     "tests/tools/test_retrieval_server.py": 9, "tests/run/test_memory_release.py": 9,
     "tests/core/test_mesh_steps.py": 8, "tests/text/test_stop_strings.py": 8, "tests/data/test_messages.py": 8,
-    "tests/model/test_hf_parity.py": 7, "tests/model/test_hf_families.py": 30, "tests/model/test_attention_kernels.py": 7,
+    "tests/model/test_hf_parity.py": 7, "tests/model/test_hf_families.py": 30, "tests/text/test_family_templates.py": 2, "tests/model/test_attention_kernels.py": 7,
     "tests/core/test_mesh_rollouts.py": 7, "tests/model/test_vocab_resize.py": 7, "tests/rl/test_advantage.py": 7,
     "tests/rl/test_losses.py": 7, "tests/test_evaluate.py": 6, "tests/model/test_hf_export.py": 6,
 }

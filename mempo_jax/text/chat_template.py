@@ -31,6 +31,7 @@ import importlib.resources
 import json
 import os
 import pathlib
+import re
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -74,6 +75,7 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
 TOOLS: tuple[str, ...] = ("search", "access")
 
 _TURN_SENTINEL = "MEMPOSAMPLEDTURN"  # stands for the sampled turn while deriving a layout
+_EMPTY_REASONING = re.compile(r"\s*<think>\s*</think>\s*")  # a closed, empty native reasoning block
 _OBS_SENTINEL = "MEMPOTOOLRESULT"  # stands for the tool result's body
 
 
@@ -491,7 +493,9 @@ def observation_frame(template: "ChatTemplate | PlainTemplate", layout: str = "a
       <information>", "</information><|im_end|>\\n<|im_start|>assistant\\n")``.
 
     The sampled turn is assumed to end at its closing action tag, without the end-of-turn token
-    (the frame supplies it). Sentinels without outer whitespace stand for the turn and the result,
+    (the frame supplies it). A template whose generation prompt ends with a closed, empty reasoning
+    block that its rendering of a completed assistant turn leaves out (Qwen3 with
+    ``enable_thinking`` false) is accepted: the context stays append-only, the block kept. Sentinels without outer whitespace stand for the turn and the result,
     so a template that trims contents gives the same frame.
 
     Args:
@@ -525,6 +529,11 @@ def observation_frame(template: "ChatTemplate | PlainTemplate", layout: str = "a
         raise ValueError(f"tool_result_layout {layout!r}: the chat template cannot put a {layout} message "
                          f"after an assistant turn ({exc})") from None
     head = prompt + _TURN_SENTINEL
+    at = full.find(_TURN_SENTINEL)
+    if at >= 0 and prompt.startswith(full[:at]) and _EMPTY_REASONING.fullmatch(prompt[at:]):
+        # Qwen3 with its reasoning off: the generation prompt's closed empty <think></think>,
+        # which the template drops from a completed turn, stays in the append-only context.
+        head = full[:at] + _TURN_SENTINEL
     if not full.startswith(head):
         raise ValueError(f"tool_result_layout {layout!r}: chat template {source} does not render an assistant "
                          "message as its generation prompt followed by the message verbatim, so the text after a "
