@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_hf_parity import _hf_logprobs  # noqa: E402  (transformers' per-token log-probs, float64)
 from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 from mempo_jax.model.forward import (  # noqa: E402
     abstract_model, make_logits_fn, packed_positions, sequence_logprobs, split_model, token_stats)
@@ -71,13 +72,6 @@ def family(request, tmp_path_factory):
     model.save_pretrained(path)
     cfg, graphdef, params = load_hf_checkpoint(path)
     return request.param, model, path, cfg, graphdef, params
-
-
-def _hf_logprobs(model, ids):
-    with torch.no_grad():
-        logits = model(torch.tensor(np.asarray(ids), dtype=torch.long)).logits.double()
-    target = torch.tensor(np.asarray(ids), dtype=torch.long)[:, 1:, None]
-    return torch.log_softmax(logits, -1)[:, :-1].gather(-1, target)[..., 0].numpy()
 
 
 def _report(name, what, value):
