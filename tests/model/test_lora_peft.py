@@ -29,7 +29,7 @@ MODELS = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dic
           # the window (64) exceeds every row here: transformers counts left padding in it (the
           # window itself: tests/model/test_hf_families.py)
           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-                     dict(sliding_window=64, layer_types=["sliding_attention", "full_attention"]))}
+                     dict(head_dim=16, sliding_window=64, layer_types=["sliding_attention", "full_attention"]))}
 NEW = 16
 
 
@@ -90,7 +90,7 @@ def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), framework="np") as st:
         q = "base_model.model.model.layers.1.self_attn.q_proj"
         assert st.get_tensor(f"{q}.lora_A.weight").shape == (4, 64)
-        assert st.get_tensor(f"{q}.lora_B.weight").shape == (64, 4)
+        assert st.get_tensor(f"{q}.lora_B.weight").shape == (cfg.num_heads * cfg.head_dim, 4)
         assert len(st.keys()) == 2 * 2 * len(targets)
     host = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     with_adapter = peft.PeftModel.from_pretrained(host, tmp_path / "peft").eval()
