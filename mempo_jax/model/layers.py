@@ -1,7 +1,9 @@
-"""Building blocks of the Qwen2 / Llama decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, RoPE, GQA attention, gated MLP (SwiGLU / GeGLU).
 
-Numerics follow ``modeling_qwen2.py`` / ``modeling_llama.py`` in Hugging Face transformers
-(rotate-half RoPE, Llama-3 rope scaling, RMSNorm in float32). Every parameter carries its logical
+Numerics follow ``modeling_qwen2.py`` / ``modeling_llama.py`` / ``modeling_qwen3.py`` /
+``modeling_gemma3.py`` in Hugging Face transformers (rotate-half RoPE, Llama-3 and linear rope
+scaling, RMSNorm statistics in float32, Gemma's ``(1 + weight)`` RMSNorm, q/k norms, per-layer
+RoPE bases of sliding-window and global layers). Every parameter carries its logical
 axis names as NNX ``out_sharding`` metadata (MaxText style); ``mempo_jax.core.sharding`` maps them to
 mesh axes. Logical axes used: ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``norm``.
@@ -74,6 +76,8 @@ def _inv_freq_cached(head_dim: int, theta: float, scaling: tuple | None) -> np.n
         return inv_freq
     s = dict(scaling)
     factor = float(s["factor"])
+    if len(s) == 1:  # linear scaling: positions divided by the factor
+        return (inv_freq / np.float32(factor)).astype(np.float32)
     low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_ctx = float(s["original_max_position_embeddings"])
     low_freq_wavelen = old_ctx / low
@@ -86,15 +90,19 @@ def _inv_freq_cached(head_dim: int, theta: float, scaling: tuple | None) -> np.n
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Float[np.ndarray, "half_head_dim"]:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Float[np.ndarray, "half_head_dim"]:
     """RoPE inverse frequencies ``[head_dim // 2]`` float32 (radians per position).
 
-    ``1 / theta ** (2i / head_dim)``, then Llama-3 scaling when ``cfg.rope_scaling`` is set:
-    long wavelengths (> original_ctx / low_freq_factor) are divided by ``factor``, short ones
-    (< original_ctx / high_freq_factor) are kept, the band between is interpolated.
-    Source: ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters`` in
-    transformers ``modeling_rope_utils.py``.
+    ``1 / theta ** (2i / head_dim)``, then the scaling of ``cfg.rope_scaling`` when set: Llama-3
+    (long wavelengths (> original_ctx / low_freq_factor) divided by ``factor``, short ones
+    (< original_ctx / high_freq_factor) kept, the band between interpolated) or linear (all
+    divided by ``factor``). ``local``: the sliding-window layers' frequencies, base
+    ``cfg.rope_local_base_freq`` and no scaling (Gemma 3; the global ones without it).
+    Source: ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters`` /
+    ``_compute_linear_scaling_rope_parameters`` in transformers ``modeling_rope_utils.py``.
     """
+    if local and cfg.rope_local_base_freq is not None:
+        return _inv_freq_cached(cfg.head_dim, float(cfg.rope_local_base_freq), None)
     return _inv_freq_cached(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
 
 
@@ -122,24 +130,31 @@ def apply_rope(x: Float[ArrayLike, "rows length heads head_dim"], positions: Int
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm: ``weight * (x / sqrt(mean(x**2) + eps))``, statistics in float32 (HF ``Qwen2RMSNorm``)."""
+    """RMSNorm, statistics in float32: ``weight * (x / sqrt(mean(x**2) + eps))`` with the product in
+    ``x.dtype`` (HF ``Qwen2RMSNorm``), or with ``offset = 1.0`` ``(1 + weight) * (x / sqrt(…))``
+    with the product in float32 and the weight initialised to 0 (HF ``Gemma3RMSNorm``)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: InitKeys | None = None):
-        self.eps = eps
-        self.weight = logical_param(None, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+    def __init__(self, dim: int, eps: float, param_dtype, *, offset: float = 0.0, rngs: InitKeys | None = None):
+        self.eps, self.offset = eps, float(offset)
+        init = nnx.initializers.zeros if self.offset else nnx.initializers.ones
+        self.weight = logical_param(None, init, (dim,), ("norm",), param_dtype)
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
         """``[..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE (HF ``Qwen2Attention`` / ``LlamaAttention``).
+    """Grouped-query attention with RoPE (HF ``Qwen2Attention`` / ``LlamaAttention`` /
+    ``Qwen3Attention`` / ``Gemma3Attention``).
 
     Parameters: ``q [embed, heads, head_dim]``, ``k``/``v [embed, kv_heads, head_dim]``,
-    optional biases ``[heads|kv_heads, head_dim]``, ``o [heads, head_dim, embed]``.
+    optional biases ``[heads|kv_heads, head_dim]``, ``o [heads, head_dim, embed]``, with
+    ``cfg.qk_norm`` the RMSNorms ``q_norm`` / ``k_norm`` ``[head_dim]``.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
@@ -155,20 +170,29 @@ class Attention(nnx.Module):
             self.q_bias = logical_param(rngs, zeros, (h, hd), ("heads", "head_dim"), pd)
             self.k_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
             self.v_bias = logical_param(rngs, zeros, (k, hd), ("kv_heads", "head_dim"), pd)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pd, offset=cfg.norm_scale_offset)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pd, offset=cfg.norm_scale_offset)
         self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
         add_lora(self, cfg, "attn", rngs, {"q": 1, "k": 1, "v": 1, "o": 2})
 
-    def qkv(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"]
+    def qkv(self, x: Float[Array, "rows length embed"], positions: Int[Array, "rows length"],
+            local: Bool[ArrayLike, ""] | None = None
             ) -> tuple[Float[Array, "rows length heads head_dim"], Float[Array, "rows length kv_heads head_dim"],
                        Float[Array, "rows length kv_heads head_dim"]]:
-        """Project and rotate.
+        """Project, normalise (``cfg.qk_norm``) and rotate.
 
         Args:
           x: ``[batch, seq, embed]`` activations.
           positions: ``[batch, seq]`` int32.
+          local: bool scalar (may be traced): this is a sliding-window layer, whose RoPE base is
+            ``cfg.rope_local_base_freq`` (``rope_inv_freq``); None: a global layer.
 
         Returns:
-          ``q [batch, seq, heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]`` (RoPE on q, k).
+          ``q [batch, seq, heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]`` (RoPE on q,
+          k). With ``cfg.query_pre_attn_scalar`` the queries carry the factor
+          ``sqrt(head_dim / query_pre_attn_scalar)``, so the attention's ``head_dim ** -0.5``
+          makes the scale ``query_pre_attn_scalar ** -0.5`` (HF ``Gemma3Attention.scaling``).
         """
         dt = x.dtype
         q = project(self, "btd,dhk->bthk", x, "q", 1)
@@ -178,7 +202,14 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.cfg)
+        if local is not None and self.cfg.rope_local_base_freq is not None:
+            inv_freq = jnp.where(local, rope_inv_freq(self.cfg, local=True), inv_freq)
+        scalar = self.cfg.query_pre_attn_scalar
+        if scalar is not None and scalar != self.cfg.head_dim:
+            q = (q.astype(jnp.float32) * jnp.float32(math.sqrt(self.cfg.head_dim / scalar))).astype(dt)
         heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
         return (constrain(apply_rope(q, positions, inv_freq), heads), constrain(apply_rope(k, positions, inv_freq), kv_heads),
                 constrain(v, kv_heads))
@@ -209,7 +240,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))`` (HF ``Qwen2MLP``)."""
+    """Gated feed-forward ``down(act(x @ gate) * (x @ up))``: SwiGLU with ``act = silu`` (HF
+    ``Qwen2MLP``), GeGLU with ``act`` the tanh-approximated GELU (``cfg.hidden_act =
+    "gelu_pytorch_tanh"``, HF ``Gemma3MLP``)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: InitKeys):
         d, f, pd = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
@@ -217,6 +250,7 @@ class MLP(nnx.Module):
         self.gate = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.up = logical_param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.down = logical_param(rngs, init, (f, d), ("mlp", "embed"), pd)
+        self.act = cfg.hidden_act
         self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
         add_lora(self, cfg, "mlp", rngs, {"gate": 1, "up": 1, "down": 1})
 
@@ -224,5 +258,6 @@ class MLP(nnx.Module):
         """``[batch, seq, embed]`` → ``[batch, seq, embed]`` in ``x.dtype``."""
         g = project(self, "btd,df->btf", x, "gate", 1)
         u = project(self, "btd,df->btf", x, "up", 1)
-        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
+        act = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        h = constrain(act * u, ("batch", "seq", "mlp"))
         return constrain(project(self, "btf,fd->btd", h, "down", 1), EMBED_AXES)

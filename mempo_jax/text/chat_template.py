@@ -31,6 +31,7 @@ import importlib.resources
 import json
 import os
 import pathlib
+import re
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -50,6 +51,15 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # legacy file; tokenizer_config.
 SPECIAL_TOKEN_NAMES: tuple[str, ...] = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases
+# Template variables every checkpoint's template is rendered with by the agent
+# (``ChatTemplate.from_checkpoint``): a template's own reasoning mode is off. The MemPO turn is
+# ``<mem>…</mem>``, an optional ``<think>…</think>``, one action (docs/algorithm.md §1), so a
+# template that opens a native reasoning block first (Qwen3 with ``enable_thinking`` true or
+# unset) would put a ``<think>`` before the ``<mem>``. With it false, Qwen3's generation prompt
+# ends with its closed, empty block ``<think>\n\n</think>\n\n`` and the sampled turn follows;
+# the protocol's own ``<think>`` stays the policy's reasoning, inside the turn. Templates without
+# the variable ignore it.
+PROTOCOL_TEMPLATE_VARIABLES: Mapping[str, Any] = {"enable_thinking": False}
 
 # The MemPO system prompt shipped with the package; ``{action_tags}`` and ``{actions}`` are filled in.
 SYSTEM_PROMPT_FILE = "prompts/mempo_system.txt"
@@ -65,6 +75,7 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
 TOOLS: tuple[str, ...] = ("search", "access")
 
 _TURN_SENTINEL = "MEMPOSAMPLEDTURN"  # stands for the sampled turn while deriving a layout
+_EMPTY_REASONING = re.compile(r"\s*<think>\s*</think>\s*")  # a closed, empty native reasoning block
 _OBS_SENTINEL = "MEMPOTOOLRESULT"  # stands for the tool result's body
 
 
@@ -191,6 +202,9 @@ class ChatTemplate:
       special_tokens: template variables such as ``{"bos_token": "<|im_start|>", …}`` (what
         transformers passes from ``tokenizer.special_tokens_map``).
       source: where the template came from (a file path), named in error messages.
+      variables: template variables every ``render`` passes (its keyword arguments win), e.g.
+        ``PROTOCOL_TEMPLATE_VARIABLES``; none by default (``render`` is then exactly
+        ``apply_chat_template``).
 
     Raises:
       ValueError: the template does not compile (names ``source`` and the jinja2 message).
@@ -200,20 +214,25 @@ class ChatTemplate:
     ``get_chat_template``).
     """
 
-    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, source: str = "<string>"):
+    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, source: str = "<string>",
+                 variables: Mapping[str, Any] | None = None):
         if not isinstance(template, str) or not template:
             raise ValueError(f"chat template {source}: empty or not text")
         self.template = template
         self.special_tokens = dict(special_tokens or {})
         self.source = source
+        self.variables = dict(variables or {})
         try:
             self._compiled = _environment().from_string(template)
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template {source} does not compile: {exc}") from None
 
     @classmethod
-    def from_checkpoint(cls, folder: str | os.PathLike, name: str | None = None) -> "ChatTemplate":
-        """Load the chat template of an HF checkpoint folder, with the priority transformers uses.
+    def from_checkpoint(cls, folder: str | os.PathLike, name: str | None = None,
+                        variables: Mapping[str, Any] | None = PROTOCOL_TEMPLATE_VARIABLES) -> "ChatTemplate":
+        """Load the chat template of an HF checkpoint folder, with the priority transformers uses,
+        rendered with ``variables`` (default ``PROTOCOL_TEMPLATE_VARIABLES``: the template's own
+        reasoning mode off; None: none).
 
         1. ``chat_template.jinja`` (the default) and ``additional_chat_templates/NAME.jinja``; when
            any of these files exists, ``tokenizer_config.json``'s template is ignored.
@@ -277,7 +296,7 @@ class ChatTemplate:
         if want not in templates:
             raise ValueError(f"no chat template named {want!r} in {folder}; available: {sorted(templates)}")
         template, source = templates[want]
-        return cls(template, _special_tokens(config), source)
+        return cls(template, _special_tokens(config), source, variables)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
                **kwargs) -> str:
@@ -286,8 +305,9 @@ class ChatTemplate:
         Args:
           messages: ``[{"role": …, "content": str}, …]``; keys with a None value are dropped first.
           add_generation_prompt: open an assistant turn at the end.
-          **kwargs: further template variables (e.g. ``enable_thinking``); they override the
-            special tokens of the same name. ``tools`` and ``documents`` are None unless given.
+          **kwargs: further template variables (e.g. ``enable_thinking``); they override
+            ``self.variables`` and the special tokens of the same name. ``tools`` and
+            ``documents`` are None unless given.
 
         Returns:
           The rendered string (special tokens as text).
@@ -297,7 +317,7 @@ class ChatTemplate:
             (``raise_exception`` or a jinja2 error); names ``source``.
         """
         chat = _normalize_messages(messages, self.source)
-        variables = {**self.special_tokens, **kwargs}
+        variables = {**self.special_tokens, **self.variables, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
@@ -473,7 +493,9 @@ def observation_frame(template: "ChatTemplate | PlainTemplate", layout: str = "a
       <information>", "</information><|im_end|>\\n<|im_start|>assistant\\n")``.
 
     The sampled turn is assumed to end at its closing action tag, without the end-of-turn token
-    (the frame supplies it). Sentinels without outer whitespace stand for the turn and the result,
+    (the frame supplies it). A template whose generation prompt ends with a closed, empty reasoning
+    block that its rendering of a completed assistant turn leaves out (Qwen3 with
+    ``enable_thinking`` false) is accepted: the context stays append-only, the block kept. Sentinels without outer whitespace stand for the turn and the result,
     so a template that trims contents gives the same frame.
 
     Args:
@@ -507,6 +529,11 @@ def observation_frame(template: "ChatTemplate | PlainTemplate", layout: str = "a
         raise ValueError(f"tool_result_layout {layout!r}: the chat template cannot put a {layout} message "
                          f"after an assistant turn ({exc})") from None
     head = prompt + _TURN_SENTINEL
+    at = full.find(_TURN_SENTINEL)
+    if at >= 0 and prompt.startswith(full[:at]) and _EMPTY_REASONING.fullmatch(prompt[at:]):
+        # Qwen3 with its reasoning off: the generation prompt's closed empty <think></think>,
+        # which the template drops from a completed turn, stays in the append-only context.
+        head = full[:at] + _TURN_SENTINEL
     if not full.startswith(head):
         raise ValueError(f"tool_result_layout {layout!r}: chat template {source} does not render an assistant "
                          "message as its generation prompt followed by the message verbatim, so the text after a "

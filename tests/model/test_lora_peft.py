@@ -1,7 +1,7 @@
 """A LoRA policy exported both ways loads in transformers: the merged Hugging Face folder, and the
 PEFT adapter folder put onto the base checkpoint by ``peft.PeftModel.from_pretrained``; both
 continue three prompts greedily token for token as our sampler does with the adapters
-(tiny random Qwen2 with q/k/v biases and a Llama, float32 on CPU)."""
+(tiny random Qwen2 with q/k/v biases, a Llama, a Qwen3 and a Gemma 3, float32 on CPU)."""
 
 import json
 
@@ -24,7 +24,12 @@ VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
 MODELS = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False))}
+          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=True)),
+          # the window (64) exceeds every row here: transformers counts left padding in it (the
+          # window itself: tests/model/test_hf_families.py)
+          "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                     dict(head_dim=16, sliding_window=64, layer_types=["sliding_attention", "full_attention"]))}
 NEW = 16
 
 
@@ -85,7 +90,7 @@ def test_merged_and_peft_exports_decode_as_ours(base, targets, tmp_path):
     with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), framework="np") as st:
         q = "base_model.model.model.layers.1.self_attn.q_proj"
         assert st.get_tensor(f"{q}.lora_A.weight").shape == (4, 64)
-        assert st.get_tensor(f"{q}.lora_B.weight").shape == (64, 4)
+        assert st.get_tensor(f"{q}.lora_B.weight").shape == (cfg.num_heads * cfg.head_dim, 4)
         assert len(st.keys()) == 2 * 2 * len(targets)
     host = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     with_adapter = peft.PeftModel.from_pretrained(host, tmp_path / "peft").eval()

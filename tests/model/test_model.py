@@ -253,7 +253,7 @@ def test_preset_param_counts_match_published(preset):
         (dict(head_dim=31), "head_dim"),
         (dict(vocab_size=0), "vocab_size"),
         (dict(dtype="float33"), "dtype"),
-        (dict(rope_scaling=(("factor", 8.0),)), "rope_scaling"),
+        (dict(rope_scaling=(("factor", 8.0), ("low_freq_factor", 1.0))), "rope_scaling"),
         (dict(initializer_range=0.0), "initializer_range"),
     ],
 )
