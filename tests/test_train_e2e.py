@@ -65,9 +65,11 @@ def _check_main_job_outputs(run, stdout: str, params, modes, rl_steps: int):
     assert "| rl | k1 |" in stdout
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
+    from mempo_jax.run.experiment import evaluation_questions, evaluation_world
 
     cfg = load_config([str(REPO / "configs/tiny_world.gin")], params)
-    held = build_world(cfg.world).heldout[:cfg.eval.num_questions]
+    world = build_world(cfg.world)  # the held-out set is the world of unseen entities
+    held = evaluation_questions(evaluation_world(cfg, world.documents))[:cfg.eval.num_questions]
     stored = json.loads((run / "eval_rl.json").read_text())
     for mode in modes:
         em = stored["per_question_em"][mode]
