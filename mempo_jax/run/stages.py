@@ -196,6 +196,9 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
         ctx.say(warning, flush=True)
     pool = entity_token_ids(tok, exp.documents, cfg.sft.copy_pool)
     rows += copy_rows(pool, int(cfg.sft.copy_fraction * len(rows)), tok.bos_id, rng)
+    # int32 / float32 arrays, not lists of Python numbers: the same batches in a third of the memory
+    # (tens of thousands of rows with several training worlds), held through the SFT stage
+    rows = [(np.asarray(ids, np.int32), np.asarray(mask, np.float32)) for ids, mask in rows]
     batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
     return with_copy_warmup(batches, pool, cfg.sft.copy_warmup_steps, cfg.sft.batch_rows, tok.pad_id, tok.bos_id,
                             np.random.default_rng([cfg.seed, COPY_STREAM]))  # own stream: the rows' draws are kept
