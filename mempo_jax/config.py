@@ -19,7 +19,7 @@ import os
 import pathlib
 import re
 import tokenize
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import gin
 
@@ -117,6 +117,9 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.overrides: {e}") from None
 
 
+COPY_POOLS = ("names", "name_pieces")  # the values of SFTConfig.copy_pool
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """Cold-start SFT on scripted trajectories or on a trajectory file (``data_path``).
@@ -133,6 +136,10 @@ class SFTConfig:
         from-scratch model forms its copy circuit there before the agent rows;
         ``sft.with_copy_warmup``); 0: none. Needs a corpus to draw the rows from, as
         ``copy_fraction`` does. ``copy_warmup_steps`` is the number of steps it gives.
+      copy_pool: the tokens copy rows are drawn from (``experiment.entity_token_ids``):
+        ``"names"`` (default), the passage titles that are single pieces (every title's first
+        piece when none is); ``"name_pieces"``, every piece of every title (names of several
+        pieces, e.g. a tokenizer trained on the name grammar: ``WorldConfig.names``).
       reader_fraction: share of SFT trajectories that also give two memory-reader rows
         (``sft.reader_rows``): the memory reward's memory view and full view of the answer turn,
         followed by the scorer's answer prefix and an answer (loss on the answer only), so that
@@ -155,6 +162,7 @@ class SFTConfig:
     copy_fraction: float = 0.0
     copy_warmup_fraction: float = 0.0
     reader_fraction: float = 0.0
+    copy_pool: str = "names"
     agent: ScriptedAgentConfig = ScriptedAgentConfig()
     optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20)
     data_path: str = ""
@@ -166,6 +174,7 @@ class SFTConfig:
         check(self, "copy_fraction", float, lo=0.0)
         check(self, "copy_warmup_fraction", float, lo=0.0, hi=1.0)
         check(self, "reader_fraction", float, lo=0.0, hi=1.0)
+        check(self, "copy_pool", str, choices=COPY_POOLS)
         check(self, "agent", ScriptedAgentConfig)
         check(self, "optim", OptimConfig)
         check(self, "data_path", str)
@@ -375,7 +384,14 @@ class ExperimentConfig:
         (ids ``ctx0``, ``ctx1``, …); not allowed with ``retriever_url``.
       heldout_fraction: without ``eval_path``, the seeded share of the training file's questions
         held out (``qa_questions.split_questions``).
-      world: the embedded world's sizes.
+      world: the embedded world's sizes (the training world of ``dataset = "tiny_world"``).
+      eval_world: a world of entities training never saw, the held-out set of a
+        ``"tiny_world"`` run (every question of it, searched in its own passages through a
+        tool environment of its own; ``experiment.evaluation_world``) in place of ``world``'s
+        held-out split; ``None`` (default): ``world``'s held-out split. Its names come from
+        ``eval_world.names``' share and never from ``world``'s names; ``"eval"`` with a
+        ``"train"`` ``world`` keeps it apart from every training world of any seed.
+        Used by the tiny world only (as ``world``).
       vocab_size: SentencePiece vocabulary size.
       topk: passages returned per search.
       model: model choice.
@@ -408,6 +424,7 @@ class ExperimentConfig:
     pool_contexts: bool = False
     heldout_fraction: float = 0.2
     world: WorldConfig = WorldConfig()
+    eval_world: Optional[WorldConfig] = None
     vocab_size: int = 1024
     topk: int = 1
     model: ModelOptions = ModelOptions()
@@ -452,6 +469,8 @@ class ExperimentConfig:
                            ("mesh", MeshConfig), ("execution", ExecutionConfig), ("lora", LoraConfig),
                            ("distributed", DistributedConfig)):
             check(self, name, kind)
+        require(self.eval_world is None or isinstance(self.eval_world, WorldConfig),
+                f"ExperimentConfig.eval_world must be a WorldConfig or None, got {self.eval_world!r}")
         micro = self.execution.sft_micro_batch_rows
         require(not (micro and self.sft.batch_rows % micro), "ExecutionConfig.sft_micro_batch_rows must be 0 or divide "
                 f"SFTConfig.batch_rows = {self.sft.batch_rows}, got {micro}")

@@ -243,11 +243,11 @@ def test_an_empty_or_non_utf8_data_file_is_named(raw, message, tmp_path, capsys)
 def _texts():
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.run.experiment import _tokenizer_texts
+    from mempo_jax.run.experiment import tokenizer_texts
 
     cfg = load_config([str(REPO / "configs" / "tiny_world.gin")], SMALL_PARAMS)
     world = build_world(cfg.world)
-    return _tokenizer_texts(world.documents, world.train + world.heldout)
+    return tokenizer_texts(cfg, world.documents, world.train + world.heldout)
 
 
 def test_a_vocabulary_too_small_for_sentencepiece(tmp_path, capsys):

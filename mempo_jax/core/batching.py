@@ -40,7 +40,7 @@ def length_buckets(minimum: int, bound: int) -> list[int]:
 
 
 def pad_sequences(
-    seqs: Sequence[Sequence[int | np.integer]],
+    seqs: Sequence[Sequence[int | np.integer] | np.ndarray],
     pad_id: int,
     length: int | None = None,
     side: str = "right",
@@ -48,7 +48,7 @@ def pad_sequences(
     """Stack variable-length id lists into one padded array.
 
     Args:
-      seqs: ``batch`` lists of token ids.
+      seqs: ``batch`` lists (or 1-D integer arrays) of token ids.
       pad_id: id written into padding slots.
       length: target length; default ``bucket_length(max len)``.
       side: ``"right"`` (training, scoring) or ``"left"`` (sampler prompts).

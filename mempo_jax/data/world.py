@@ -14,12 +14,22 @@ rendered into a passage corpus in the Search-R1 JSONL format (``{"id", "contents
   ``;`` (docs/algorithm.md §1). Every earlier sub-answer must survive in ``<mem>`` until the answer turn.
 
 Train and held-out splits share no question (they are split by question text).
+
+Worlds that training cannot memorise (``WorldConfig.names``, ``WorldConfig.num_worlds``). The
+name space (every name the syllable grammar writes) is split in two fixed shares by a hash of the
+name (``name_share``): a training world draws its names from the ``"train"`` share only, an
+evaluation world from the ``"eval"`` share only, so no evaluation entity can occur in any training
+world of any seed; both shares are the same grammar, so their names read (and tokenise) alike.
+``num_worlds`` pools independent sub-worlds with disjoint names into one training world, so that
+each entity is seen a few times at most. ``names = "any"`` and ``num_worlds = 1`` (the defaults) are
+the original generator, draw for draw.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import zlib
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -29,6 +39,17 @@ from mempo_jax.core.validation import check, require
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
 _CODAS = ["", "n", "r", "l", "s", "th", "x", "m"]
+NAME_SHARES = ("any", "train", "eval")  # the values of WorldConfig.names
+EVAL_SHARE_MODULUS = 4  # a name is in the "eval" share when crc32(name) % 4 == 0 (a quarter of the space)
+
+
+def name_share(name: str) -> str:
+    """The share of the name space a name belongs to: ``"eval"`` or ``"train"``.
+
+    ``zlib.crc32`` of the name's UTF-8 bytes modulo ``EVAL_SHARE_MODULUS`` (0: ``"eval"``): fixed for
+    every seed and platform, and independent of the syllables, so both shares hold names of every shape.
+    """
+    return "eval" if zlib.crc32(name.encode("utf-8")) % EVAL_SHARE_MODULUS == 0 else "train"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +63,13 @@ class WorldConfig:
       multi_min, multi_max: sub-questions per multi-objective question (inclusive).
       num_single, num_bridge, num_multi: questions generated per kind (before the split).
       heldout_fraction: share of each kind's questions kept out of training.
+      names: the share of the name space entity names are drawn from (``name_share``): ``"any"``
+        (default: the whole space, the original worlds), ``"train"`` or ``"eval"``. A ``"train"``
+        world never holds a name of an ``"eval"`` world, whatever the seeds and sizes.
+      num_worlds: independent sub-worlds pooled into this one (default 1), each of the sizes above,
+        its own random stream (``default_rng([seed, i])``) and names disjoint from the others'
+        (question ids ``"w<i>-<kind>-<n>"``); e.g. many small training worlds whose entities are each
+        seen a few times. 1 is the single world of ``default_rng(seed)``.
 
     Raises:
       ValueError: from ``__post_init__`` for a value out of range (names the field).
@@ -59,10 +87,13 @@ class WorldConfig:
     num_bridge: int = 600
     num_multi: int = 600
     heldout_fraction: float = 0.2
+    names: str = "any"
+    num_worlds: int = 1
 
     def __post_init__(self):
         check(self, "seed", int, lo=0)
-        for name in ("num_countries", "num_cities", "num_companies", "num_people", "multi_min"):
+        check(self, "names", str, choices=NAME_SHARES)
+        for name in ("num_countries", "num_cities", "num_companies", "num_people", "multi_min", "num_worlds"):
             check(self, name, int, lo=1)
         check(self, "offices_per_company", int, lo=2)  # bridge questions need two offices
         for name in ("num_single", "num_bridge", "num_multi"):
@@ -119,15 +150,44 @@ class World:
     heldout: list[Question]
 
 
-def _names(rng: np.random.Generator, count: int, taken: set[str], syllables: int) -> list[str]:
+def _names(rng: np.random.Generator, count: int, taken: set[str], syllables: int, share: str = "any") -> list[str]:
+    """``count`` new names (added to ``taken``) from ``share`` of the name space; with ``"any"``
+    every draw is kept as the original generator keeps it (the same names for the same stream)."""
     out = []
     while len(out) < count:
         parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)]
         name = "".join(parts).capitalize()
-        if name not in taken and len(name) >= 4:
+        if name not in taken and len(name) >= 4 and (share == "any" or name_share(name) == share):
             taken.add(name)
             out.append(name)
     return out
+
+
+def name_inventory(count: int, seed: int, share: str = "train") -> list[str]:
+    """``count`` names drawn independently from the world's name grammar (repeats possible), in
+    ``share`` of the name space (``name_share``; ``"any"``: all of it): the inventory a tokenizer is
+    trained on, so that it learns the grammar's pieces rather than any world's names.
+
+    Args:
+      count: names to draw (>= 0).
+      seed: numpy ``default_rng`` seed.
+      share: ``"any"``, ``"train"`` or ``"eval"``.
+
+    Raises:
+      ValueError: ``share`` not in ``NAME_SHARES``.
+    """
+    if share not in NAME_SHARES:
+        raise ValueError(f"name_inventory: share must be one of {NAME_SHARES}, got {share!r}")
+    rng = np.random.default_rng(seed)
+    syllables = np.array([o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS])
+    out: list[str] = []
+    while len(out) < count:
+        picks = syllables[rng.integers(len(syllables), size=(max(count - len(out), 1) * 2, 2))]
+        for a, b in picks:
+            name = (a + b).capitalize()
+            if len(name) >= 4 and (share == "any" or name_share(name) == share):
+                out.append(name)
+    return out[:count]
 
 
 def _single_facts(world_people, world_cities, world_companies):
@@ -144,26 +204,51 @@ def _single_facts(world_people, world_cities, world_companies):
     return facts
 
 
-def build_world(cfg: WorldConfig = WorldConfig()) -> World:
+def build_world(cfg: WorldConfig = WorldConfig(), exclude: Collection[str] = ()) -> World:
     """Generate the world, its corpus and its question splits from ``cfg.seed``.
 
     Args:
-      cfg: sizes and seed.
+      cfg: sizes, seed, name share and number of sub-worlds.
+      exclude: names never drawn (e.g. a training world's, for an evaluation world of share
+        ``"any"``); empty (default) changes no draw.
 
     Returns:
-      A ``World``; ``len(documents) == countries + cities + companies + people``.
+      A ``World``; ``len(documents) == countries + cities + companies + people`` (over all
+      sub-worlds), each entity's passage titled by its name, passage ids ``"0"``, ``"1"``, ….
 
     Raises:
       ValueError: if the sizes cannot support bridge questions (fewer than 2 offices or cities).
     """
     if cfg.offices_per_company < 2 or cfg.num_cities < cfg.offices_per_company:
         raise ValueError("WorldConfig.offices_per_company must be >= 2 and <= num_cities")
-    rng = np.random.default_rng(cfg.seed)
-    taken: set[str] = set()
-    countries = _names(rng, cfg.num_countries, taken, 2)
-    city_names = _names(rng, cfg.num_cities, taken, 2)
-    company_names = _names(rng, cfg.num_companies, taken, 2)
-    first = _names(rng, cfg.num_people, taken, 2)
+    taken = set(exclude)
+    if cfg.num_worlds == 1:
+        return _build_one(np.random.default_rng(cfg.seed), cfg, taken)
+    parts = [_build_one(np.random.default_rng([cfg.seed, i]), cfg, taken) for i in range(cfg.num_worlds)]
+    docs: list[Document] = []
+    for part in parts:
+        docs += [dataclasses.replace(d, id=str(len(docs) + int(d.id))) for d in part.documents]
+
+    def renamed(i: int, qs: list[Question]) -> list[Question]:
+        return [dataclasses.replace(q, id=f"w{i}-{q.id}") for q in qs]
+
+    return World(cfg, *([x for p in parts for x in getattr(p, f)] for f in ("countries", "cities", "companies", "people")),
+                 docs, [q for i, p in enumerate(parts) for q in renamed(i, p.train)],
+                 [q for i, p in enumerate(parts) for q in renamed(i, p.heldout)])
+
+
+def entity_names(world: World) -> set[str]:
+    """Every entity name of ``world`` (countries, cities, companies, people)."""
+    return {*world.countries, *(c["name"] for c in world.cities), *(c["name"] for c in world.companies),
+            *(p["name"] for p in world.people)}
+
+
+def _build_one(rng: np.random.Generator, cfg: WorldConfig, taken: set[str]) -> World:
+    """One world from ``rng``, its names from ``cfg.names`` and outside ``taken`` (added to it)."""
+    countries = _names(rng, cfg.num_countries, taken, 2, cfg.names)
+    city_names = _names(rng, cfg.num_cities, taken, 2, cfg.names)
+    company_names = _names(rng, cfg.num_companies, taken, 2, cfg.names)
+    first = _names(rng, cfg.num_people, taken, 2, cfg.names)
     people = [{"name": n} for n in first]
 
     cities = [

@@ -65,10 +65,11 @@ def sft_rows(trajs: Sequence[Trajectory], context_steps: int, full_fraction: flo
     return out
 
 
-def iterate_sft_batches(rows: Sequence[tuple[Sequence[int | np.integer], Sequence[float]]], batch_rows: int, pad_id: int,
-                        rng: np.random.Generator):
+def iterate_sft_batches(rows: Sequence[tuple[Sequence[int | np.integer] | np.ndarray, Sequence[float] | np.ndarray]],
+                        batch_rows: int, pad_id: int, rng: np.random.Generator):
     """Endless shuffled batches; rows of similar length share a batch (sorted within a window)
-    so padding stays small. Yields ``{"input_ids", "valid", "loss_mask"}`` ``[batch_rows, L]``."""
+    so padding stays small. Rows are ``(ids, loss_mask)`` lists or 1-D arrays (the same batches
+    either way). Yields ``{"input_ids", "valid", "loss_mask"}`` ``[batch_rows, L]``."""
     while True:
         order = rng.permutation(len(rows))
         window = batch_rows * 16

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
+from typing import Collection, Sequence
 
 import jax
 from flax import nnx
@@ -20,7 +22,7 @@ from mempo_jax.agent.tags import TagCodec
 from mempo_jax.config import ExecutionConfig, ExperimentConfig
 from mempo_jax.core.sharding import Rules
 from mempo_jax.data.qa_questions import load_qa_questions
-from mempo_jax.data.world import Question, build_world
+from mempo_jax.data.world import Question, World, build_world, name_inventory
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import LogitsFn, make_logits_fn
 from mempo_jax.agent.engine import RolloutEngine
@@ -67,6 +69,8 @@ class Experiment:
       offices: ``{company: {city: office head}}`` of the tiny world (the scripted agent's lazy
         guesses); ``{}`` for a QA run.
       tool_env: the search / access tools over the corpus.
+      eval_tool_env: the tools the held-out questions are searched with, when they are not
+        ``tool_env`` (``ExperimentConfig.eval_world``: its own passages); ``None``: ``tool_env``.
       policy: the model being trained, with its tokenizer, format, engine and mesh.
       scorer: the memory-reward scorer of ``policy``.
       corpus: what the tools search, in words.
@@ -81,6 +85,12 @@ class Experiment:
     policy: Policy
     scorer: MemoryRewardScorer
     corpus: str = ""
+    eval_tool_env: ToolEnvironment | None = None
+
+    @property
+    def heldout_tool_env(self) -> ToolEnvironment:
+        """The tools the held-out questions are searched with (``eval_tool_env``, else ``tool_env``)."""
+        return self.eval_tool_env or self.tool_env
 
 
 def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
@@ -177,7 +187,49 @@ def load_questions(cfg: ExperimentConfig):
     return train_q, held_q, docs, {}, backend, note
 
 
-def _tokenizer_texts(documents, questions) -> list[str]:
+def evaluation_world(cfg: ExperimentConfig, training_documents: Sequence[Document]) -> World:
+    """The world of ``ExperimentConfig.eval_world``: its entities drawn from ``eval_world.names``'
+    share of the name space and never named like a training passage (``training_documents``'
+    titles, which are the training world's entity names), so none of them occurs in training.
+
+    Args:
+      cfg: a ``"tiny_world"`` run's config with ``eval_world`` set.
+      training_documents: the training world's passages.
+
+    Raises:
+      ValueError: ``eval_world`` is ``None``.
+    """
+    if cfg.eval_world is None:
+        raise ValueError("evaluation_world: ExperimentConfig.eval_world is None")
+    return build_world(cfg.eval_world, exclude={d.title for d in training_documents})
+
+
+def evaluation_questions(world: World) -> list[Question]:
+    """Every question of an evaluation world (both of its splits: none of it is trained on)."""
+    return world.heldout + world.train
+
+
+def tokenizer_texts(cfg: ExperimentConfig, documents, questions) -> list[str]:
+    """The SentencePiece training text of a from-scratch run of ``cfg`` (``build_experiment``): the
+    training world's (or QA files') passages and questions through ``_tokenizer_texts``, with the
+    tiny world's entity names redrawn when ``WorldConfig.names`` is not ``"any"``."""
+    redraw = {d.title for d in documents} if cfg.dataset == "tiny_world" and cfg.world.names != "any" else ()
+    return _tokenizer_texts(documents, questions, redraw, cfg.seed)
+
+
+def _tokenizer_texts(documents, questions, redraw: Collection[str] = (), seed: int = 0) -> list[str]:
+    """The SentencePiece training text of a from-scratch run: passages, questions and the protocol's
+    phrases as the scripted agent renders them.
+
+    Args:
+      documents, questions: the training corpus and questions.
+      redraw: entity names (a world's passage titles) to redraw: each of their occurrences is
+        replaced by a fresh name of the grammar (``world.name_inventory``, share ``"train"``), so
+        the tokenizer learns the name grammar's pieces, not one world's names, and names it never
+        saw tokenise like the ones it did (the tiny world with ``WorldConfig.names != "any"``).
+        Empty (default): the text as it is.
+      seed: the redrawn names' seed.
+    """
     texts = [d.contents for d in documents] + [q.question for q in questions]
     for q in questions:  # the protocol's own phrases, as the scripted agent renders them
         for query, facts in q.hops:
@@ -186,7 +238,15 @@ def _tokenizer_texts(documents, questions) -> list[str]:
     # (kept verbatim: this text is part of the tokenizer training data, so the default run's
     # SentencePiece model, and with it every figure of the default run, stays the same)
     texts.append("unknown none " + "BOS (when the tokenizer has one; Qwen has none) + system prompt + question, as ids.")
-    return texts
+    if not redraw:
+        return texts
+    names = set(redraw)
+    hits = sum(m.group(0) in names for t in texts for m in _CAPITALISED.finditer(t))
+    fresh = iter(name_inventory(hits, seed))
+    return [_CAPITALISED.sub(lambda m: next(fresh) if m.group(0) in names else m.group(0), t) for t in texts]
+
+
+_CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")  # a word that may be an entity name of the tiny world
 
 
 def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], list[int]]:
@@ -223,10 +283,20 @@ def answer_prefix_ids(tokenizer, mode: str = "empty_mem") -> tuple[list[int], li
     return full, opening
 
 
-def entity_token_ids(tokenizer, documents) -> list[int]:
-    """Ids of the passage titles that are single pieces (the entity names), the pool of the
-    SFT copy rows; falls back to every title's first piece when none is a single piece."""
+def entity_token_ids(tokenizer, documents, pool: str = "names") -> list[int]:
+    """The pool of the SFT copy rows (``SFTConfig.copy_pool``), from the passage titles (the entity names).
+
+    ``"names"``: ids of the titles that are single pieces; every title's first piece when none is.
+    ``"name_pieces"``: every piece of every title (sorted, distinct).
+
+    Raises:
+      ValueError: an unknown ``pool``.
+    """
     ids = [tokenizer.encode(" " + d.title) for d in documents]
+    if pool == "name_pieces":
+        return sorted({t for piece_ids in ids for t in piece_ids})
+    if pool != "names":
+        raise ValueError(f"SFTConfig.copy_pool must be 'names' or 'name_pieces', got {pool!r}")
     single = [t[0] for t in ids if len(t) == 1]
     return single or [t[0] for t in ids if t]
 
@@ -448,8 +518,14 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     if cfg.model.checkpoint:  # a Hugging Face checkpoint: its weights and tokenizer (+ protocol tags)
         model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model, mesh, rules)
     else:
-        tokenizer = _train_tokenizer(_tokenizer_texts(docs, train_q + held_q), cache_dir, cfg.vocab_size)
+        tokenizer = _train_tokenizer(tokenizer_texts(cfg, docs, train_q + held_q), cache_dir, cfg.vocab_size)
         model_cfg, graphdef, params = _from_scratch(cfg, tokenizer, mesh, rules)
+    eval_env = None
+    if cfg.dataset == "tiny_world" and cfg.eval_world is not None:  # entities training never saw
+        world = evaluation_world(cfg, docs)
+        held_q = evaluation_questions(world)
+        eval_env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
+        corpus += f"; held-out: a world of unseen entities, {len(world.documents)} passages"
     if cfg.lora.enabled:  # adapters on the frozen base (mempo_jax.model.lora)
         model_cfg, graphdef, params = add_adapters(model_cfg, params, cfg.lora, cfg.seed, mesh=mesh, rules=rules)
     policy = make_policy(model_cfg, graphdef, params, tokenizer, policy_format(cfg.model, tokenizer), mesh=mesh,
@@ -462,7 +538,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                                 batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
                                 param_shardings=sharding.param_shardings(policy.params, mesh, rules))
     return Experiment(cfg, train_q, held_q, docs, offices, ToolEnvironment(backend, topk=cfg.topk), policy, scorer,
-                      corpus)
+                      corpus, eval_env)
 
 
 def lora_policy_params(cfg: ExperimentConfig, model_cfg: ModelConfig, adapters, *, mesh=None, rules=None):

@@ -65,7 +65,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     for mode in (parse_context_steps(m) for m in cfg.eval.context_modes):
         release_free_memory()  # what the stage before left as free heap: not under this mode's KV cache
         bar = tqdm(total=len(held_mine), desc=f"eval {stage} {mode_name(mode)}", leave=False, disable=not ctx.primary)
-        res = evaluate_policy(engine, params, held_mine, exp.policy.fmt, exp.tool_env, rollout_cfg,
+        res = evaluate_policy(engine, params, held_mine, exp.policy.fmt, exp.heldout_tool_env, rollout_cfg,
                               mode, cfg.eval.temperature, ctx.eval_key, progress=lambda n: bar.update(n - bar.n),
                               first=first)
         bar.close()
@@ -194,8 +194,11 @@ def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
         ctx.say(f"[mempo] SFT on {len(trajs)} conversations of {cfg.sft.data_path} ({len(rows)} rows)", flush=True)
     if warning := copy_rows_warning(cfg):
         ctx.say(warning, flush=True)
-    pool = entity_token_ids(tok, exp.documents)
+    pool = entity_token_ids(tok, exp.documents, cfg.sft.copy_pool)
     rows += copy_rows(pool, int(cfg.sft.copy_fraction * len(rows)), tok.bos_id, rng)
+    # int32 / float32 arrays, not lists of Python numbers: the same batches in a third of the memory
+    # (tens of thousands of rows with several training worlds), held through the SFT stage
+    rows = [(np.asarray(ids, np.int32), np.asarray(mask, np.float32)) for ids, mask in rows]
     batches = iterate_sft_batches(rows, cfg.sft.batch_rows, tok.pad_id, rng)
     return with_copy_warmup(batches, pool, cfg.sft.copy_warmup_steps, cfg.sft.batch_rows, tok.pad_id, tok.bos_id,
                             np.random.default_rng([cfg.seed, COPY_STREAM]))  # own stream: the rows' draws are kept

@@ -88,3 +88,15 @@ def test_copy_rows_on_a_checkpoint_print_a_warning(monkeypatch):
     assert copy_rows_warning(load_config(["configs/smollm2_hotpotqa.gin"], ["SFTConfig.copy_warmup_fraction = 0.24",
                                                                             "SFTConfig.steps = 0"])) is None
     assert copy_rows_warning(load_config(["configs/tiny_world.gin"])) is None  # from scratch: copy rows wanted
+
+
+def test_rows_as_arrays_give_the_same_batches():
+    """The trainer keeps its SFT rows as int32 / float32 arrays (``stages._sft_batches``): the
+    batches are those of the same rows as lists, draw for draw."""
+    rows = _agent_rows() + [(r[0], [float(x) for x in r[1]]) for r in _agent_rows(7)]
+    compact = [(np.asarray(i, np.int32), np.asarray(m, np.float32)) for i, m in rows]
+    a = iterate_sft_batches(rows, 4, PAD, np.random.default_rng(1))
+    b = iterate_sft_batches(compact, 4, PAD, np.random.default_rng(1))
+    for _ in range(25):
+        x, y = next(a), next(b)
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) and x[k].dtype == y[k].dtype for k in x)

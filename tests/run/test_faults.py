@@ -176,13 +176,13 @@ def test_tokenizer_without_protocol_tags(tmp_path, capsys):
 
     from mempo_jax.config import load_config
     from mempo_jax.data.world import build_world
-    from mempo_jax.run.experiment import _tokenizer_texts
+    from mempo_jax.run.experiment import tokenizer_texts
     from mempo_jax.text.tokenizer import train_sentencepiece
 
     cache = tmp_path / "spm"
     cfg = load_config([str(REPO / "configs" / "tiny_world.gin")], SMALL_PARAMS)
     world = build_world(cfg.world)
-    texts = _tokenizer_texts(world.documents, world.train + world.heldout)
+    texts = tokenizer_texts(cfg, world.documents, world.train + world.heldout)
     cached = pathlib.Path(train_sentencepiece(texts, cache, cfg.vocab_size).path)  # the file the run will load
     spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp_path / "plain"),
                                    vocab_size=150, hard_vocab_limit=False, minloglevel=2)
