@@ -52,3 +52,4 @@ def test_the_rule_needs_the_ci_above_zero_and_two_seeds_in_three():
     assert seed_arms.decide({"em": [0.1, 0.01, 0.2], "favour": 2}, 3)
     assert not seed_arms.decide({"em": [0.1, 0.0, 0.2], "favour": 3}, 3)  # CI touching 0
     assert not seed_arms.decide({"em": [0.1, 0.01, 0.2], "favour": 1}, 3)
+

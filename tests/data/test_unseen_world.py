@@ -154,3 +154,21 @@ def test_unseen_names_tokenize_like_trained_ones(tmp_path):
         pieces[name] = np.array([len(tok.encode(" " + n)) for n in sorted(entity_names(world))])
         assert (pieces[name] >= 2).all(), name  # no name is an atom
     assert abs(pieces["train"].mean() - pieces["eval"].mean()) < 0.1
+
+
+def test_the_seed_comparisons_unseen_world_shares_nothing_with_the_smollm2_recipes_world():
+    """benchmarks/seed_arms.py: the SmolLM2 world recipe trains on the original world (names from the
+    whole name space); the comparison's unseen world has none of its entity names and none of its
+    (sub-question, answer) pairs, and holds at least 200 bridge and 200 multi-objective questions."""
+    import sys
+    from collections import Counter
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import seed_arms
+
+    train = build_world(WorldConfig())
+    world, questions = seed_arms.unseen_world(WorldConfig(), 1, 250, 250, 100)
+    kinds = Counter(q.kind for q in questions)
+    assert kinds["bridge"] >= 200 and kinds["multi"] >= 200
+    assert not entity_names(world) & entity_names(train)
+    assert _pairs(questions) and not _pairs(questions) & _pairs(train.train + train.heldout)
