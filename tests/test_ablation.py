@@ -62,9 +62,9 @@ def test_small_ablation_runs_arms_from_one_sft_start(tmp_path, capsys):
         assert res["arms"][arm]["0"]["eval"]["sft"] == sft_eval  # the one SFT start, evaluated once
         assert cfg_line in (run / "config.gin").read_text()
         assert set(res["arms"][arm]["0"]["curve"]) == {"0", "1"}
-        assert "eval/bridge/em" in res["arms"][arm]["0"]["eval"]["rl"]["k1"]
+        assert any(k.startswith("eval/") and k.endswith("/em") for k in res["arms"][arm]["0"]["eval"]["rl"]["k1"])
     assert res["mempo_minus_grpo_hard"]["n"] == sum(1 for k in ("bridge", "multi")
-                                                    for _ in range(int(sft_eval["k1"][f"eval/{k}/n"])))
+                                                    for _ in range(int(sft_eval["k1"].get(f"eval/{k}/n", 0))))
     assert (out / "ablation.png").stat().st_size > 1000 and "MemPO − GRPO" in (out / "ablation.md").read_text()
     by_kind = res["mempo_minus_grpo_by_kind"]
     assert set(by_kind) == {"bridge", "multi"} and by_kind["bridge"]["n"] + by_kind["multi"]["n"] == \
