@@ -179,7 +179,7 @@ MODULE_SECONDS = {
     "tests/run/test_multiprocess.py": 17, "tests/model/test_lora.py": 16, "tests/agent/test_sampling.py": 12,
     "tests/tools/test_retriever_limits.py": 11, "tests/rl/test_memory_reward.py": 10, "tests/model/test_model.py": 10,
     "tests/data/test_unseen_world.py": 12,
-    "tests/model/test_bfloat16.py": 9, "tests/model/test_lora_peft.py": 9, "tests/model/test_attention.py": 9,
+    "tests/model/test_bfloat16.py": 9, "tests/model/test_lora_peft.py": 18, "tests/model/test_attention.py": 9,
     "tests/tools/test_retrieval_server.py": 9, "tests/run/test_memory_release.py": 9,
     "tests/core/test_mesh_steps.py": 8, "tests/text/test_stop_strings.py": 8, "tests/data/test_messages.py": 8,
     "tests/model/test_hf_parity.py": 7, "tests/model/test_hf_families.py": 30, "tests/text/test_family_templates.py": 2,
