@@ -110,7 +110,7 @@ def evaluate_unseen(run: pathlib.Path, stage: str, dest: pathlib.Path, modes, wo
     import jax
 
     from mempo_jax.agent.trajectory import mode_name, parse_context_steps
-    from mempo_jax.core.paths import write_json_atomic
+    from mempo_jax.core.paths import write_bytes_atomic, write_json_atomic
     from mempo_jax.run.evaluation import evaluate_policy, prediction_records
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.tools.bm25 import BM25Index
@@ -130,9 +130,7 @@ def evaluate_unseen(run: pathlib.Path, stage: str, dest: pathlib.Path, modes, wo
         print(f"[seed_arms] {run} ({stage}) unseen {mode_name(steps)}: EM {res.metrics['em']:.3f}", flush=True)
     dest.mkdir(parents=True, exist_ok=True)
     body = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
-    tmp = dest / "predictions.jsonl.gz.tmp"
-    tmp.write_bytes(gzip.compress(body, mtime=0))
-    tmp.replace(dest / "predictions.jsonl.gz")
+    write_bytes_atomic(dest / "predictions.jsonl.gz", gzip.compress(body, mtime=0))
     write_json_atomic(dest / "eval_meta.json", {"run_dir": str(run), "stage": stage, "dataset": UNSEEN,
                                                 "world": {"seed": world_args[0], "questions": len(questions),
                                                           "passages": len(world.documents)},
