@@ -3,7 +3,7 @@
 One decode step's attention for one layer at batch 64 with SmolLM2-135M's shapes (9 query heads,
 3 kv heads, head dim 64), over ``--keys`` visible keys of a slot cache of 1,024 positions:
 
-* ours: ``mempo_jax.model.attention.blocked_attention`` reading layer 5 of a 30-layer
+* ours: ``mempo_jax.model.attention_xla.blocked_attention`` reading layer 5 of a 30-layer
   ``[layers, slots, kv_heads, 1024, head_dim]`` float32 cache (what ``Decoder`` with a cache runs per layer
   and decode step: key blocks of 256 sliced out of the cache, online softmax);
 * transformers' kernel: ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the
@@ -34,7 +34,9 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mempo_jax.model.attention import AttentionMask, blocked_attention
+    from mempo_jax.model.attention_mask import AttentionMask
+
+    from mempo_jax.model.attention_xla import blocked_attention
 
     small = args.small
     layers, batch, kvh, heads, hd, size, block = (2, 8, 1, 2, 16, 128, 32) if small else (30, 64, 3, 9, 64, 1024, 256)

@@ -22,7 +22,7 @@ else; a section not started before ``--budget_s`` seconds is ``{"skipped": ...}`
   generate-per-turn loop on this device (tokens/s, ratio).
 
 ``--smoke`` runs the same code on the CPU at toy sizes, the kernel strategy through
-``attention.interpret_kernels("gpu")`` (Pallas in interpret mode): the suite runs it
+``attention_kernels.interpret_kernels("gpu")`` (Pallas in interpret mode): the suite runs it
 (tests/test_benchmarks.py). Run on a GPU: ``python benchmarks/device_check.py`` (docs/benchmarks.md,
 "A lent GPU"); on a TPU VM: docs/tpu_pod.md.
 """
@@ -254,7 +254,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     import jax
 
-    from mempo_jax.model.attention import interpret_kernels, resolve_impl
+    from mempo_jax.model.attention_kernels import interpret_kernels, resolve_impl
 
     t0 = time.perf_counter()
     backend = jax.default_backend()

@@ -29,7 +29,8 @@ from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.data.scripted_agent import ScriptedAgentConfig
 from mempo_jax.data.world import WorldConfig
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK
-from mempo_jax.model.attention import ATTENTION_IMPLS, BLOCKED_MIN_LEN
+from mempo_jax.model.attention_kernels import ATTENTION_IMPLS
+from mempo_jax.model.attention_xla import BLOCKED_MIN_LEN
 from mempo_jax.rl.learner import DEFAULT_LOGPROB_CHUNK_ROWS, DEFAULT_MICRO_BATCH_ROWS, OptimConfig
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardConfig
@@ -210,7 +211,7 @@ class ExecutionConfig:
         (``model.decoder.REMAT_CHOICES``).
       dense_attention_max_len: rows up to this many tokens take dense attention in the update, SFT,
         log-prob and scoring passes; longer rows take the blocked (flash-style) attention
-        (``model.attention.use_blocked``; default ``attention.BLOCKED_MIN_LEN`` = 1,024). Dense
+        (``model.attention_xla.use_blocked``; default ``attention_xla.BLOCKED_MIN_LEN`` = 1,024). Dense
         keeps each layer's ``[rows, heads, length, length]`` float32 scores in the backward pass
         and is the faster path on CPU at these lengths; a lower value trades that speed for memory
         (docs/results.md, "The SmolLM2 recipe at micro-batch 8"). Values are the same up to float32
@@ -226,7 +227,7 @@ class ExecutionConfig:
         ``rollout/logprob_diff/*`` reports the gap. On one process the cast is an extra
         half-size copy while the rollout runs.
       attention_impl: the attention strategy of every forward pass, the rollout's decode
-        included (``model.attention.resolve_impl``): ``"auto"`` (default: ``"cudnn"`` on GPU,
+        included (``model.attention_kernels.resolve_impl``): ``"auto"`` (default: ``"cudnn"`` on GPU,
         ``"pallas"`` on TPU, ``"xla"`` elsewhere), ``"xla"`` (the dense / blocked XLA code),
         ``"cudnn"`` (GPU: cuDNN flash attention, Pallas paged decode) or ``"pallas"`` (TPU:
         splash attention, Pallas paged decode). Speed and memory, not values (float32 summation

@@ -17,7 +17,7 @@ cache is updated in place, never copied):
   stop string (``stop_strings``) or its token budget, and then idles until the host refills it.
 
 The forward pass is the ``Decoder``'s own with a cache; its attention reads the live cache blocks
-only (``mempo_jax.model.attention.blocked_attention`` with ``kv_bound``). Both programs are traced
+only (``mempo_jax.model.attention_xla.blocked_attention`` with ``kv_bound``). Both programs are traced
 under the rollout mesh's ``activation_sharding`` (rows over ``data``, heads over ``tensor``: the
 cache's layout), as the trainer's are under the training mesh's.
 Sampling (``agent.decoding``): ``log softmax(logits / temperature)`` log-probs — what the trainer
@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mempo_jax.model.attention import check_kernels
+from mempo_jax.model.attention_kernels import check_kernels
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache, init_cache
 from mempo_jax.model.placement import cache_shardings
@@ -136,7 +136,7 @@ class SlotSampler:
       param_dtype: dtype ``place`` casts the floating parameters to (``ExecutionConfig.rollout_dtype``;
         ``None``: as the trainer holds them).
       attention_impl: the attention strategy of prefill and decode (``ExecutionConfig.attention_impl``,
-        ``model.attention.resolve_impl``).
+        ``model.attention_kernels.resolve_impl``).
 
     The programs compile once per (S, C, N, R, T, greedy, top_p < 1) and are shared by samplers
     with equal (graphdef, model_cfg, stops, pad, automaton shape, block, state placement).

@@ -257,7 +257,7 @@ def activation_sharding(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iter
 def active_mesh() -> tuple[Mesh, Rules] | None:
     """The ``(mesh, rules)`` of the innermost ``activation_sharding`` block (a one-device mesh
     included), or ``None`` outside one: the mesh a model function is being traced for (its devices
-    name the platform the program is compiled for, ``model.attention.resolve_impl``)."""
+    name the platform the program is compiled for, ``model.attention_kernels.resolve_impl``)."""
     return _ACTIVATIONS.get()
 
 

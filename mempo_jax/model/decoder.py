@@ -38,7 +38,8 @@ from jaxtyping import Array, Bool, Float, Int
 from mempo_jax.core.sharding import constrain
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
-from mempo_jax.model.attention import BLOCK_K, BLOCKED_MIN_LEN, AttentionMask
+from mempo_jax.model.attention_mask import AttentionMask
+from mempo_jax.model.attention_xla import BLOCKED_MIN_LEN, BLOCK_K
 from mempo_jax.model.layers import EMBED_AXES, MLP, Attention, RMSNorm, logical_param
 
 
@@ -96,7 +97,7 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
 class _CacheWrite(NamedTuple):
     """Where one forward call's new keys/values go: ``slot``/``pos`` ``[B, T]`` scatter indices
     (out of range: dropped), ``rows`` the slot read by each query row (``None``: row b is slot b),
-    ``kv_bound`` and ``block_k`` of ``attention.blocked_attention``."""
+    ``kv_bound`` and ``block_k`` of ``attention_xla.blocked_attention``."""
 
     slot: jax.Array
     pos: jax.Array
@@ -203,13 +204,13 @@ class Decoder(nnx.Module):
         token's cache position is its RoPE position) each layer first writes the new tokens'
         keys/values at (slot ``rows[b]``, position ``positions[b, t]``), then every query attends to
         the cache positions ``<= `` its own in its slot (``AttentionMask.cached``), reading only the
-        key blocks below ``kv_bound`` (``attention.blocked_attention``).
+        key blocks below ``kv_bound`` (``attention_xla.blocked_attention``).
 
         Args:
           tokens: ``[B, T]`` int32 ids.
           positions: ``[B, T]`` int32 RoPE positions (= cache positions with a cache).
           attn_mask: without a cache, ``[B, T, T]`` bool (True where query t may attend to key s)
-            or an ``attention.AttentionMask`` standing for one (packed rows carry segment ids in
+            or an ``attention_mask.AttentionMask`` standing for one (packed rows carry segment ids in
             it); with a cache, ``None``.
           cache: optional ``KVCache`` ``[layers, slots, kv_heads, size, head_dim]``, ``size`` a
             multiple of ``min(block_k, size)``.
@@ -270,7 +271,7 @@ class Decoder(nnx.Module):
             ``"dots_saveable"``: the layer's matmul outputs kept, the rest recomputed). Applies to
             calls without a cache; it changes the memory and time of a gradient, not values.
           dense_max_len: without a cache, rows up to this many tokens use dense attention, longer
-            ones blocked (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
+            ones blocked (``attention_xla.use_blocked``; ``ExecutionConfig.dense_attention_max_len``).
             Memory and time, not values (float32 summation order aside).
           attention_impl: ``ExecutionConfig.attention_impl`` (``attention.attention``'s ``impl``:
             ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"auto"``), with or without a cache.

@@ -22,7 +22,9 @@ from jax.sharding import Mesh
 
 from mempo_jax.core.logprobs import DEFAULT_LOGIT_CHUNK, shifted_logprobs
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, activation_sharding
-from mempo_jax.model.attention import BLOCKED_MIN_LEN, AttentionMask, resolve_impl
+from mempo_jax.model.attention_kernels import resolve_impl
+from mempo_jax.model.attention_mask import AttentionMask
+from mempo_jax.model.attention_xla import BLOCKED_MIN_LEN
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.decoder import Decoder, project_logits, remat_policy
@@ -122,7 +124,7 @@ class DecoderLogitsFn:
     ``fn(params, input_ids, valid_mask) -> logits``: ``input_ids [B, L]`` int32, ``valid_mask [B, L]``
     bool (True on real tokens, left or right padding or both) → ``logits [B, L, vocab]`` float32,
     where ``logits[:, t]`` predicts token ``t + 1``. Positions come from ``positions_from_mask``
-    and the attention mask is ``causal & valid[:, None, :]`` (an ``attention.AttentionMask``: long
+    and the attention mask is ``causal & valid[:, None, :]`` (an ``attention_mask.AttentionMask``: long
     rows run the blocked attention, no ``[B, L, L]`` array), so a padded row's real tokens get
     exactly the logits of the unpadded row. Logits at padding positions are meaningless. Not
     jitted: wrap it yourself.
@@ -138,9 +140,9 @@ class DecoderLogitsFn:
       remat: decoder-layer rematerialisation of the hidden-state calls (``Decoder.hidden_states``;
         ``ExecutionConfig.remat``).
       dense_max_len: rows up to this many tokens take dense attention, longer rows blocked
-        (``attention.use_blocked``; ``ExecutionConfig.dense_attention_max_len``): memory and
+        (``attention_xla.use_blocked``; ``ExecutionConfig.dense_attention_max_len``): memory and
         time, not values.
-      attention_impl: the attention strategy (``attention.resolve_impl``;
+      attention_impl: the attention strategy (``attention_kernels.resolve_impl``;
         ``ExecutionConfig.attention_impl``): ``"xla"``, ``"cudnn"``, ``"pallas"`` or ``"auto"``.
       mesh, rules: the mesh the calls run on and its logical-axis rules: every call pins the
         activations to their logical axes there (``core.sharding.activation_sharding``: rows over

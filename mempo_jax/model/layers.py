@@ -22,7 +22,8 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from mempo_jax.core.sharding import constrain
-from mempo_jax.model.attention import AttentionMask, attention
+from mempo_jax.model.attention import attention
+from mempo_jax.model.attention_mask import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.init_keys import InitKeys
 from mempo_jax.model.lora import adapter_params, lora_delta
@@ -224,7 +225,7 @@ class Attention(nnx.Module):
           k, v: ``[batch, S, kv_heads, head_dim]``, or a whole KV cache with ``layer=`` (see
             ``attention.attention``).
           attn_mask: ``[batch, T, S]`` bool, True where query t may attend to key s, or an
-            ``attention.AttentionMask`` (the same relation from O(T + S) integers). A query
+            ``attention_mask.AttentionMask`` (the same relation from O(T + S) integers). A query
             row with no True entry gets garbage output, never NaN.
           **cache: ``layer``, ``rows``, ``kv_bound``, ``block_k``, ``dense_max_len``, ``impl`` of
             ``attention.attention``.

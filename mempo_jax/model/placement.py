@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
-from mempo_jax.model.attention import CACHE_AXES
+from mempo_jax.model.attention_mask import CACHE_AXES
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import KVCache
 from mempo_jax.model.forward import abstract_model, create_model, split_model

@@ -258,8 +258,8 @@ class _Act:
 
     def blocked(self, length, slots) -> bool:
         """Whether ``length`` queries over ``slots`` keys take the blocked attention
-        (``attention.use_blocked`` at ``ExecutionConfig.dense_attention_max_len``)."""
-        from mempo_jax.model.attention import use_blocked
+        (``attention_xla.use_blocked`` at ``ExecutionConfig.dense_attention_max_len``)."""
+        from mempo_jax.model.attention_xla import use_blocked
 
         return use_blocked(length, slots, min_len=self.dense_max_len)
 
@@ -268,7 +268,7 @@ class _Act:
         dense path; on the blocked path one ``BLOCK_Q x BLOCK_K`` tile per row and head, or with
         ``saved`` (the backward pass, which rematerialises one query block at a time) that query
         block's scores over every key, ``BLOCK_Q x slots``."""
-        from mempo_jax.model.attention import BLOCK_K, BLOCK_Q
+        from mempo_jax.model.attention_xla import BLOCK_K, BLOCK_Q
 
         if self.blocked(length, slots):
             length, slots = min(length, BLOCK_Q), (slots if saved else min(slots, BLOCK_K))

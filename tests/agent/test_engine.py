@@ -23,7 +23,8 @@ from toy_agent import toy_model, toy_world  # noqa: E402
 from mempo_jax.agent.format import AgentFormat  # noqa: E402
 from mempo_jax.agent.rollout import RolloutConfig, new_trajectories  # noqa: E402
 from reference_rollout import ReferenceEngine  # noqa: E402
-from mempo_jax.model.attention import AttentionMask, blocked_attention  # noqa: E402
+from mempo_jax.model.attention_mask import AttentionMask  # noqa: E402
+from mempo_jax.model.attention_xla import blocked_attention  # noqa: E402
 from mempo_jax.agent.engine import RolloutEngine  # noqa: E402
 
 COUNTER = CompileCounter()

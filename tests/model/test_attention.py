@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import without_shape_checks
-from mempo_jax.model.attention import AttentionMask, blocked_attention, dense_attention, use_blocked
+from mempo_jax.model.attention_mask import AttentionMask
+from mempo_jax.model.attention_xla import blocked_attention, dense_attention, use_blocked
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import create_model, make_logits_fn, packed_positions, split_model
 

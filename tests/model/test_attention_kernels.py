@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from mempo_jax.model import attention as attn
-from mempo_jax.model.attention import AttentionMask, attention, interpret_kernels, resolve_impl
+from mempo_jax.model import attention_kernels
+from mempo_jax.model.attention import attention
+from mempo_jax.model.attention_kernels import interpret_kernels, resolve_impl
+from mempo_jax.model.attention_mask import AttentionMask
 from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.decoder import init_cache
 from mempo_jax.model.forward import create_model, make_logits_fn, packed_positions, split_model
@@ -86,7 +89,7 @@ def test_tpu_paged_decode_equals_xla_over_cache_slots():
     q, kc, vc, mask, rows = _cache_case(np.random.default_rng(2), jnp.bfloat16)
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, kc, vc))
     want = _decode("xla", q32, k32, v32, mask, rows)
-    direct = jax.jit(lambda *a: attn._paged_decode(*a, jnp.int32(1), rows, "tpu", True))(q32, k32, v32, mask)
+    direct = jax.jit(lambda *a: attention_kernels.paged_decode(*a, jnp.int32(1), rows, "tpu", True))(q32, k32, v32, mask)
     np.testing.assert_allclose(np.asarray(direct), want, **F32)
     with interpret_kernels("tpu"):
         got = _decode("pallas", q, kc, vc, mask, rows)
@@ -127,13 +130,13 @@ def test_the_strategy_reaches_the_forward_passes_and_the_decode():
     args = (params, ids, jnp.asarray(seg), jnp.asarray(packed_positions(seg)))
     want = np.asarray(jax.jit(make_logits_fn(graphdef).packed)(*args))
     calls = []
-    orig = attn._splash_attention
+    orig = attn.splash_attention
     try:
-        attn._splash_attention = lambda *a: calls.append(1) or orig(*a)
+        attn.splash_attention = lambda *a: calls.append(1) or orig(*a)
         with interpret_kernels("tpu"):
             got = np.asarray(jax.jit(make_logits_fn(graphdef, attention_impl="auto").packed)(*args))
     finally:
-        attn._splash_attention = orig
+        attn.splash_attention = orig
     assert calls  # one trace of the layer scan
     np.testing.assert_allclose(got[seg > 0], want[seg > 0], rtol=1e-4, atol=1e-4)
 

@@ -58,7 +58,7 @@ def test_bf16_logprobs_within_stated_tolerance(models, length):
 def test_bf16_kv_cache_and_activations_dtype():
     cache = init_cache(CFG.replace(dtype="bfloat16"), 2, 8)
     assert cache.k.dtype == jnp.bfloat16 and cache.v.dtype == jnp.bfloat16
-    from mempo_jax.model.attention import blocked_attention
+    from mempo_jax.model.attention_xla import blocked_attention
 
     q = jnp.ones((1, 20, 4, 8), jnp.bfloat16)
     kv = jnp.ones((1, 20, 2, 8), jnp.bfloat16)

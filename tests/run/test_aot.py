@@ -17,7 +17,7 @@ from mempo_jax import config as config_lib
 from mempo_jax.commands import plan as plan_command
 from mempo_jax.core import mesh_config
 from mempo_jax.core.mesh_config import TPUConfig
-from mempo_jax.model import attention
+from mempo_jax.model import attention_kernels
 from mempo_jax.run import aot
 from mempo_jax.run import memory_plan as plan
 
@@ -88,8 +88,8 @@ def test_v5p_head_dim_64_decodes_on_xla_and_xla_has_no_kernel(caplog):
     (the TPU paged-attention kernel needs a multiple of 128) with one log line; ``"xla"`` compiles
     the log-prob pass with no kernel at all, the plan's figure for it within ``RATIO_BAND`` of the
     compiler's."""
-    attention._log_fallback.cache_clear()  # once per process and reason
-    with caplog.at_level("WARNING", logger="mempo_jax.model.attention"):
+    attention_kernels.log_fallback.cache_clear()  # once per process and reason
+    with caplog.at_level("WARNING", logger="mempo_jax.model.attention_kernels"):
         _, _, rows = _compile(small_recipe("v5p-8", 64), ("scoring", "decode"), "v5p:2x2x1")
     assert rows["scoring"]["attention"] == "kernel" and rows["decode"]["attention"] == "xla"
     assert any("head_dim is 64; that path uses XLA attention" in r.getMessage() for r in caplog.records)
