@@ -40,7 +40,7 @@ def _one_mode(mode: str, checkpoint: str, rows: int, length: int, steps: int, bi
     import jax
     import numpy as np
 
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.model.adapters import add_adapters
     from mempo_jax.model.lora import split_trainable

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     counter = CompileCounter()
-    from mempo_jax import config as config_lib
+    from mempo_jax import config_loader
     from mempo_jax.run.experiment import build_experiment
     from mempo_jax.rl.learner import Learner, make_optimizer
     from mempo_jax.rl.interfaces import RLCluster
@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
                   f"RLConfig.group_size={args.group or (2 if small else 4)}",
                   f"RolloutConfig.min_rows_bucket={8 if small else 16}"]
     binds += args.gin_param
-    cfg = config_lib.load_config([str(REPO / "configs" / "tiny_world.gin")], binds)
+    cfg = config_loader.load_config([str(REPO / "configs" / "tiny_world.gin")], binds)
     run_dir = pathlib.Path(args.run_dir)
     cache_ctx = tempfile.TemporaryDirectory()
     cache = run_dir / ".cache" if (run_dir / ".cache").is_dir() and not small else pathlib.Path(cache_ctx.name)

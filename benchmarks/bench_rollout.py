@@ -66,7 +66,7 @@ GIN = REPO / "configs" / "smollm2_hotpotqa.gin"
 def setup_smollm2(checkpoint=None):
     """SmolLM2 on HotpotQA as ``configs/smollm2_hotpotqa.gin`` builds it: ``(fmt, tool_env,
     held-out questions, model_cfg, graphdef, params, engine, checkpoint folder)``."""
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.run.experiment import load_checkpoint_policy, load_questions, policy_format
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.model import smollm2

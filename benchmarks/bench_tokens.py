@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
 
     from mempo_jax.agent.trajectory import FULL, mode_name
     from mempo_jax.run.checkpoint import load_policy
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.run_folder import run_rollout_options
     from mempo_jax.run.experiment import make_engine

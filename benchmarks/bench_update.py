@@ -57,7 +57,7 @@ def _one_arm(checkpoint: str, rows: int, length: int, epochs: int, rows_npz: str
     import jax
     import numpy as np
 
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.learner import Learner, make_optimizer
     from mempo_jax.rl.bounds import training_row_bound

@@ -429,7 +429,7 @@ def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
       ValueError: the run is not a tiny-world run; FileNotFoundError: a missing file or checkpoint.
     """
     from mempo_jax.run.checkpoint import load_policy
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.run_folder import run_policy_format
     from mempo_jax.tools.bm25 import BM25Index

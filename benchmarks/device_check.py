@@ -176,7 +176,7 @@ def section_prefill(ctx) -> dict:
 def plan_config(smoke: bool):
     """The ``(ExperimentConfig, pod)`` whose plan the update section checks: the check's model on one
     device (``v5p-2``: one chip; its HBM figure is unused), micro-batch rows 8 (smoke: 2)."""
-    from mempo_jax import config as config_lib
+    from mempo_jax import config_loader
     from mempo_jax.core import mesh_config
 
     preset = ('ModelOptions.preset = "tiny"', 'ModelOptions.overrides = (("dtype", "float32"),)') if smoke else (
@@ -187,7 +187,7 @@ def plan_config(smoke: bool):
                 f"ExecutionConfig.micro_batch_rows = {2 if smoke else 8}",
                 'TPUConfig.accelerator_type = "v5p-2"', "MeshConfig.fsdp = 1", "MeshConfig.tensor = 1"]
     mesh_config.register()
-    return config_lib.load_config([], bindings), mesh_config.from_gin()
+    return config_loader.load_config([], bindings), mesh_config.from_gin()
 
 
 def section_update(ctx) -> dict:

@@ -118,7 +118,7 @@ def write_plot(results: dict, path, title: str = "") -> None:
 
 def _small_policy(cache: str):
     """A random-initialised policy of the smoke test's small world (``--small``)."""
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.run.experiment import build_experiment
 
     cfg = load_config([TINY_WORLD_GIN], list(SMALL_WORLD_PARAMS) + ["RolloutConfig.max_new_tokens=12",

@@ -49,7 +49,7 @@ def find_file(name: str | os.PathLike, beside: str | os.PathLike | None = None) 
 def resolve_recipe(name: str | os.PathLike) -> str:
     """The gin file a ``--gin_file`` value names: a path (``find_file``), or a shipped recipe's
     name with or without ``.gin`` (``smollm2_hotpotqa``). An unknown name is returned unchanged
-    (``config.load_config`` then reports it, listing ``recipe_names()``)."""
+    (``config_loader.load_config`` then reports it, listing ``recipe_names()``)."""
     text = str(name)
     for candidate in (text, text + ".gin") if not text.endswith(".gin") else (text,):
         found = find_file(candidate)

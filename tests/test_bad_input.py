@@ -191,7 +191,7 @@ def test_check_accepts_exactly_the_values_in_range(value, lo, hi, kind):
 
 
 def test_every_shipped_recipe_still_validates():
-    from mempo_jax.config import load_run_config
+    from mempo_jax.config_loader import load_run_config
 
     for gin in sorted((REPO / "configs").glob("*.gin")):
         load_run_config([str(gin)])
@@ -241,7 +241,7 @@ def test_an_empty_or_non_utf8_data_file_is_named(raw, message, tmp_path, capsys)
 
 
 def _texts():
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.experiment import tokenizer_texts
 

@@ -11,7 +11,7 @@ import tarfile
 import pytest
 
 from conftest import REPO
-from mempo_jax import config as config_lib
+from mempo_jax import config_loader
 from mempo_jax.core import mesh_config
 
 CONFIG = "configs/qwen2_5_7b_v5p64.gin"
@@ -67,7 +67,7 @@ def test_create_tpu_vm_and_queued_resource(stub):
 def test_scripts_read_the_slice_that_gin_binds():
     mesh_config.register()
     for path in (CONFIG, "configs/qwen2_5_0_5b_v5e8.gin"):
-        config_lib.load_config([str(REPO / path)])
+        config_loader.load_config([str(REPO / path)])
         tpu = mesh_config.from_gin().tpu
         src = f'source launch/common.sh; gin_string TPUConfig.accelerator_type {path}; ' \
               f'gin_string TPUConfig.runtime_version {path}'

@@ -11,7 +11,8 @@ Layers, lowest first (a module may import its own layer and those below):
 * ``agent``;
 * ``rl``;
 * ``data``: question sets and scripted conversations, over ``agent`` / ``tools`` / ``text``;
-* ``config``: the gin run config over every library layer, which ``run`` reads;
+* ``config``: the run's config dataclasses over every library layer, and ``config_loader``, which
+  parses gin into them; ``run`` reads both;
 * ``run``;
 * ``commands``: every command's argument parsing and ``main()``.
 
@@ -33,7 +34,7 @@ LAYERS = (
     ("agent",),
     ("rl",),
     ("data",),
-    ("config",),
+    ("config", "config_loader"),
     ("run",),
     ("commands",),
 )

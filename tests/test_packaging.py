@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 from mempo_jax import recipes
-from mempo_jax.config import load_config
+from mempo_jax.config_loader import load_config
 from mempo_jax.text.chat_template import system_prompt
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

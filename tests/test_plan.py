@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mempo_jax import config as config_lib
+from mempo_jax import config_loader
 from mempo_jax.commands import plan as plan_command
 from mempo_jax.run import memory_plan as plan
 from mempo_jax.core import mesh_config
@@ -51,7 +51,7 @@ def _device_bytes(tree) -> int:
 @pytest.fixture(scope="module")
 def small():
     mesh_config.register()
-    cfg = config_lib.load_config([], SMALL)
+    cfg = config_loader.load_config([], SMALL)
     pod = mesh_config.from_gin()
     return cfg, pod, plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
 
@@ -134,7 +134,7 @@ def test_blocked_attention_below_the_row_length_lowers_the_update_in_the_plan_an
     update and log-prob terms fall, and the plan still bounds XLA's figure (at most 3x it)."""
     cfg, pod, p = small
     mesh, model_cfg, graphdef, learner = real
-    cfg2 = config_lib.load_config([], SMALL + ["ExecutionConfig.dense_attention_max_len = 128"])
+    cfg2 = config_loader.load_config([], SMALL + ["ExecutionConfig.dense_attention_max_len = 128"])
     p2 = plan.build_plan(cfg2, pod.mesh, pod.tpu, pod.plan)
     assert p2.phases["update"] < p.phases["update"] and p2.phases["logprobs"] < p.phases["logprobs"]
     fn = make_logits_fn(graphdef, mesh=mesh, **cfg2.execution.forward_options)
@@ -208,7 +208,7 @@ def test_engine_plans_the_slot_cache(small, real):
     max_context_tokens long), prefill transients at ``prefill_chunk``."""
     cfg, pod, default = small
     mesh, model_cfg, graphdef, _ = real
-    cached_cfg = config_lib.load_config([], SMALL + ["RolloutConfig.num_slots = 32", "RolloutConfig.prefill_chunk = 128"])
+    cached_cfg = config_loader.load_config([], SMALL + ["RolloutConfig.num_slots = 32", "RolloutConfig.prefill_chunk = 128"])
     p = plan.build_plan(cached_cfg, pod.mesh, pod.tpu, pod.plan)
     state = SlotSampler(graphdef, model_cfg, (), 0, mesh=mesh).init_state(32, 512, 64)
     assert p.kv_cache == _device_bytes(state.cache)
@@ -225,7 +225,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
 
     recipe = str(REPO / "configs" / "smollm2_hotpotqa.gin")
     binding = f'ModelOptions.checkpoint="{smollm2_dir}"'
-    cfg = config_lib.load_config([recipe], [binding])
+    cfg = config_loader.load_config([recipe], [binding])
     model_cfg = plan.model_config(cfg)
     assert model_cfg == read_hf_config(smollm2_dir)
     assert (model_cfg.num_layers, model_cfg.vocab_size) == (30, 49152)
@@ -246,7 +246,7 @@ def test_checkpoint_recipe_is_planned_with_the_checkpoints_architecture(smollm2_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot read {smollm2_dir}/nowhere/config.json" in err
     # a pod recipe's pretrained preset stands for its checkpoint before the download
-    pod = config_lib.load_config([str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")],
+    pod = config_loader.load_config([str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")],
                                  ['ModelOptions.checkpoint="/nowhere"'])
     assert plan.model_source(pod) == "qwen2_5_0_5b" and plan.model_config(pod) == ModelConfig.qwen2_5_0_5b().replace(
         dtype="bfloat16")
@@ -258,7 +258,7 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     from mempo_jax.model import adapters, lora
 
     mesh_config.register()
-    cfg = config_lib.load_config([], SMALL + ["LoraConfig.rank = 8", 'LoraConfig.base_dtype = "bfloat16"'])
+    cfg = config_loader.load_config([], SMALL + ["LoraConfig.rank = 8", 'LoraConfig.base_dtype = "bfloat16"'])
     pod = mesh_config.from_gin()
     p = plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     mesh = make_mesh(1, 4, 2)
@@ -300,7 +300,7 @@ def test_plan_is_within_band_of_xlas_own_figure(recipe, request):
     if recipe == "qwen2_5_7b_v5p8":
         bindings = ['ModelOptions.overrides=(("dtype", "float32"),)']
     mesh_config.register()
-    cfg = config_lib.load_config([str(REPO / "configs" / f"{recipe}.gin")], bindings)
+    cfg = config_loader.load_config([str(REPO / "configs" / f"{recipe}.gin")], bindings)
     pod = mesh_config.from_gin()
     ours = plan.phase_totals(plan.build_plan(cfg, pod.mesh, pod.tpu, pod.plan))
     xla = plan.xla_phases(cfg, pod.mesh, pod.tpu, pod.plan)

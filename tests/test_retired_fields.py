@@ -1,4 +1,4 @@
-"""A binding of a field in ``config.RETIRED_FIELDS``, in a recipe, a ``--gin_param`` or a run
+"""A binding of a field in ``config_loader.RETIRED_FIELDS``, in a recipe, a ``--gin_param`` or a run
 folder's ``config.gin``, is refused at start-up with one line naming the field to bind instead."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.commands import plan
-from mempo_jax.config import DEFAULT_GIN, RETIRED_FIELDS
+from mempo_jax.config import DEFAULT_GIN
+from mempo_jax.config_loader import RETIRED_FIELDS
 from mempo_jax.run.run_folder import DEFAULT_TOPK, run_rollout_options
 
 

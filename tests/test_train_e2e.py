@@ -63,7 +63,7 @@ def _check_main_job_outputs(run, stdout: str, params, modes, rl_steps: int):
     assert any(p.name.startswith("events") for p in (run / "tb").iterdir())
     assert (run / "checkpoints").is_dir() and (run / "tokenizer.model").is_file()
     assert "| rl | k1 |" in stdout
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.experiment import evaluation_questions, evaluation_world
 

@@ -56,16 +56,16 @@ def _mesh(data, fsdp, tensor):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.gin")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_through_train(path):
-    """``config.load_run_config`` (the trainer's) parses each recipe; pod recipes (they bind ``MeshConfig``) ask for a
+    """``config_loader.load_run_config`` (the trainer's) parses each recipe; pod recipes (they bind ``MeshConfig``) ask for a
     mesh that fits their slice, the others run on one device as before."""
-    from mempo_jax import config
+    from mempo_jax import config_loader
 
-    rc = config.load_run_config([str(path)])
+    rc = config_loader.load_run_config([str(path)])
     assert rc.experiment.rl.steps >= 0 and rc.experiment.execution.micro_batch_rows >= 1
     pod = "MeshConfig." in path.read_text()
     assert rc.sharded == pod
     # RUN_DIR/config.gin names a mesh only when the recipe does (re-used, it runs the same way)
-    assert ("MeshConfig." in config.operative_config()) == pod
+    assert ("MeshConfig." in config_loader.operative_config()) == pod
     if pod:  # the mesh fits the slice; SFT micro-batches are the plan's update micro-batches
         assert math.prod(rc.mesh.shape(rc.tpu.num_devices)) == rc.tpu.num_devices
         assert rc.experiment.sft_micro_batch_rows == rc.experiment.execution.micro_batch_rows

@@ -26,7 +26,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from mempo_jax import config as config_lib
+from mempo_jax import config_loader
 from mempo_jax.commands.cli import command_name
 from mempo_jax.core import mesh_config
 from mempo_jax.recipes import gin_file_help
@@ -86,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse_args(argv)
     try:
         mesh_config.register()
-        cfg = config_lib.load_config(args.gin_file, args.gin_param)
+        cfg = config_loader.load_config(args.gin_file, args.gin_param)
         pod = mesh_config.from_gin()
         plan = build_plan(cfg, pod.mesh, pod.tpu, pod.plan)
         rollout = rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)

@@ -60,7 +60,8 @@ import jax
 import jax.numpy as jnp
 
 from mempo_jax.commands.cli import command_name
-from mempo_jax.config import DEFAULT_GIN, load_run_config
+from mempo_jax.config import DEFAULT_GIN
+from mempo_jax.config_loader import load_run_config
 from mempo_jax.recipes import gin_file_help
 
 

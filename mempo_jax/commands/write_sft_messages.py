@@ -22,7 +22,8 @@ import sys
 import numpy as np
 
 from mempo_jax.commands.cli import command_name
-from mempo_jax.config import DEFAULT_GIN, load_run_config
+from mempo_jax.config import DEFAULT_GIN
+from mempo_jax.config_loader import load_run_config
 from mempo_jax.data.messages import write_messages
 from mempo_jax.data.scripted_agent import scripted_conversation
 from mempo_jax.recipes import gin_file_help

@@ -9,7 +9,7 @@ A pod recipe binds them next to the ``ExperimentConfig`` bindings, MaxText style
     TPUConfig.runtime_version = "v2-alpha-tpuv5"
     ExecutionConfig.micro_batch_rows = 32
 
-``register()`` makes the three configurable (call it before ``config.load_config``);
+``register()`` makes the three configurable (call it before ``config_loader.load_config``);
 ``from_gin()`` returns their bound values. The launch scripts read ``TPUConfig`` lines from the
 same file, so the slice that is created is the one the plan was checked against.
 """
@@ -204,7 +204,7 @@ _registered = False
 def register() -> None:
     """Make ``MeshConfig``, ``TPUConfig`` and ``PlanConfig`` gin-configurable (idempotent).
 
-    Call before ``mempo_jax.config.load_config`` parses a file that binds them (gin refuses new
+    Call before ``mempo_jax.config_loader.load_config`` parses a file that binds them (gin refuses new
     configurables once a parse has locked the config).
     """
     global _registered

@@ -652,7 +652,7 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     params, _, _ = ckpt.restore(step, trainable_part(params))  # a LoRA run's checkpoints hold the adapters
     ckpt.close()
     if model_cfg.lora_rank:
-        from mempo_jax.config import load_config
+        from mempo_jax.config_loader import load_config
         from mempo_jax.run.experiment import lora_policy_params
 
         params = lora_policy_params(load_config([str(paths.local_copy(run_dir / "config.gin"))]), model_cfg, params)

@@ -49,7 +49,9 @@ if TYPE_CHECKING:
     import optax
     from flax import nnx
 
-    from mempo_jax.config import ExperimentConfig, RunConfig
+    from mempo_jax.config import ExperimentConfig
+
+    from mempo_jax.config_loader import RunConfig
     from mempo_jax.run.experiment import Experiment
     from mempo_jax.run.resume import ResumePoint
 
@@ -344,7 +346,7 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
 
     Args:
       args: the parsed command line (``run_dir``, ``cache_dir``, ``resume``).
-      run_cfg: the ``RunConfig`` (``config.load_run_config``), its inputs already checked.
+      run_cfg: the ``RunConfig`` (``config_loader.load_run_config``), its inputs already checked.
       hooks: test-only fault hooks.
       stack: closes the preemption handler, the checkpointers and the logs (in that reverse order).
 
@@ -415,7 +417,7 @@ def _restore(ctx: RunContext, point):
 def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
     """Every check has passed: the run folder changes from here on (process 0 writes). Returns
     ``ctx`` with its logs, the resumed time taken off ``t_start`` and the resumed ``progress``."""
-    from mempo_jax import config as config_lib
+    from mempo_jax import config_loader
 
     run_dir, point, exp, policy = ctx.run_dir, ctx.point, ctx.exp, ctx.exp.policy
     newest = point.newest()
@@ -430,7 +432,7 @@ def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
         for name, keep in ((EVAL_SFT_FILE, point.eval_sft), (EVAL_RL_FILE, point.eval_rl)):
             if not keep:
                 (run_dir / name).unlink(missing_ok=True)
-        write_text_atomic(run_dir / "config.gin", config_lib.operative_config())
+        write_text_atomic(run_dir / "config.gin", config_loader.operative_config())
         save_run_artifacts(run_dir, policy.tokenizer, policy.model_cfg)
         logs = RunLogs(run_dir, newest, point.source, warn=lambda msg: tqdm.write(msg, file=sys.stderr))
     else:

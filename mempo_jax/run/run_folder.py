@@ -11,7 +11,8 @@ import sys
 from mempo_jax.agent.rollout import RolloutConfig
 from mempo_jax.core import paths
 from mempo_jax.core.paths import run_path
-from mempo_jax.config import ExperimentConfig, ModelOptions, load_config
+from mempo_jax.config import ExperimentConfig, ModelOptions
+from mempo_jax.config_loader import load_config
 from mempo_jax.run.experiment import policy_format
 from mempo_jax.run.export_protocol import ExportProtocol
 
@@ -34,7 +35,7 @@ def checkpoint_steps(run_dir: str | os.PathLike, folder: str = "checkpoints") ->
 
 def _run_config(run_dir) -> tuple[ExperimentConfig | None, str]:
     """``(ExperimentConfig or None, note)`` from ``RUN_DIR/config.gin`` (``None``: absent, or refused by
-    ``config.load_config``, e.g. a binding of a field in ``config.RETIRED_FIELDS``: one warning line)."""
+    ``config_loader.load_config``, e.g. a binding of a field in ``config_loader.RETIRED_FIELDS``: one warning line)."""
     path = run_path(run_dir) / "config.gin"
     if not path.is_file():
         return None, "defaults (no config.gin)"
@@ -50,7 +51,7 @@ def run_rollout_options(run_dir) -> tuple[RolloutConfig, int, str]:
 
     Returns:
       ``(RolloutConfig, topk, note)``: defaults (``RolloutConfig()``, ``DEFAULT_TOPK``) when the file
-      is absent or refused by ``config.load_config``; ``note`` says which was used.
+      is absent or refused by ``config_loader.load_config``; ``note`` says which was used.
     """
     cfg, note = _run_config(run_dir)
     return (RolloutConfig(), DEFAULT_TOPK, note) if cfg is None else (cfg.rl.rollout, cfg.topk, note)

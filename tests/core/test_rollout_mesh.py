@@ -42,12 +42,12 @@ def test_weight_sync_places_the_training_params_on_the_rollout_mesh():
 @pytest.mark.parametrize("recipe, hosts, mesh", [("qwen2_5_0_5b_v5e8.gin", 1, {"data": 4, "fsdp": 1, "tensor": 2}),
                                                   ("qwen2_5_7b_v5p64.gin", 8, {"data": 1, "fsdp": 1, "tensor": 4})])
 def test_plan_gives_each_host_its_rollout_mesh(recipe, hosts, mesh):
-    from mempo_jax import config as config_lib
+    from mempo_jax import config_loader
     from mempo_jax.run import memory_plan as plan
     from mempo_jax.core import mesh_config
 
     mesh_config.register()
-    cfg = config_lib.load_config([str(REPO / "configs" / recipe)])
+    cfg = config_loader.load_config([str(REPO / "configs" / recipe)])
     pod = mesh_config.from_gin()
     r = plan.rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
     assert (r["hosts"], r["mesh"], r["fits"]) == (hosts, mesh, True)
@@ -57,16 +57,16 @@ def test_plan_gives_each_host_its_rollout_mesh(recipe, hosts, mesh):
 
 
 def test_a_bfloat16_rollout_copy_halves_the_weight_sync():
-    from mempo_jax import config as config_lib
+    from mempo_jax import config_loader
     from mempo_jax.run import memory_plan as plan
     from mempo_jax.core import mesh_config
 
     mesh_config.register()
     recipe = [str(REPO / "configs" / "qwen2_5_0_5b_v5e8.gin")]
-    cfg = config_lib.load_config(recipe)
+    cfg = config_loader.load_config(recipe)
     pod = mesh_config.from_gin()
     f32 = plan.rollout_plan(cfg, pod.mesh, pod.tpu, pod.plan)
-    bf16 = plan.rollout_plan(config_lib.load_config(recipe, ['ExecutionConfig.rollout_dtype="bfloat16"']),
+    bf16 = plan.rollout_plan(config_loader.load_config(recipe, ['ExecutionConfig.rollout_dtype="bfloat16"']),
                              pod.mesh, pod.tpu, pod.plan)
     model = plan.model_config(cfg)
     assert bf16["sync_bytes"] == model.num_params() * 2

@@ -270,7 +270,7 @@ def test_hotpotqa_scripted_messages_keep_the_bridge_fact(tmp_path, shared_data):
     """``write_sft_messages`` on the HotpotQA recipe data: training questions only, every
     conversation searches each supporting title, keeps the first title's supporting sentence in
     ``<mem>`` while searching the second and answers the gold answer."""
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.run.experiment import load_questions
 
     data = shared_data / HOTPOT

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mempo_jax.config import load_config
+from mempo_jax.config_loader import load_config
 from mempo_jax.data.world import (EVAL_SHARE_MODULUS, WorldConfig, build_world, entity_names, name_inventory,
                                   name_share)
 

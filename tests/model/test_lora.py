@@ -117,7 +117,7 @@ def test_bad_lora_config_is_one_line_naming_the_field():
         lora.LoraConfig(rank=2, base_dtype="bf17")
     with pytest.raises(ValueError, match="ModelConfig.lora_targets: unknown module name"):
         CFG.replace(lora_rank=2, lora_targets=("lm_head",))
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
 
     with pytest.raises(ValueError, match=r"^config error: LoraConfig.alpha must be > 0"):
         load_config([], ["LoraConfig.rank=4", "LoraConfig.alpha=0.0"])

@@ -377,8 +377,9 @@ def test_log_scale_memory_reward_ranks_like_the_probability_difference(pairs):
 def test_memory_reward_variants_are_bound_by_name_and_old_field_names_are_refused(tmp_path):
     """``MemoryRewardConfig.*`` bindings apply without an ``RLConfig.memory_reward`` line; a run
     folder's ``config.gin`` that binds an ``RLConfig.memory_*`` field is refused with one line naming
-    the new binding (``config.RETIRED_FIELDS``; a recipe likewise, test_bad_input)."""
-    from mempo_jax.config import DEFAULT_GIN, load_config
+    the new binding (``config_loader.RETIRED_FIELDS``; a recipe likewise, test_bad_input)."""
+    from mempo_jax.config import DEFAULT_GIN
+    from mempo_jax.config_loader import load_config
 
     cfg = load_config([DEFAULT_GIN], ['MemoryRewardConfig.baseline = "input"', "MemoryRewardConfig.hindsight = True"])
     assert cfg.rl.memory_reward == MemoryRewardConfig(baseline="input", hindsight=True)

@@ -6,7 +6,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from mempo_jax.config import SFTConfig, load_config
+from mempo_jax.config import SFTConfig
+
+from mempo_jax.config_loader import load_config
 from mempo_jax.rl.sft import iterate_sft_batches, with_copy_warmup
 from mempo_jax.run.stages import copy_rows_warning
 

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from mempo_jax import config as config_lib
+from mempo_jax import config_loader
 from mempo_jax.commands import plan as plan_command
 from mempo_jax.core import mesh_config
 from mempo_jax.core.mesh_config import TPUConfig
@@ -47,7 +47,7 @@ def small_recipe(accelerator: str, head_dim: int, impl: str = "auto", extra=()) 
 
 def _load(bindings):
     mesh_config.register()
-    cfg = config_lib.load_config([str(REPO / "configs" / "tiny_world.gin")], bindings)
+    cfg = config_loader.load_config([str(REPO / "configs" / "tiny_world.gin")], bindings)
     return cfg, mesh_config.from_gin()
 
 

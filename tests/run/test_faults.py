@@ -174,7 +174,7 @@ def test_missing_and_malformed_data_files(tmp_path, capsys):
 def test_tokenizer_without_protocol_tags(tmp_path, capsys):
     import sentencepiece as spm
 
-    from mempo_jax.config import load_config
+    from mempo_jax.config_loader import load_config
     from mempo_jax.data.world import build_world
     from mempo_jax.run.experiment import tokenizer_texts
     from mempo_jax.text.tokenizer import train_sentencepiece
