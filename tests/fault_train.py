@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository's mempo_jax
 
-from mempo_jax.run.resume import FaultHooks  # noqa: E402
+from mempo_jax.run.faults import FaultHooks  # noqa: E402
 
 
 def parse_steps(text: str) -> frozenset[int]:

@@ -99,7 +99,7 @@ def run(args, hooks=None) -> dict:
 
     Args:
       args: the parsed command line.
-      hooks: test-only ``resume.FaultHooks`` (default: none).
+      hooks: test-only ``faults.FaultHooks`` (default: none).
 
     Returns:
       The summary written to ``RUN_DIR/summary.json``.
@@ -117,7 +117,7 @@ def run(args, hooks=None) -> dict:
     from mempo_jax.run import stages
     from mempo_jax.data.messages import read_messages
     from mempo_jax.run.experiment import check_qa_inputs
-    from mempo_jax.run.resume import FaultHooks
+    from mempo_jax.run.faults import FaultHooks
     from mempo_jax.run.context import open_run, setup_compilation_cache
     from mempo_jax.model.lora import reference_params, split_trainable
 
@@ -187,7 +187,7 @@ def main(argv=None, hooks=None) -> int:
 
     Args:
       argv: the command line (default ``sys.argv[1:]``).
-      hooks: test-only ``resume.FaultHooks`` (default: none).
+      hooks: test-only ``faults.FaultHooks`` (default: none).
 
     Returns:
       0 when done or preempted (checkpoint saved), 2 for a config, data or run-folder error, a
@@ -196,7 +196,7 @@ def main(argv=None, hooks=None) -> int:
       was) — one line on stderr each —, 3 when non-finite steps stopped the run (one line on stderr).
     """
     from mempo_jax.run.preemption import Preempted
-    from mempo_jax.run.resume import NumericalFault
+    from mempo_jax.run.faults import NumericalFault
 
     args = _parse_args(argv)
     try:

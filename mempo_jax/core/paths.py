@@ -16,7 +16,7 @@ fsspec's ``gcsfs``). Both have the ``pathlib`` methods the run folder code calls
   (no rename) writes the step under its final name and marks it complete with
   ``commit_success.txt`` last;
 * append-only logs have no Cloud Storage form: a remote run folder's logs are written to a local
-  staging copy and uploaded whole (``upload_file``), see ``resume.RunLogs``.
+  staging copy and uploaded whole (``upload_file``), see ``run_logs.RunLogs``.
 
 Credentials come from the environment as for any Google client (application default credentials,
 ``GOOGLE_APPLICATION_CREDENTIALS``, the VM's service account); ``STORAGE_EMULATOR_HOST`` points the

@@ -160,7 +160,7 @@ class Learner:
       rules: logical → mesh axis rules (``mempo_jax.core.sharding.DEFAULT_RULES``).
       before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
         its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
-        ``resume.FaultHooks.update_rows``).
+        ``faults.FaultHooks.update_rows``).
       pad_id: the id on padding of packed update rows.
     """
 

@@ -40,8 +40,10 @@ from mempo_jax.rl.learner import make_optimizer
 from mempo_jax.core.mesh_config import MeshConfig
 from mempo_jax.core.paths import write_text_atomic
 from mempo_jax.run.preemption import Preemption
-from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, FaultHooks, RunLogs, check_free_space,
-                              check_logs, check_run_folder, find_resume_point, restore_newest)
+from mempo_jax.run.faults import FaultHooks
+from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, check_free_space, check_run_folder,
+                                  find_resume_point, restore_newest)
+from mempo_jax.run.run_logs import RunLogs, check_logs
 from mempo_jax.core.sharding import batch_shards, opt_state_shardings
 from mempo_jax.model.lora import trainable_part, with_trainable
 

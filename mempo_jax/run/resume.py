@@ -1,5 +1,6 @@
-"""What a resumed run needs besides the checkpoints: where to resume, the run's logs cut back to
-the checkpoint, the numerical-fault counter, and the test-only fault hooks (docs/resume.md).
+"""Where a run resumes (docs/resume.md), and the checks of its folder before it starts (the output
+folder, free space for its checkpoints). The logs cut back to the point: ``run.run_logs``; numerical
+faults and the test-only fault hooks: ``run.faults``.
 
 A run folder is resumed from its newest *durable point*, the newest of:
 
@@ -11,8 +12,8 @@ A run folder is resumed from its newest *durable point*, the newest of:
 
 Each records the byte size, CRC-32 and line count of ``metrics.jsonl`` and the byte size and
 CRC-32 of ``rollouts.jsonl`` at that point (what the run's ``AppendLog`` writers account for,
-never a fresh ``stat`` of a file that may have been deleted); ``check_logs`` verifies the files
-against them and ``RunLogs`` truncates both back to them (lines written after the point are
+never a fresh ``stat`` of a file that may have been deleted); ``run_logs.check_logs`` verifies the files
+against them and ``run_logs.RunLogs`` truncates both back to them (lines written after the point are
 written again, identically, by the resumed run) and rebuilds ``tb/`` from the kept metric
 lines. Nothing is lost and nothing is duplicated.
 
@@ -26,21 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import shutil
 import tempfile
-import time
-import zlib
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
-
-import numpy as np
+from typing import Callable, Mapping, Optional, TypeVar
 
 from mempo_jax.core import paths
 from mempo_jax.core.paths import run_path
 from mempo_jax.run.checkpoint import CorruptCheckpoint
-from mempo_jax.run.metrics import AppendLog, MetricsWriter, read_jsonl
 
 T = TypeVar("T")
 
@@ -51,211 +46,6 @@ PREDICTIONS_FILE = "eval_{stage}_predictions.jsonl"  # each held-out question's 
 CORRUPT_DIR = "corrupt_checkpoints"  # where skipped (unreadable) checkpoints are kept
 
 
-class NumericalFault(RuntimeError):
-    """The run stopped on non-finite losses or gradients (exit status 3)."""
-
-
-# ---- logs ---------------------------------------------------------------------------------------
-_FRESH_OFFSETS = {"metrics": {"bytes": 0, "lines": 0}, "rollouts": {"bytes": 0}}
-
-
-class RunLogs:
-    """``metrics.jsonl`` (mirrored to ``tb/``) and ``rollouts.jsonl`` of a run, with resume offsets.
-
-    Both are ``metrics.AppendLog`` writers: a log deleted (or replaced) during the run is
-    recreated from the open file, one changed in place stops the run (``LogChanged``).
-
-    A run folder on Cloud Storage (``gs://``, which has no append): both logs and ``tb/`` are
-    written to a local staging folder exactly as above and uploaded whole (one atomic object write
-    each) at every durable point (``offsets``, so a checkpoint never records more than the bucket
-    holds), at ``close`` and after a write when ``upload_every_s`` has passed since the last upload.
-    A kill loses at most the lines written since the last upload, all after the last durable point
-    (which a resume cuts the logs back to anyway).
-
-    Args:
-      run_dir: the run folder (a local path or ``gs://…``).
-      offsets: ``{"metrics": {"bytes", "lines", "crc32"}, "rollouts": {"bytes", "crc32"}}`` of
-        the durable point resumed from, or ``None`` for a fresh run (both files and ``tb/`` are
-        cleared); checked with ``check_logs``, then both files are cut back to them.
-      source: the durable point, for error messages (e.g. ``"RUN/checkpoints/4"``).
-      warn: receives the one-line notice of a recreated log (default: stderr).
-      upload_every_s: a remote run folder's upload interval between durable points.
-
-    Raises:
-      ValueError: from ``check_logs`` (before anything is changed).
-    """
-
-    def __init__(self, run_dir: str | os.PathLike, offsets: Optional[Mapping] = None, source: str = "",
-                 warn: Optional[Callable[[str], None]] = None, upload_every_s: float = 60.0):
-        self.run_dir = run_path(run_dir)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.rollouts_path = self.run_dir / "rollouts.jsonl"
-        offsets = offsets or _FRESH_OFFSETS
-        check_logs(self.run_dir, offsets, source)
-        kept = {name: truncate_log(self.run_dir / name, int(offsets[key]["bytes"]), source)
-                for key, name in (("metrics", "metrics.jsonl"), ("rollouts", "rollouts.jsonl"))}
-        paths.rmtree(self.run_dir / "tb")
-        self._stage, self._uploaded, self._upload_every_s = None, {}, float(upload_every_s)
-        local = self.run_dir
-        if paths.is_remote(self.run_dir):  # the logs are written here, then uploaded whole
-            self._stage = local = pathlib.Path(tempfile.mkdtemp(prefix="mempo_run_logs_"))
-            for name, data in kept.items():
-                (local / name).write_bytes(data)
-                self._uploaded[name] = len(data)
-        self._last_upload = time.monotonic()
-        self.writer = MetricsWriter(local, warn=warn)
-        self.writer.mirror(read_jsonl(local / "metrics.jsonl"))
-        self._rollouts = AppendLog(local / "rollouts.jsonl", warn)
-
-    @property
-    def lines(self) -> int:
-        """Lines in ``metrics.jsonl``."""
-        return self.writer.log.lines
-
-    def write(self, step: int, stage: str, metrics: Mapping[str, float]) -> None:
-        """One metrics line (``MetricsWriter.write``: flushed and fsynced)."""
-        self.writer.write(step, stage, metrics)
-        self._maybe_upload()
-
-    def write_rollouts(self, records: Sequence[Mapping]) -> None:
-        """Append JSON lines to ``rollouts.jsonl``, flushed and fsynced."""
-        if records:
-            self._rollouts.append("".join(json.dumps(r) + "\n" for r in records))
-            self._maybe_upload()
-
-    def offsets(self) -> dict:
-        """The current offsets, as a durable point records them: what the writers account for,
-        after checking both files on disk (``AppendLog.check``: a deleted log is recreated first)
-        and, in a remote run folder, uploading them (``upload``).
-
-        Raises:
-          LogChanged: a log was changed in place by another program.
-          OSError: a remote upload failed.
-        """
-        m, r = self.writer.log, self._rollouts
-        m.check()
-        r.check()
-        self.upload()
-        return {"metrics": {"bytes": m.size, "lines": m.lines, "crc32": m.crc32},
-                "rollouts": {"bytes": r.size, "crc32": r.crc32}}
-
-    def upload(self) -> None:
-        """A remote run folder: upload each staged file (both logs, ``tb/``) that changed since its
-        last upload, whole. Nothing for a local run folder.
-
-        Raises:
-          OSError: an upload failed (naming the object).
-        """
-        if self._stage is None:
-            return
-        self.writer.flush_events()
-        for root, _dirs, files in os.walk(self._stage):
-            for name in files:
-                local = pathlib.Path(root, name)
-                rel = local.relative_to(self._stage).as_posix()
-                size = local.stat().st_size
-                if self._uploaded.get(rel) != size:
-                    paths.upload_file(local, self.run_dir.joinpath(*rel.split("/")))
-                    self._uploaded[rel] = size
-        self._last_upload = time.monotonic()
-
-    def _maybe_upload(self) -> None:
-        if self._stage is not None and time.monotonic() - self._last_upload >= self._upload_every_s:
-            self.upload()
-
-    def close(self) -> None:
-        """Close both files and the TensorBoard writer; a remote run folder's staged files are
-        uploaded and the staging folder removed."""
-        self.writer.close()
-        self._rollouts.close()
-        if self._stage is not None:
-            try:
-                self.upload()
-            finally:
-                shutil.rmtree(self._stage, ignore_errors=True)
-                self._stage = None
-
-
-def _head_stats(path: pathlib.Path, nbytes: int) -> tuple[int, int]:
-    """``(newlines, crc32)`` of the first ``nbytes`` bytes of ``path`` (read in chunks)."""
-    lines, crc, left = 0, 0, nbytes
-    with path.open("rb") as f:
-        while left > 0:
-            chunk = f.read(min(left, 1 << 24))
-            if not chunk:
-                break
-            lines += chunk.count(b"\n")
-            crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
-    return lines, crc
-
-
-def check_logs(run_dir: str | os.PathLike, offsets: Optional[Mapping], source: str = "") -> None:
-    """Check ``metrics.jsonl`` and ``rollouts.jsonl`` against a durable point's offsets, changing
-    nothing: each must be at least as long as recorded, and its first ``bytes`` bytes must have
-    the recorded line count and CRC-32 (points written by older versions record no CRC).
-
-    Args:
-      run_dir: the run folder.
-      offsets: the point's offsets (see ``RunLogs``); ``None`` (a fresh run) checks nothing.
-      source: the durable point, for the message.
-
-    Raises:
-      ValueError: one line naming the file and the point: the file is shorter than recorded
-        (lines were lost: deleted or truncated while no run was writing it) or its recorded part
-        was changed.
-    """
-    if not offsets:
-        return
-    run_dir = run_path(run_dir)
-    for name, rec in (("metrics.jsonl", offsets["metrics"]), ("rollouts.jsonl", offsets["rollouts"])):
-        path, nbytes = run_dir / name, int(rec["bytes"])
-        size = paths.file_size(path)
-        if size < nbytes:
-            raise ValueError(f"{path} holds {size} bytes but {source or 'the checkpoint'} recorded {nbytes}: "
-                             "logged lines were lost after the checkpoint was written (restore the file, or use "
-                             "another --run_dir)")
-        if nbytes == 0:
-            continue
-        lines, crc = _head_stats(path, nbytes)
-        if "lines" in rec and lines != int(rec["lines"]):
-            raise ValueError(f"{path}: {lines} lines in the first {nbytes} bytes, but {source} recorded "
-                             f"{rec['lines']}: the file was changed after the checkpoint")
-        if "crc32" in rec and crc != int(rec["crc32"]):
-            raise ValueError(f"{path}: the first {nbytes} bytes differ from what {source} recorded (CRC-32): the "
-                             "file was changed after the checkpoint")
-
-
-def truncate_log(path: str | os.PathLike, nbytes: int, source: str = "") -> bytes:
-    """Cut ``path`` (local or ``gs://``) to its first ``nbytes`` bytes (creating it when
-    ``nbytes == 0``); returns them. Locally the file is truncated in place and fsynced; on Cloud
-    Storage the object is rewritten whole.
-
-    Raises:
-      ValueError: the file is shorter than ``nbytes`` (names the file and ``source``).
-    """
-    path = run_path(path)
-    if nbytes == 0:
-        paths.write_bytes_atomic(path, b"") if paths.is_remote(path) else path.write_bytes(b"")
-        return b""
-    size = paths.file_size(path)
-    if size < nbytes:
-        raise ValueError(f"{path} holds {size} bytes but {source or 'the checkpoint'} recorded {nbytes}: "
-                         "logged lines were lost after the checkpoint was written")
-    if paths.is_remote(path):
-        data = path.read_bytes()[:nbytes]
-        if size > nbytes:
-            paths.write_bytes_atomic(path, data)
-        return data
-    with open(path, "r+b") as f:
-        f.truncate(nbytes)
-        f.flush()
-        os.fsync(f.fileno())
-    with open(path, "rb") as f:
-        return f.read()
-
-
-# ---- the run folder -----------------------------------------------------------------------------
 _RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.gin", "tokenizer.model", "model_config.json", "summary.json",
               EVAL_BASE_FILE, EVAL_SFT_FILE, EVAL_RL_FILE, *(PREDICTIONS_FILE.format(stage=s) for s in ("base", "sft", "rl")),
               "sft_checkpoint", "checkpoints", "tb")
@@ -510,130 +300,5 @@ def _read_eval(path: pathlib.Path, key: str, step: Optional[int]) -> Optional[di
     return rec if isinstance(rec, dict) and rec.get(key) == step and "metrics" in rec else None
 
 
-# ---- numerical faults ---------------------------------------------------------------------------
-def _finite(x: Any) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
-class FaultCounter:
-    """Counts RL steps with non-finite losses or gradients (their updates are skipped by the
-    learner: ``actor/update_skipped``); ``max_consecutive`` such steps in a row stop the run.
-
-    Args:
-      max_consecutive: the limit K (``CheckpointConfig.max_consecutive_nonfinite``).
-      updates_per_step: optimizer updates per RL step (mini-batches × PPO epochs).
-    """
-
-    def __init__(self, max_consecutive: int, updates_per_step: int):
-        self.max_consecutive = int(max_consecutive)
-        self.updates_per_step = int(updates_per_step)
-        self.streak = 0
-        self.streak_start = -1
-        self.skipped_updates = 0
-        self.faulty_steps = 0
-
-    def observe(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
-        """Count RL step ``step``'s metrics; returns the ``faults/*`` metrics to log with them:
-        ``faults/skipped_updates`` (run total) and ``faults/nonfinite_streak``."""
-        skipped = int(round(float(metrics.get("actor/update_skipped", 0.0) or 0.0) * self.updates_per_step))
-        bad = skipped > 0 or not all(_finite(metrics[k]) for k in ("actor/pg_loss", "actor/grad_norm") if k in metrics)
-        if bad:
-            self.faulty_steps += 1
-            self.skipped_updates += skipped
-            if self.streak == 0:
-                self.streak_start = step
-            self.streak += 1
-        else:
-            self.streak, self.streak_start = 0, -1
-        return {"faults/skipped_updates": float(self.skipped_updates), "faults/nonfinite_streak": float(self.streak)}
-
-    @property
-    def exceeded(self) -> bool:
-        """The streak reached the limit."""
-        return self.streak >= self.max_consecutive
-
-    def error(self, last_good: str) -> NumericalFault:
-        """The one-line error for an exceeded limit (naming the steps and the last good checkpoint)."""
-        end = self.streak_start + self.streak - 1
-        return NumericalFault(f"RL steps {self.streak_start}-{end}: {self.streak} consecutive steps with non-finite "
-                              f"loss or gradients (updates skipped; limit CheckpointConfig.max_consecutive_nonfinite = "
-                              f"{self.max_consecutive}); stopped. Last good checkpoint: {last_good}")
-
-    def state(self) -> dict:
-        """JSON-able state for the checkpoint metadata."""
-        return {"streak": self.streak, "streak_start": self.streak_start, "skipped_updates": self.skipped_updates,
-                "faulty_steps": self.faulty_steps}
-
-    def load(self, state: Mapping) -> None:
-        """Restore ``state()``."""
-        self.streak = int(state.get("streak", 0))
-        self.streak_start = int(state.get("streak_start", -1))
-        self.skipped_updates = int(state.get("skipped_updates", 0))
-        self.faulty_steps = int(state.get("faulty_steps", 0))
-
-
-def check_sft_step(step: int, metrics: Mapping[str, float], last_good: str) -> None:
-    """An SFT step with a non-finite loss or gradient norm stops the run (the SFT update is not
-    skipped, so the parameters are no longer good).
-
-    Raises:
-      NumericalFault: naming the step and the last good checkpoint.
-    """
-    if not all(_finite(metrics[k]) for k in ("sft/loss", "sft/grad_norm") if k in metrics):
-        raise NumericalFault(f"SFT step {step}: non-finite loss or gradients (sft/loss = {metrics.get('sft/loss')}, "
-                             f"sft/grad_norm = {metrics.get('sft/grad_norm')}); stopped. Last good checkpoint: "
-                             f"{last_good}")
-
-
-# ---- test-only fault hooks ----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class FaultHooks:
-    """Faults injected by tests, passed to ``commands.train.main(hooks=...)`` (a subprocess test runs
-    ``tests/fault_train.py``, which passes them); the product's command line never sets them.
-    The trainer calls ``before_sample`` and ``update_rows``.
-
-    Attributes:
-      nan_grad_steps: RL steps whose PPO batches get NaN advantages, so every update of the step
-        has non-finite gradients.
-      sigterm_rollout_step: the process sends itself SIGTERM at the first rollout cycle of this
-        RL step (during a rollout, before its first sampling call).
-      sigkill_rollout_step: the process sends itself SIGKILL there (a lost process: no handler,
-        no save).
-      sigkill_update_step: the process sends itself SIGKILL at the start of this RL step's first
-        PPO update (while the other processes wait in the update's collectives).
-    """
-
-    nan_grad_steps: frozenset = frozenset()
-    sigterm_rollout_step: Optional[int] = None
-    sigkill_rollout_step: Optional[int] = None
-    sigkill_update_step: Optional[int] = None
-
-    def before_sample(self, step: int, preemption) -> None:
-        """Called at every rollout cycle of RL step ``step``: at ``sigterm_rollout_step`` the
-        process sends itself SIGTERM (once: not while one is pending on ``preemption``); at
-        ``sigkill_rollout_step`` SIGKILL."""
-        import signal
-
-        if step == self.sigkill_rollout_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.sigterm_rollout_step and not preemption.requested:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def update_rows(self, step: int, rows: Mapping) -> Mapping:
-        """The PPO rows of RL step ``step`` (``Learner.before_update``): at a ``nan_grad_steps``
-        step every advantage is NaN, so every update of the step has non-finite gradients; at
-        ``sigkill_update_step`` the process sends itself SIGKILL."""
-        if step == self.sigkill_update_step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step not in self.nan_grad_steps:
-            return rows
-        return dict(rows, advantages=np.full_like(rows["advantages"], np.nan))
-
-
-__all__ = ["EVAL_RL_FILE", "EVAL_SFT_FILE", "FaultCounter", "FaultHooks", "NumericalFault", "ResumePoint",
-           "RunLogs", "check_logs", "check_sft_step", "find_resume_point", "restore_newest", "truncate_log"]
+__all__ = ["CORRUPT_DIR", "EVAL_BASE_FILE", "EVAL_RL_FILE", "EVAL_SFT_FILE", "PREDICTIONS_FILE", "ResumePoint",
+           "check_free_space", "check_output_folder", "check_run_folder", "find_resume_point", "restore_newest"]

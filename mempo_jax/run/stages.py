@@ -27,8 +27,8 @@ from mempo_jax.run.metrics import format_eval_table, paired_gains
 from mempo_jax.rl.interfaces import RLCluster
 from mempo_jax.rl.step import rl_step
 from mempo_jax.run.preemption import Preempted
-from mempo_jax.run.resume import (EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, PREDICTIONS_FILE, FaultCounter,
-                                  check_sft_step)
+from mempo_jax.run.faults import FaultCounter, check_sft_step
+from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, PREDICTIONS_FILE
 from mempo_jax.run.context import COPY_STREAM, REPLAY_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fault_train import main as fault_main, parse_steps
-from mempo_jax.run.resume import FaultHooks
+from mempo_jax.run.faults import FaultHooks
 
 
 def test_update_rows_nans_the_advantages_of_the_listed_steps_only():
@@ -52,8 +52,8 @@ def test_the_product_command_reads_no_fault_from_the_environment():
     import inspect
 
     from mempo_jax.commands import train
-    from mempo_jax.run import resume
+    from mempo_jax.run import faults, resume
 
-    for module in (train, resume):
+    for module in (train, resume, faults):
         assert "MEMPO_TEST_" not in inspect.getsource(module)
     assert not hasattr(FaultHooks, "from_env")

@@ -119,7 +119,7 @@ def test_complete_and_partial_steps(gs):
 def test_run_logs_are_staged_and_uploaded_whole(gs):
     """A remote run folder's logs are written locally and uploaded at every durable point
     (``offsets``) and at ``close``; a resume cuts the bucket's copies back to the recorded offsets."""
-    from mempo_jax.run.resume import RunLogs
+    from mempo_jax.run.run_logs import RunLogs
 
     logs = RunLogs(gs, upload_every_s=1e9)
     logs.write(0, "sft", {"sft/loss": 1.0})

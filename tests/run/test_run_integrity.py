@@ -89,7 +89,7 @@ def test_a_full_disk_names_the_log_and_keeps_whole_lines(tmp_path):
 def test_run_logs_record_true_offsets_after_a_deletion(tmp_path):
     """``RunLogs.offsets`` used ``stat`` of the path: after ``metrics.jsonl`` was deleted it recorded
     ``{"bytes": 0, "lines": 6}``, after which the folder could never be resumed."""
-    from mempo_jax.run.resume import RunLogs, check_logs
+    from mempo_jax.run.run_logs import RunLogs, check_logs
 
     logs = RunLogs(tmp_path, None, warn=lambda m: None)
     for step in range(6):
@@ -107,7 +107,7 @@ def test_run_logs_record_true_offsets_after_a_deletion(tmp_path):
 
 
 def test_check_logs_finds_a_change_of_the_recorded_part_and_changes_nothing(tmp_path):
-    from mempo_jax.run.resume import RunLogs, check_logs
+    from mempo_jax.run.run_logs import RunLogs, check_logs
 
     logs = RunLogs(tmp_path, None)
     for step in range(3):
