@@ -437,8 +437,9 @@ class ExperimentConfig:
             check(self, name, str)
         qa_fields = ("data_path", "train_path", "eval_path", "corpus_path", "retriever_url")
         if self.dataset == "tiny_world":
-            for name in qa_fields:
-                if getattr(self, name):
+            for name, value in zip(qa_fields, (self.data_path, self.train_path, self.eval_path, self.corpus_path,
+                                               self.retriever_url)):
+                if value:
                     raise ValueError(f"ExperimentConfig.{name} is set but dataset is 'tiny_world'; "
                                      "set ExperimentConfig.dataset = \"qa\"")
         elif not self.qa_train_path:

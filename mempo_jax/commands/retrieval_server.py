@@ -39,9 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     try:
-        for name in ("topk", "max_queries", "max_results", "max_body_bytes"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        for name, value in (("topk", args.topk), ("max_queries", args.max_queries), ("max_results", args.max_results),
+                            ("max_body_bytes", args.max_body_bytes)):
+            if value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
         index = build_index(args.corpus, args.index)
         app = create_app(index, args.topk, max_queries=args.max_queries, max_results=args.max_results,
                          max_body_bytes=args.max_body_bytes)

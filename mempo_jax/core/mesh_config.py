@@ -24,6 +24,7 @@ from typing import NamedTuple
 import gin
 
 from mempo_jax.core.sharding import DEFAULT_RULES, MESH_AXES, rule_axes
+from mempo_jax.core.validation import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +184,7 @@ class PlanConfig:
 
     def __post_init__(self):
         for name in ("max_prompt_tokens", "max_answer_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"PlanConfig.{name} must be >= 1, got {getattr(self, name)}")
+            check(self, name, int, lo=1)
         if not 0.0 < self.hbm_fraction <= 1.0:
             raise ValueError(f"PlanConfig.hbm_fraction must be in (0, 1], got {self.hbm_fraction}")
 

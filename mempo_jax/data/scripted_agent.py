@@ -74,10 +74,10 @@ class ScriptedAgentConfig:
         for name in ("lazy_prob", "duplicate_prob"):
             check(self, name, float, lo=0.0, hi=1.0)
         check(self, "full_rows", str, choices=FULL_ROWS)
-        for name in ("think_search", "think_answer"):
+        for name, value in (("think_search", self.think_search), ("think_answer", self.think_answer)):
             check(self, name, str)
             try:
-                render_turn("m", getattr(self, name), "answer", "a")
+                render_turn("m", value, "answer", "a")
             except ValueError as e:
                 raise ValueError(f"ScriptedAgentConfig.{name}: {e}") from None
 

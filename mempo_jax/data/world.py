@@ -34,7 +34,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from mempo_jax.tools.corpus import Document
-from mempo_jax.core.validation import check, require
+from mempo_jax.core.validation import check
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
@@ -101,9 +101,7 @@ class WorldConfig:
         check(self, "multi_max", int, lo=self.multi_min)
         check(self, "heldout_fraction", float, lo=0.0, hi=1.0)
         for name in ("num_cities", "num_people"):  # the offices of a company, and their heads, are distinct
-            require(getattr(self, name) >= self.offices_per_company,
-                    f"WorldConfig.{name} = {getattr(self, name)} must be >= WorldConfig.offices_per_company = "
-                    f"{self.offices_per_company}")
+            check(self, name, int, lo=self.offices_per_company)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mempo_jax.core.validation import check
+
 # PEFT / Hugging Face module name → (our module, our weight name): the LoRA targets.
 LORA_TARGETS = {"q_proj": ("attn", "q"), "k_proj": ("attn", "k"), "v_proj": ("attn", "v"), "o_proj": ("attn", "o"),
                 "gate_proj": ("mlp", "gate"), "up_proj": ("mlp", "up"), "down_proj": ("mlp", "down")}
@@ -125,9 +127,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+            check(self, name, int, lo=1)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
@@ -141,8 +141,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.initializer_range must be > 0, got {self.initializer_range}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        for name in ("dtype", "param_dtype"):
-            value = getattr(self, name)
+        for name, value in (("dtype", self.dtype), ("param_dtype", self.param_dtype)):
             try:
                 jnp.dtype(value)
             except TypeError as e:
@@ -169,8 +168,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.norm_scale_offset not in (0.0, 1.0):
             raise ValueError(f"ModelConfig.norm_scale_offset must be 0.0 or 1.0, got {self.norm_scale_offset!r}")
-        for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
-            value = getattr(self, name)
+        for name, value in (("query_pre_attn_scalar", self.query_pre_attn_scalar),
+                            ("rope_local_base_freq", self.rope_local_base_freq),
+                            ("final_logit_softcapping", self.final_logit_softcapping)):
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
         if self.layer_types is not None:
