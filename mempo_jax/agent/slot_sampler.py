@@ -397,11 +397,12 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
     model = nnx.merge(graphdef, params)
     s, n = state.tokens.shape
     fields = ("lengths", "last", "tokens", "logps", "gen", "active", "stopped", "fsm", "turn", "traj")
+    full = {f: v for f, v in state._asdict().items() if f in fields}
     if rows is None:
-        sub, gather = {f: getattr(state, f) for f in fields}, None
+        sub, gather = full, None
     else:  # the rows' sampling state; padding rows (>= s) read slot 0, inactive
         gather = jnp.clip(rows, 0, s - 1)
-        sub = {f: getattr(state, f)[gather] for f in fields}
+        sub = {f: v[gather] for f, v in full.items()}
         sub["active"] = sub["active"] & (rows < s)
     r = sub["last"].shape[0]
     idx = jnp.arange(r)
@@ -440,7 +441,7 @@ def _decode_impl(graphdef, stop_ids, pad_id, block, params, state: SlotState, ke
     if rows is None:
         return SlotState(cache=cache, **sub)
     dst = jnp.where(rows < s, rows, s)  # padding rows dropped
-    return SlotState(cache=cache, **{f: getattr(state, f).at[dst].set(sub[f], mode="drop") for f in fields})
+    return SlotState(cache=cache, **{f: v.at[dst].set(sub[f], mode="drop") for f, v in full.items()})
 
 
 __all__ = ["DEFAULT_BLOCK", "SampleOutput", "SlotSampler", "SlotState", "slot_cache_size"]

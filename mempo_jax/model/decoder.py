@@ -118,7 +118,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(d, eps, pd, offset=off)
         self.mlp = MLP(cfg, rngs=rngs)
-        if cfg.post_norms:
+        self.post_norms = bool(cfg.post_norms)
+        if self.post_norms:
             self.attn_post_norm = RMSNorm(d, eps, pd, offset=off)
             self.mlp_post_norm = RMSNorm(d, eps, pd, offset=off)
 
@@ -153,11 +154,11 @@ class Block(nnx.Module):
         return self._mlp(x), KVCache(ck, cv)
 
     def _post_attn(self, y):
-        return self.attn_post_norm(y) if hasattr(self, "attn_post_norm") else y
+        return self.attn_post_norm(y) if self.post_norms else y
 
     def _mlp(self, x):
         y = self.mlp(self.mlp_norm(x))
-        return x + (self.mlp_post_norm(y) if hasattr(self, "mlp_post_norm") else y)
+        return x + (self.mlp_post_norm(y) if self.post_norms else y)
 
 
 class Decoder(nnx.Module):
