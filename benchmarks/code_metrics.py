@@ -1,7 +1,8 @@
 """The package's size and shape metrics, read from the source with ``ast`` (nothing is imported):
 
 * ``getattr`` / ``hasattr`` calls;
-* functions (and methods) longer than ``--long`` lines (default 60), longest first;
+* functions (and methods) longer than ``--long`` lines (default 60), longest first; also counted
+  without their docstrings;
 * modules longer than ``--big`` lines (default 500);
 * package imports inside functions, per module;
 * the fields of the run context (``--context``, a ``module:Class`` dataclass; default
@@ -35,6 +36,17 @@ def _functions(tree: ast.AST):
             yield node
 
 
+def _length(fn: ast.FunctionDef, docstring: bool = True) -> int:
+    """Lines of a function from its ``def`` to its last line (``docstring=False``: its docstring not counted)."""
+    n = fn.end_lineno - fn.lineno + 1
+    if docstring:
+        return n
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        n -= first.end_lineno - first.lineno + 1
+    return n
+
+
 def _inner_imports(tree: ast.AST) -> int:
     """Imports of the package written inside a function body."""
     count = 0
@@ -60,8 +72,9 @@ def _context_fields(spec: str) -> list[str]:
 
 
 def measure(long: int, big: int, context: str) -> dict:
-    """The metrics above as a JSON-ready dict (``long_functions``: ``[path:name, lines]`` longest first)."""
-    attr_calls, long_fns, big_modules, inner = 0, [], [], {}
+    """The metrics above as a JSON-ready dict (``long_functions`` / ``long_functions_code``: ``[path:name,
+    lines]`` longest first, docstrings counted / not)."""
+    attr_calls, long_fns, long_code, big_modules, inner = 0, [], [], [], {}
     for path, src in _sources().items():
         tree = ast.parse(src)
         lines = src.count("\n")
@@ -71,14 +84,16 @@ def measure(long: int, big: int, context: str) -> dict:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
                 attr_calls += 1
         for fn in _functions(tree):
-            n = fn.end_lineno - fn.lineno + 1
-            if n > long:
+            if (n := _length(fn)) > long:
                 long_fns.append([f"{path}:{fn.name}", n])
+            if (n := _length(fn, docstring=False)) > long:
+                long_code.append([f"{path}:{fn.name}", n])
         if (k := _inner_imports(tree)):
             inner[path] = k
     return {
         "getattr_hasattr": attr_calls,
         "long_functions": sorted(long_fns, key=lambda x: -x[1]),
+        "long_functions_code": sorted(long_code, key=lambda x: -x[1]),
         "big_modules": sorted(big_modules, key=lambda x: -x[1]),
         "inner_imports": sum(inner.values()),
         "inner_imports_by_module": dict(sorted(inner.items(), key=lambda x: -x[1])),
@@ -97,7 +112,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     m = measure(args.long, args.big, args.context)
     print(f"getattr/hasattr calls: {m['getattr_hasattr']}")
-    print(f"functions over {args.long} lines: {len(m['long_functions'])}")
+    print(f"functions over {args.long} lines: {len(m['long_functions'])} "
+          f"({len(m['long_functions_code'])} without their docstrings)")
     print(f"modules over {args.big} lines: {len(m['big_modules'])}")
     print(f"package imports inside functions: {m['inner_imports']}")
     print(f"{m['context']} fields: {len(m['context_fields'])}")
