@@ -33,6 +33,18 @@ from mempo_jax.text.tokenizer import Tokenizer, train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document
 from mempo_jax.tools.search import ToolEnvironment
+from mempo_jax.agent.engine import num_slots
+from mempo_jax.core import sharding
+from mempo_jax.core.rollout_mesh import check_fits, rollout_mesh
+from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
+from mempo_jax.data.qa_formats import detect_format
+from mempo_jax.data.qa_questions import split_questions
+from mempo_jax.model.hf_io import load_hf_checkpoint
+from mempo_jax.model.placement import init_params
+from mempo_jax.model.resize import protocol_tag_rows, resize_vocab
+from mempo_jax.run.backends import connect_retriever, training_backend
+from mempo_jax.text.hf_tokenizer import HFTokenizer
+from mempo_jax.tools.corpus import pool_hotpotqa_contexts
 
 
 @dataclasses.dataclass
@@ -103,7 +115,6 @@ def hotpotqa_questions(path: str) -> tuple[list[Question], list[Document]]:
     Raises:
       ValueError: naming the file, line and field of a malformed record.
     """
-    from mempo_jax.tools.corpus import pool_hotpotqa_contexts
 
     return load_qa_questions(path), pool_hotpotqa_contexts(path)
 
@@ -122,8 +133,6 @@ def check_qa_inputs(cfg: ExperimentConfig) -> None:
       FileNotFoundError: naming the config field of a missing file.
       ValueError: one line naming the file (or the URL) that is unusable.
     """
-    from mempo_jax.data.qa_formats import detect_format
-    from mempo_jax.run.backends import connect_retriever
 
     if cfg.dataset == "tiny_world":
         return
@@ -155,8 +164,6 @@ def load_qa_data(cfg: ExperimentConfig):
       ValueError / FileNotFoundError: a missing or malformed file, an unreachable retriever
         (one line naming the field, file or URL).
     """
-    from mempo_jax.data.qa_questions import split_questions
-    from mempo_jax.run.backends import training_backend
 
     check_qa_inputs(cfg)
     train = load_qa_questions(cfg.qa_train_path)
@@ -369,10 +376,6 @@ def load_checkpoint_policy(options, mesh=None, rules=None):
       ValueError: for an override other than ``dtype`` / ``param_dtype``;
         ``CheckpointError`` (a ``ValueError``) / ``FileNotFoundError`` for a bad or missing folder.
     """
-    from mempo_jax.text.hf_tokenizer import HFTokenizer
-    from mempo_jax.model.hf_io import load_hf_checkpoint
-    from mempo_jax.model.resize import protocol_tag_rows, resize_vocab
-    from mempo_jax.core.sharding import DEFAULT_RULES
 
     dtypes = dict(options.overrides)
     if set(dtypes) - {"dtype", "param_dtype"}:
@@ -409,7 +412,6 @@ def make_engine(graphdef, model_cfg, fmt, *, mesh=None, rules=None, param_dtype=
       param_dtype: the rollout copy's dtype (``ExecutionConfig.rollout_dtype``; ``None``: the trainer's).
       attention_impl: the decode's attention strategy (``ExecutionConfig.attention_impl``).
     """
-    from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
 
     return RolloutEngine(graphdef, model_cfg, fmt.codec.stop_ids, fmt.tokenizer.pad_id,
                          stop_automaton=fmt.codec.stop_automaton(model_cfg.vocab_size), mesh=mesh_or_local(mesh),
@@ -443,8 +445,6 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
       execution: the ``ExecutionConfig`` whose ``logit_chunk_tokens`` and ``remat`` the logits
         function takes and whose ``rollout_dtype`` the engine's weight copy (default ``ExecutionConfig()``).
     """
-    from mempo_jax.core import sharding
-    from mempo_jax.core.rollout_mesh import rollout_mesh
 
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     ex = execution or ExecutionConfig()
@@ -459,7 +459,6 @@ def make_policy(model_cfg, graphdef, params, tokenizer, fmt, *, mesh=None, rules
 
 def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
     """``(model_cfg, graphdef, params)`` of a fresh ``ModelOptions.preset`` model (with its overrides)."""
-    from mempo_jax.model.placement import init_params
 
     preset = cfg.model.preset
     model_cfg = ModelConfig.tiny(tokenizer.vocab_size) if preset == "tiny" else ModelConfig.preset(preset)
@@ -471,8 +470,6 @@ def _from_scratch(cfg: ExperimentConfig, tokenizer, mesh, rules):
 def _check_rollout_fits(cfg: ExperimentConfig, model_cfg, engine) -> None:
     """``rollout_mesh.check_fits`` for this process's rollout: the whole model over the rollout
     mesh's ``tensor`` devices and the KV cache of its share of a step's trajectories."""
-    from mempo_jax.agent.engine import num_slots
-    from mempo_jax.core.rollout_mesh import check_fits
 
     ro = cfg.rl.rollout
     slots = num_slots(ro, -(-cfg.rl.questions_per_step // jax.process_count()) * cfg.rl.group_size)
@@ -506,7 +503,6 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     Raises:
       ValueError / FileNotFoundError: for a missing or malformed data file (names it).
     """
-    from mempo_jax.core import sharding
 
     mesh, rules = sharding.mesh_or_local(mesh), rules or sharding.DEFAULT_RULES
     train_q, held_q, docs, offices, backend, corpus = load_questions(cfg)
@@ -555,8 +551,6 @@ def lora_policy_params(cfg: ExperimentConfig, model_cfg: ModelConfig, adapters, 
       ValueError: the rebuilt model is not ``model_cfg`` (the source checkpoint changed).
       FileNotFoundError: the source checkpoint folder is gone.
     """
-    from mempo_jax.core.sharding import DEFAULT_RULES, mesh_or_local
-    from mempo_jax.model.placement import init_params
 
     mesh, rules = mesh_or_local(mesh), rules or DEFAULT_RULES
     base_cfg = base_config(model_cfg)
