@@ -342,12 +342,12 @@ def _golden_observed(world) -> dict:
     from mempo_jax.agent.turns import apply_tools, make_turn
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.corpus import Document
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     fmt = world[0]
     out = {name: _golden_record(_run(world, dataclasses.replace(BASE, **change), key=seed))
            for name, (change, seed) in GOLDEN_CASES.items()}
-    env = ToolEnvironment(BM25Index([Document("acme", "acme", "bob works at acme"),
+    env = search_environment(BM25Index([Document("acme", "acme", "bob works at acme"),
                                      Document("globex", "globex", "globex is in rome")]), topk=1)
     trajs = [Trajectory(f"t{i}", i, (("paris",),), fmt.prompt_ids("where")) for i in range(len(GOLDEN_TURNS))]
     turns = [make_turn(fmt, fmt.tokenizer.encode(text), None, i < len(GOLDEN_TURNS) - 1)
