@@ -144,10 +144,6 @@ def _scan(text: str, actions: tuple[str, ...]) -> tuple[list[_Block], list[str]]
     inner_open: collections.Counter[str] = collections.Counter()  # tags opened (and reported) inside it
 
     last_close = {piece_info[t][0]: i for i, t in enumerate(tokens) if i % 2 and not piece_info[t][1]}
-
-    def close_later(name: str, start: int) -> bool:
-        return last_close.get(name, -1) >= start
-
     for i, tok in enumerate(tokens):
         if i % 2 == 0:  # plain text
             if current is not None:
@@ -168,7 +164,7 @@ def _scan(text: str, actions: tuple[str, ...]) -> tuple[list[_Block], list[str]]
                 current.closed = True
                 current = None
                 continue
-            if close_later(current.name, i + 1):
+            if last_close.get(current.name, -1) > i:  # the open block is closed later: the tag is nested
                 if is_open:
                     errors.append(f"nested {tok} inside <{current.name}>")
                     inner_open[name] += 1

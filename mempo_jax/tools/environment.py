@@ -101,19 +101,17 @@ class ToolEnvironment:
                 raise ValueError(f"expected a ParsedTurn, got {type(p).__name__}")
             if p.error is None and p.action == ANSWER_ACTION:
                 raise ValueError("an <answer> turn has no tool call; the caller scores answers")
-        results: list[ToolResult | None] = [None] * len(parsed)
-        for i, p in enumerate(parsed):
-            error = p.error if p.error is not None or p.action in self.tools else f"unknown action <{p.action}>"
-            if error is not None:
-                results[i] = ToolResult(format_error_observation(error, self.usages), "error", False)
+        results: list[ToolResult | None] = [
+            None if p.error is None and p.action in self.tools else
+            ToolResult(format_error_observation(p.error or f"unknown action <{p.action}>", self.usages), "error", False)
+            for p in parsed]
         for action, tool in self.tools.items():
             rows = [i for i, p in enumerate(parsed) if results[i] is None and p.action == action]
-            if rows:
-                out = tool.execute_batch([parsed[i].argument or "" for i in rows])
-                if len(out) != len(rows):
-                    raise ValueError(f"tool {action!r} returned {len(out)} results for {len(rows)} calls")
-                for i, res in zip(rows, out):
-                    results[i] = res
+            out = tool.execute_batch([parsed[i].argument or "" for i in rows]) if rows else []
+            if len(out) != len(rows):
+                raise ValueError(f"tool {action!r} returned {len(out)} results for {len(rows)} calls")
+            for i, res in zip(rows, out):
+                results[i] = res
         return results  # type: ignore[return-value]
 
 

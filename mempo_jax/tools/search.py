@@ -125,22 +125,19 @@ class AccessTool:
 
     Args:
       backend: ``get(id) -> Document | None`` (``SearchBackend``).
-      enabled: whether ``<access>`` is offered; when False every call answers with an error.
     """
 
     action = "access"
     usage = USAGE["access"]
 
-    def __init__(self, backend: SearchBackend, enabled: bool = True):
-        self.backend, self.enabled = backend, enabled
+    def __init__(self, backend: SearchBackend):
+        self.backend = backend
 
     def execute_batch(self, arguments: Sequence[str]) -> list[ToolResult]:
         """One lookup per id (``get`` is a dict lookup locally)."""
         return [self._access(a) for a in arguments]
 
     def _access(self, argument: str) -> ToolResult:
-        if not self.enabled:
-            return ToolResult("Access is not available here; use <search>query</search>.", "access", False)
         doc_id = argument.strip()
         bare = _DOC_LABEL.sub("", doc_id).rstrip("]").strip()
         try:
@@ -165,12 +162,13 @@ def search_environment(backend: SearchBackend, topk: int, allow_access: bool = T
 
     Args:
       backend, topk, snippet_chars: as ``SearchTool``.
-      allow_access: as ``AccessTool.enabled``.
+      allow_access: whether ``AccessTool`` is registered (without it an ``<access>`` turn gets the
+        environment's unknown-action error observation).
 
     Raises:
       ValueError: ``topk < 1``.
     """
-    return ToolEnvironment([SearchTool(backend, topk, snippet_chars), AccessTool(backend, allow_access)])
+    return ToolEnvironment([SearchTool(backend, topk, snippet_chars)] + ([AccessTool(backend)] if allow_access else []))
 
 
 __all__ = ["AccessTool", "SearchBackend", "SearchTool", "ToolEnvironment", "ToolError", "ToolResult", "format_hits",

@@ -318,13 +318,15 @@ def test_bfloat16_rollout_weights_are_the_trainers_rounded_to_bfloat16(world):
 
 
 GOLDEN = REPO / "tests" / "fixtures" / "engine_golden.json"
-GOLDEN_CASES = {  # name: (changes to BASE, PRNG seed); the shapes of the sampled tests above: nothing compiles anew
+GOLDEN_CASES = {  # name: (changes to BASE, PRNG seed); the sampled tests' shapes above: nothing compiles anew
     "full_refill_budget": (dict(temperature=1.0, context_steps="full", num_slots=3, max_turns=7), 11),
     "k1_one_slot_each": (dict(temperature=1.0, context_steps=1), 12),
 }
-GOLDEN_TURNS = ("<mem> alice</mem><search> globex rome</search>", "<mem></mem><think> who</think><access> acme</access>",
+GOLDEN_TURNS = ("<mem> alice</mem><search> globex rome</search>",
+                "<mem></mem><think> who</think><access> acme</access>",
                 "<mem> bob</mem><think> is</think><access> globex</access>", "<mem></mem><access> lima</access>",
-                "<mem> paris</mem><answer> paris</answer>", "<search> rome", "<mem> oslo</mem><search> oslo</search>")
+                "<mem> paris</mem><answer> paris</answer>", "<search> rome",
+                "<mem> oslo</mem><search> oslo</search>")
 
 
 def _golden_record(trajs) -> list[dict]:

@@ -196,7 +196,8 @@ def test_execute_search_access_and_errors(index):
     with pytest.raises(ValueError):
         env.execute(_turn("answer", "Paris"))
     closed = search_environment(index, topk=2, allow_access=False).execute(_turn("access", "17"))
-    assert closed.kind == "access" and not closed.ok and "Ada" not in closed.observation
+    assert closed.kind == "error" and not closed.ok and "Ada" not in closed.observation
+    assert closed.observation.startswith("Format error: unknown action <access>.")
 
 
 class CountingBackend:
