@@ -70,7 +70,7 @@ def setup_smollm2(checkpoint=None):
     from mempo_jax.run.experiment import load_checkpoint_policy, load_questions, policy_format
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.model import smollm2
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     folder = str(checkpoint or smollm2.convert())
     cwd = os.getcwd()
@@ -85,7 +85,7 @@ def setup_smollm2(checkpoint=None):
         os.chdir(cwd)
     model_cfg, graphdef, params, tokenizer = load_checkpoint_policy(cfg.model)
     fmt = policy_format(cfg.model, tokenizer)
-    return fmt, ToolEnvironment(backend, topk=cfg.topk), held, model_cfg, graphdef, params, \
+    return fmt, search_environment(backend, topk=cfg.topk), held, model_cfg, graphdef, params, \
         make_engine(graphdef, model_cfg, fmt), folder
 
 

@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.run.evaluation import evaluate_policy
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     base, topk, options_from = run_rollout_options(run_dir)
     gin = run_dir / "config.gin"
@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
         return write_json(args.json, "token_efficiency", {"run_dir": str(run_dir)}, {"skipped": line})
     world = build_world(cfg.world)
     questions = world.heldout[:limit]
-    env = ToolEnvironment(BM25Index(world.documents), topk=topk)
+    env = search_environment(BM25Index(world.documents), topk=topk)
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir)
     sample_fn = make_engine(graphdef, model_cfg, AgentFormat.plain(tokenizer))
     key = jax.random.PRNGKey(cfg.seed)

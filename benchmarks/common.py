@@ -433,7 +433,7 @@ def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
     from mempo_jax.data.world import build_world
     from mempo_jax.run.run_folder import run_policy_format
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     run_dir = pathlib.Path(run_dir)
     cfg = load_config([str(run_dir / "config.gin")])
@@ -443,7 +443,7 @@ def tiny_world_run(run_dir, stage: str = "rl", step=None) -> WorldRun:
     tokenizer, model_cfg, graphdef, params = load_policy(run_dir, step, folder="sft_checkpoint" if stage == "sft"
                                                          else "checkpoints")
     fmt = run_policy_format(run_dir, tokenizer)
-    env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
+    env = search_environment(BM25Index(world.documents), topk=cfg.topk)
     return WorldRun(cfg, world, tokenizer, model_cfg, graphdef, params, fmt, env,
                     f"{run_dir} ({stage}{'' if step is None else f' @ {step}'})")
 

@@ -114,11 +114,11 @@ def evaluate_unseen(run: pathlib.Path, stage: str, dest: pathlib.Path, modes, wo
     from mempo_jax.run.evaluation import evaluate_policy, prediction_records
     from mempo_jax.run.experiment import make_engine
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     r = tiny_world_run(run, stage)
     world, questions = unseen_world(r.cfg.world, *world_args)
-    env = ToolEnvironment(BM25Index(world.documents), topk=r.cfg.topk)
+    env = search_environment(BM25Index(world.documents), topk=r.cfg.topk)
     engine = make_engine(r.graphdef, r.model_cfg, r.fmt)
     records, metrics = [], {}
     for m in modes:

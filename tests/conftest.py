@@ -187,6 +187,7 @@ MODULE_SECONDS = {
     "tests/core/test_mesh_rollouts.py": 7, "tests/model/test_vocab_resize.py": 7, "tests/rl/test_advantage.py": 7,
     "tests/rl/test_losses.py": 7, "tests/test_evaluate.py": 6, "tests/model/test_hf_export.py": 6,
     "tests/run/test_aot.py": 35,
+    "tests/agent/test_new_tool.py": 11,
 }
 # The modules that use ``small_run`` start after this many seconds (as above) of other modules: the
 # small run trains in the background meanwhile (21 s of CPU alone, longer beside two busy workers).

@@ -121,12 +121,12 @@ def test_hotpotqa_real_input_shows_real_passages(tmp_path, shared_data):
     # model search well, so real passages are checked on the scripted path through the same tools.
     from mempo_jax.run.experiment import hotpotqa_questions
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
     from mempo_jax.text.protocol import parse_turn, render_turn
 
     questions, docs = hotpotqa_questions(str(path))
     assert len(docs) == 2967
-    env = ToolEnvironment(BM25Index(docs), topk=2)
+    env = search_environment(BM25Index(docs), topk=2)
     q = questions[0]
     res = env.execute(parse_turn(render_turn(" none", " search", "search", " " + q.hops[0][0])))
     assert res.ok and q.hops[0][0] in res.observation

@@ -74,11 +74,11 @@ def toy_world():
     """``(tokenizer, tool_env, questions)`` of the toy world (BM25 over four documents)."""
     from mempo_jax.tools.bm25 import BM25Index
     from mempo_jax.tools.corpus import Document
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     docs = [Document("0", "alice", "alice was born in paris"), Document("1", "acme", "bob works at acme"),
             Document("2", "globex", "globex is in rome"), Document("3", "carol", "carol was born in oslo")]
-    return WordTokenizer(), ToolEnvironment(BM25Index(docs), topk=1), list(QUESTIONS)
+    return WordTokenizer(), search_environment(BM25Index(docs), topk=1), list(QUESTIONS)
 
 
 def toy_model(vocab_size: int, seed: int = 0, std: float = 0.08):
@@ -129,10 +129,10 @@ def small_world(spm_dir, per_kind: int = 20) -> SmallWorld:
     from mempo_jax.run.experiment import _tokenizer_texts
     from mempo_jax.text.tokenizer import train_sentencepiece
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     world = build_world(WorldConfig(num_people=60, num_companies=20, num_cities=16, num_countries=4,
                                     num_single=per_kind, num_bridge=per_kind, num_multi=per_kind))
     tok = train_sentencepiece(_tokenizer_texts(world.documents, world.train + world.heldout), spm_dir, 600)
-    return SmallWorld(world, tok, AgentFormat.plain(tok), ToolEnvironment(BM25Index(world.documents), topk=1),
+    return SmallWorld(world, tok, AgentFormat.plain(tok), search_environment(BM25Index(world.documents), topk=1),
                       {c["name"]: c["offices"] for c in world.companies})

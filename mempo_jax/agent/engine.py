@@ -1,35 +1,37 @@
 """The cached rollout engine: KV cache kept across turns, stopped rows refilled (continuous batching).
 
 Host half of the engine (device half: ``mempo_jax.agent.slot_sampler``). Every trajectory owns one of a
-fixed number of cache slots from its first turn to its end. A cycle:
+fixed number of cache slots (``Slot``: its owner, cached ids, running context) from its first turn
+to its end. A cycle (``rollout_cached``):
 
-1. free slots take waiting trajectories;
-2. every slot whose trajectory needs a turn gets a prefill of *only what its cache lacks*: the
-   longest common prefix of the cached ids and the new policy context stays (in ``full`` mode the
-   whole previous context and the sampled turn: the prefill is the turn's last token and the tool
-   result; in k-step mode the system prompt and question), the rest is written by
-   ``SlotSampler.extend`` in rows of ``prefill_chunk`` tokens (every slot's rows together, a
-   power-of-two row bucket a call), which samples the turn's first token. A trajectory's first
-   prefill copies the system prompt + question from a slot that holds them (``SlotSampler.copy``:
-   the n trajectories of a group prefill their shared prompt once) and writes only its last prompt
-   token;
+1. ``admit``: free slots take waiting trajectories, and every slot whose trajectory needs a turn
+   gets a prefill of *only what its cache lacks*: the longest common prefix of the cached ids and
+   the new policy context stays (in ``full`` mode the whole previous context and the sampled turn:
+   the prefill is the turn's last token and the tool result; in k-step mode the system prompt and
+   question). A trajectory's first prefill copies the system prompt + question from a slot that
+   holds them (``SlotSampler.copy``: the n trajectories of a group prefill their shared prompt
+   once) and writes only its last prompt token;
+2. ``SlotSampler.extend`` writes the prefills in rows of ``prefill_chunk`` tokens (every slot's
+   rows together, a power-of-two row bucket a call) and samples each turn's first token;
 3. ``SlotSampler.decode`` runs ``decode_chunk`` steps of every generating slot (on a row bucket of
    the generating slots only, ``decode_rows``);
-4. slots whose turn ended leave the decode batch; their turns are parsed and their tools run in one
-   batched call (``rollout.apply_tools``), and at the next cycle their next turn — or, when their
-   episode ended, another trajectory — enters with its prefill.
+4. ``end_turns``: slots whose turn ended leave the decode batch; their turns are parsed and
+   answered by the tool environment in one batched call (``turns.apply_tools``; the engine names
+   no tool), and at the next cycle their next turn — or, when their episode ended, another
+   trajectory — enters with its prefill.
 
 A row that stops therefore never waits for the longest row of its turn, and no context is
 prefilled twice. The recorded turns (ids, log-probs, ``<mem>`` spans, tool results, context
 lengths, end reasons) are those of re-prefilling every context every turn on the same policy:
-greedy float32 gives the same tokens (``tests/agent/test_engine.py``); the PRNG key of a sampled token is a pure function of (key,
-trajectory index, turn, step) (``slot_sampler`` module docstring).
+greedy float32 gives the same tokens (``tests/agent/test_engine.py``); the PRNG key of a sampled
+token is a pure function of (key, trajectory index, turn, step) (``slot_sampler`` module docstring).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional, Sequence
+import dataclasses
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -75,33 +77,79 @@ def extend_shapes(cfg, slots: int) -> list[tuple[int, int]]:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _donor(slot: int, prompt: Sequence[int], cached, owner, followers) -> Optional[int]:
-    """A slot other than ``slot`` whose cache holds ``prompt`` at its start once this cycle's
+@dataclasses.dataclass
+class Slot:
+    """The host state of one cache slot."""
+
+    owner: Optional[int] = None  # index in ``trajs`` of the trajectory holding the slot; None: free
+    cached: list[int] = dataclasses.field(default_factory=list)  # host mirror of the ids in its cache
+    context: list[int] = dataclasses.field(default_factory=list)  # the policy context of its running turn
+    generating: bool = False  # its turn is being sampled
+
+
+class Prefill(NamedTuple):
+    """One slot's pending prefill: ``ids`` written from cache position ``start``; ``traj`` (global
+    index) and ``turn`` key the first sampled token."""
+
+    slot: int
+    traj: int
+    turn: int
+    ids: list[int]
+    start: int
+
+
+def _donor(s: int, prompt: Sequence[int], slots: list[Slot], followers: dict[int, int]) -> Optional[int]:
+    """A slot other than ``s`` whose cache holds ``prompt`` at its start once this cycle's
     non-follower prefills ran (a follower's own copy runs later: never a donor), or ``None``."""
-    n = len(prompt)
-    for d, ids in enumerate(cached):
-        if d != slot and owner[d] is not None and d not in followers and len(ids) >= n and ids[:n] == list(prompt):
-            return d
-    return None
+    prompt = list(prompt)
+    return next((d for d, slot in enumerate(slots) if d != s and slot.owner is not None and d not in followers
+                 and slot.cached[: len(prompt)] == prompt), None)
 
 
-class _Prefill:
-    """One slot's pending prefill: ``ids`` to write from cache position ``start``."""
+def admit(slots: list[Slot], queue: collections.deque, trajs: list, cfg, traj_offset: int
+          ) -> tuple[list[Prefill], dict[int, int]]:
+    """The refill policy of a cycle: every free slot takes the next queued trajectory; every owned
+    slot not generating starts its trajectory's next turn, unless the next context and a turn's
+    budget exceed ``cfg.max_context_tokens`` (the episode ends with ``end_reason`` ``"budget"`` and
+    the slot is free for the next trajectory, in a further pass). Slots are visited in order. A
+    started slot's cache keeps the longest common prefix of its cached ids and the new context (at
+    most all but one id: the fed id's logits start the turn); one that keeps nothing copies its
+    prompt from a donor slot when one holds it.
 
-    __slots__ = ("slot", "traj", "turn", "ids", "start")
+    Returns:
+      ``(prefills, followers)``: the started slots' prefills (what each cache lacks) and
+      ``slot -> donor slot`` of the slots whose prompt is copied.
+    """
+    prefills, followers = [], {}
+    changed = True
+    while changed:
+        changed = False
+        for s, slot in enumerate(slots):
+            if slot.owner is None and queue:
+                slot.owner, slot.cached = queue.popleft(), []
+            if slot.owner is None or slot.generating:
+                continue
+            tr = trajs[slot.owner]
+            ctx = tr.policy_context(cfg.context_steps)
+            if len(ctx) + cfg.max_new_tokens > cfg.max_context_tokens:
+                tr.done, tr.end_reason = True, "budget"
+                slot.owner, changed = None, True
+                continue
+            keep = min(_common_prefix(slot.cached, ctx), len(ctx) - 1)
+            donor = _donor(s, tr.prompt_ids, slots, followers) if keep == 0 else None
+            if donor is not None:  # the shared prompt is (or will be, after phase 1) in slot donor
+                keep = min(len(tr.prompt_ids), len(ctx) - 1)
+                followers[s] = donor
+            prefills.append(Prefill(s, traj_offset + slot.owner, len(tr.turns), ctx[keep:], keep))
+            slot.context, slot.cached, slot.generating = ctx, list(ctx), True
+    return prefills, followers
 
-    def __init__(self, slot, traj, turn, ids, start):
-        self.slot, self.traj, self.turn, self.ids, self.start = slot, traj, turn, ids, start
 
-
-def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill], cfg, slots: int, key, greedy: bool):
+def _run_prefills(sampler: SlotSampler, params, state, prefills: list[Prefill], cfg, slots: int, key, greedy: bool):
     """All pending prefills, cut into rows of ``cfg.prefill_chunk`` tokens (a slot's prefill spans
     as many rows as it needs), at most ``bucket(slots)`` rows a call, rows in call order. Rows of
     one slot in one call are consecutive chunks: every layer writes all rows' keys/values before
@@ -131,6 +179,30 @@ def _run_prefills(sampler: SlotSampler, params, state, prefills: list[_Prefill],
     return state
 
 
+def end_turns(state, slots: list[Slot], trajs: list, fmt, tool_env, cfg) -> None:
+    """The turns that stopped in the last decode chunk: each is recorded (``make_turn``) on its
+    trajectory and answered (``apply_tools``: one batched call of the tool environment); its
+    slot's cache mirror grows by the turn's ids (the last one was never fed), and a slot whose
+    episode ended is freed."""
+    active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
+    ended = [s for s, slot in enumerate(slots) if slot.generating and not active[s]]
+    if not ended:
+        return
+    tokens, logps = jax.device_get((state.tokens, state.logps))
+    turns = []
+    for s in ended:
+        n, slot = int(gen[s]), slots[s]
+        turn = make_turn(fmt, tokens[s, :n], logps[s, :n], bool(stopped[s]))
+        turn.context_len = len(slot.context)
+        turns.append(turn)
+        slot.cached = slot.context + [int(x) for x in tokens[s, : n - 1]]
+    apply_tools(fmt, tool_env, [trajs[slots[s].owner] for s in ended], turns, cfg)
+    for s in ended:
+        slots[s].generating = False
+        if trajs[slots[s].owner].done:
+            slots[s].owner = None
+
+
 def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg, key: jax.Array,
                    progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
     """``Engine.rollout`` on ``sampler``'s programs: the trajectories are finished in place and returned.
@@ -145,72 +217,25 @@ def rollout_cached(sampler: SlotSampler, params, trajs: list, fmt, tool_env, cfg
         draws its keys as trajectory ``traj_offset + i``.
     """
     params = sampler.place(params)
-
-    slots = num_slots(cfg, len(trajs))
-    size = sampler.cache_size(cfg.max_context_tokens)
-    n_new = cfg.max_new_tokens
-    greedy = cfg.temperature == 0.0
-    state = sampler.init_state(slots, size, n_new)
+    n_slots, greedy = num_slots(cfg, len(trajs)), cfg.temperature == 0.0
+    state = sampler.init_state(n_slots, sampler.cache_size(cfg.max_context_tokens), cfg.max_new_tokens)
     queue = collections.deque(i for i, tr in enumerate(trajs) if not tr.done)
-    owner: list[Optional[int]] = [None] * slots  # trajectory index per slot
-    cached: list[list[int]] = [[] for _ in range(slots)]  # host mirror of each slot's cached ids
-    context: list[list[int]] = [[] for _ in range(slots)]  # the context of the slot's running turn
-    generating: set[int] = set()
+    slots = [Slot() for _ in range(n_slots)]
     while True:
-        prefills, followers = [], {}  # followers: slot -> the slot whose cached prompt it copies
-        changed = True
-        while changed:  # admit, start turns; a budget stop frees a slot for the next trajectory
-            changed = False
-            for s in range(slots):
-                if owner[s] is None and queue:
-                    owner[s], cached[s] = queue.popleft(), []
-                i = owner[s]
-                if i is None or s in generating:
-                    continue
-                tr = trajs[i]
-                ctx = tr.policy_context(cfg.context_steps)
-                if len(ctx) + n_new > cfg.max_context_tokens:
-                    tr.done, tr.end_reason = True, "budget"
-                    owner[s], changed = None, True
-                    continue
-                keep = min(_common_prefix(cached[s], ctx), len(ctx) - 1)
-                donor = _donor(s, tr.prompt_ids, cached, owner, followers) if keep == 0 else None
-                if donor is not None:  # the shared prompt is (or will be, after phase 1) in slot donor
-                    keep = min(len(tr.prompt_ids), len(ctx) - 1)
-                    followers[s] = donor
-                prefills.append(_Prefill(s, traj_offset + i, len(tr.turns), ctx[keep:], keep))
-                context[s], cached[s] = ctx, list(ctx)
-                generating.add(s)
+        prefills, followers = admit(slots, queue, trajs, cfg, traj_offset)
+        generating = [s for s, slot in enumerate(slots) if slot.generating]
         if not generating:
-            break
+            return close_episodes(trajs)
         if progress is not None:
-            progress(max(len(trajs[owner[s]].turns) for s in generating), len(generating))
+            progress(max(len(trajs[slots[s].owner].turns) for s in generating), len(generating))
         if prefills:
-            state = _prefill_phases(sampler, params, state, prefills, followers, cfg, slots, key, greedy)
+            state = _prefill_phases(sampler, params, state, prefills, followers, cfg, n_slots, key, greedy)
         state = sampler.decode(params, state, cfg.decode_chunk, key, cfg.temperature, cfg.top_p, greedy,
-                               rows=decode_rows(sorted(generating), slots))
-        active, gen, stopped = jax.device_get((state.active, state.gen, state.stopped))
-        ended = sorted(s for s in generating if not active[s])
-        if not ended:
-            continue
-        tokens, logps = jax.device_get((state.tokens, state.logps))
-        turns, owners = [], []
-        for s in ended:
-            n = int(gen[s])
-            turn = make_turn(fmt, tokens[s, :n], logps[s, :n], bool(stopped[s]))
-            turn.context_len = len(context[s])
-            turns.append(turn)
-            owners.append(trajs[owner[s]])
-            cached[s] = context[s] + [int(x) for x in tokens[s, : n - 1]]  # the last id was never fed
-        apply_tools(fmt, tool_env, owners, turns, cfg)
-        for s in ended:
-            generating.discard(s)
-            if trajs[owner[s]].done:
-                owner[s] = None
-    return close_episodes(trajs)
+                               rows=decode_rows(generating, n_slots))
+        end_turns(state, slots, trajs, fmt, tool_env, cfg)
 
 
-def _prefill_phases(sampler: SlotSampler, params, state, prefills: list, followers: dict[int, int], cfg,
+def _prefill_phases(sampler: SlotSampler, params, state, prefills: list[Prefill], followers: dict[int, int], cfg,
                     slots: int, key: jax.Array, greedy: bool):
     """Runs this cycle's ``prefills`` in two phases and returns the new slot state: phase 1 every
     prefill but the followers'; phase 2 copies each follower's shared prompt from its donor slot
@@ -300,4 +325,5 @@ class RolloutEngine:
                                      float(temperature), float(top_p))
 
 
-__all__ = ["RolloutEngine", "decode_rows", "extend_shapes", "num_slots", "rollout_cached", "warm_engine"]
+__all__ = ["Prefill", "RolloutEngine", "Slot", "admit", "decode_rows", "end_turns", "extend_shapes", "num_slots",
+           "rollout_cached", "warm_engine"]

@@ -19,7 +19,7 @@ from mempo_jax.agent.format import PLAIN_SYSTEM_PROMPT as SYSTEM_PROMPT, AgentFo
 from mempo_jax.text.protocol import ALL_TAG_PIECES
 from mempo_jax.agent.trajectory import FULL, Trajectory, parse_context_steps
 from mempo_jax.core.validation import check, require
-from mempo_jax.agent.turns import apply_tools, encode_observation, make_turn
+from mempo_jax.agent.turns import apply_tools, make_turn
 
 
 @runtime_checkable
@@ -33,10 +33,11 @@ class Engine(Protocol):
                 progress: Optional[Callable[[int, int], None]] = None, traj_offset: int = 0) -> list:
         """Run fresh trajectories (prompt only, ``new_trajectories``) to the end of their episodes,
         in place; return them. ``params``: placed first (``place``: a collective when they span
-        processes). ``tool_env``: host tools with ``execute_batch(list[ParsedTurn]) ->
-        list[ToolResult]``. The token at step j of turn u of trajectory i draws with a key that is
-        a pure function of (``key``, ``traj_offset + i``, u, j), so a trajectory samples the same
-        tokens whatever process runs it; ``progress``: optional callback ``(turn, active_rows)``."""
+        processes). ``tool_env``: the host tools (``tools.environment.ToolEnvironment``:
+        ``execute_batch(list[ParsedTurn]) -> list[ToolResult]``). The token at step j of turn u of
+        trajectory i draws with a key that is a pure function of (``key``, ``traj_offset + i``, u,
+        j), so a trajectory samples the same tokens whatever process runs it; ``progress``:
+        optional callback ``(turn, active_rows)``."""
 
     def warm(self, params, cfg: "RolloutConfig", num_trajectories: int, key: jax.Array) -> int:
         """Compile every program a rollout of ``num_trajectories`` can run (a later rollout
@@ -128,5 +129,5 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 __all__ = [
     "ALL_TAG_PIECES", "AgentFormat", "Engine", "FULL", "RolloutConfig", "SYSTEM_PROMPT", "apply_tools",
-    "encode_observation", "make_turn", "new_trajectories", "rollout_metrics",
+    "make_turn", "new_trajectories", "rollout_metrics",
 ]

@@ -2,7 +2,7 @@
 
 Two modes (``ModelOptions.tags``; ``python -m mempo_jax.commands.evaluate --tags``):
 
-* ``"tokens"`` — every tag of ``protocol.ALL_TAG_PIECES`` is one id: the from-scratch
+* ``"tokens"`` — every tag of ``protocol.tag_pieces(actions)`` is one id: the from-scratch
   SentencePiece tokenizer (user-defined pieces), or an HF tokenizer with the tags added as tokens.
   Spans and stops are found by id comparison.
 * ``"text"`` — the tags are ordinary text, several BPE tokens each (how a checkpoint SFT'd on
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mempo_jax.text.protocol import ALL_TAG_PIECES, STOP_TAGS
+from mempo_jax.text.protocol import ACTIONS, stop_tags, tag_pieces
 from mempo_jax.agent.trajectory import find_span
 from mempo_jax.text.hf_tokenizer import HFTokenizer
 from mempo_jax.text.stop_strings import StopAutomaton, find_text_span, token_bytes
@@ -38,8 +38,14 @@ class TagCodec:
       tokenizer: the project tokenizer interface (``encode``, ``decode``, ``piece_id``,
         ``eos_id``, ``pad_id``, ``bos_id``; HF tokenizers also ``stop_ids``).
       mode: ``"tokens"`` or ``"text"``.
+      actions: the action vocabulary (``protocol.ACTIONS``; a tool environment's ``actions``):
+        the tags are ``protocol.tag_pieces(actions)``, a turn stops at ``stop_tags(actions)``, the
+        turn parser (``agent.turns.make_turn``) accepts these actions.
 
     Attributes:
+      actions: as given (a tuple).
+      pieces: the protocol tags (the 12 ``ALL_TAG_PIECES`` for the default actions).
+      stop_tags: the closing action tags.
       stop_ids: ids that end a turn by themselves: EOS, end-of-turn specials and, in ``tokens``
         mode, the closing action tags.
 
@@ -49,20 +55,21 @@ class TagCodec:
         to the tag); the message names the tag.
     """
 
-    def __init__(self, tokenizer, mode: str = "tokens"):
+    def __init__(self, tokenizer, mode: str = "tokens", actions: tuple[str, ...] = ACTIONS):
         if mode not in TAG_MODES:
             raise ValueError(f"tag mode must be one of {TAG_MODES}, got {mode!r}")
-        self.tokenizer, self.mode = tokenizer, mode
+        self.tokenizer, self.mode, self.actions = tokenizer, mode, tuple(actions)
+        self.pieces, self.stop_tags = tag_pieces(self.actions), stop_tags(self.actions)
         if mode == "tokens":
             self._ids = {}
-            for tag in ALL_TAG_PIECES:
+            for tag in self.pieces:
                 try:
                     self._ids[tag] = int(tokenizer.piece_id(tag))
                 except KeyError:
                     raise ValueError(f"tags='tokens' needs every protocol tag as one token, but {tag!r} is not a "
                                      f"single piece of this tokenizer (use tags='text', or add the tags)") from None
         else:
-            for tag in ALL_TAG_PIECES:
+            for tag in self.pieces:
                 ids = list(tokenizer.encode(tag))
                 if not ids or tokenizer.decode(ids) != tag:
                     raise ValueError(f"tags='text': the tokenizer cannot write the protocol tag {tag!r} "
@@ -73,17 +80,17 @@ class TagCodec:
         if isinstance(tokenizer, HFTokenizer):  # its generation-config EOS ids and end-of-turn specials
             stop |= set(int(i) for i in tokenizer.stop_ids(()))
         if mode == "tokens":
-            stop |= {self._ids[t] for t in STOP_TAGS}
+            stop |= {self._ids[t] for t in self.stop_tags}
         self.stop_ids: tuple[int, ...] = tuple(sorted(stop))
 
     def tag_ids(self, tag: str) -> list[int]:
-        """Ids that write ``tag`` (one of ``ALL_TAG_PIECES``) on its own: ``[id]`` in tokens mode,
+        """Ids that write ``tag`` (one of ``pieces``) on its own: ``[id]`` in tokens mode,
         ``tokenizer.encode(tag)`` in text mode.
 
         Raises:
           KeyError: for a string that is not a protocol tag.
         """
-        if tag not in ALL_TAG_PIECES:
+        if tag not in self.pieces:
             raise KeyError(f"not a protocol tag: {tag!r}")
         if self.mode == "tokens":
             return [self._ids[tag]]
@@ -98,14 +105,14 @@ class TagCodec:
         return self._bytes
 
     def stop_automaton(self, rows: Optional[int] = None) -> Optional[StopAutomaton]:
-        """The sampler's device-side stop for text tags: ``StopAutomaton`` of ``STOP_TAGS`` over
+        """The sampler's device-side stop for text tags: ``StopAutomaton`` of ``stop_tags`` over
         ``rows`` ids (the model's embedding rows; default the tokenizer's size), cached per
         ``rows``. ``None`` in tokens mode (the closing tags are stop ids there)."""
         if self.mode == "tokens":
             return None
         rows = int(self.tokenizer.vocab_size if rows is None else rows)
         if rows not in self._automata:
-            self._automata[rows] = StopAutomaton.build(STOP_TAGS, self.token_bytes(rows)[:rows])
+            self._automata[rows] = StopAutomaton.build(self.stop_tags, self.token_bytes(rows)[:rows])
         return self._automata[rows]
 
     def _rows_for(self, ids: Sequence[int]) -> int:
@@ -149,7 +156,7 @@ class TagCodec:
 
         Args:
           ids: ``[n]`` int token ids (sampled or encoded); only the last token can be replaced.
-          close_tag: a protocol tag of ``ALL_TAG_PIECES``.
+          close_tag: a protocol tag of ``pieces``.
         Returns:
           ``[n']`` ids (``n' >= n - 1``; equal to ``ids`` unless the last token straddles).
         """
@@ -175,5 +182,5 @@ class TagCodec:
         text = self.tokenizer.decode([int(i) for i in ids])
         if self.mode == "tokens":
             return text
-        ends = [text.find(t) + len(t) for t in STOP_TAGS if t in text]
+        ends = [text.find(t) + len(t) for t in self.stop_tags if t in text]
         return text[: min(ends)] if ends else text

@@ -323,14 +323,14 @@ def _evaluate_all(args, inputs: _Inputs, policy, rollout, backends) -> tuple[dic
 
     from mempo_jax.agent.trajectory import mode_name
     from mempo_jax.run.evaluation import evaluate_policy, prediction_records
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     results: dict[str, dict[str, Any]] = {}
     records = []
     key = jax.random.PRNGKey(args.seed)
     bar = tqdm(total=sum(len(q) for q in inputs.questions.values()) * len(inputs.modes), desc="evaluate", unit="q")
     for d, spec in enumerate(inputs.specs):
-        env = ToolEnvironment(backends[spec.name], topk=inputs.topk)
+        env = search_environment(backends[spec.name], topk=inputs.topk)
         qs = inputs.questions[spec.name]
         results[spec.name] = {}
         for mode in inputs.modes:

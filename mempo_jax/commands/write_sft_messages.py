@@ -28,7 +28,7 @@ from mempo_jax.data.messages import write_messages
 from mempo_jax.data.scripted_agent import scripted_conversation
 from mempo_jax.recipes import gin_file_help
 from mempo_jax.run.experiment import load_questions
-from mempo_jax.tools.search import ToolEnvironment
+from mempo_jax.tools.search import search_environment
 
 
 def _parse_args(argv):
@@ -57,7 +57,7 @@ def scripted_conversations(cfg, split: str = "train"):
     """
     train_q, held_q, _, offices, backend, _ = load_questions(cfg)
     questions = train_q if split == "train" else held_q
-    env = ToolEnvironment(backend, topk=cfg.topk)
+    env = search_environment(backend, topk=cfg.topk)
     rng = np.random.default_rng(cfg.seed)  # the SFT stage's generator (its first draws are the agent's)
     return [scripted_conversation(q, offices, env, cfg.sft.agent, rng) for q in questions], questions
 

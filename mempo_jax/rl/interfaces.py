@@ -20,7 +20,7 @@ from mempo_jax.agent.rollout import Engine
 from mempo_jax.rl.losses import LossConfig
 from mempo_jax.rl.memory_reward import MemoryRewardOutput
 from mempo_jax.rl.packed_logprobs import PackedLogprobs
-from mempo_jax.tools.search import ToolEnvironment
+from mempo_jax.tools.environment import ToolEnvironment
 
 T = TypeVar("T")
 

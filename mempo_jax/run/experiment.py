@@ -32,7 +32,8 @@ from mempo_jax.rl.memory_reward import MEMORY_PREFIXES, MemoryRewardScorer
 from mempo_jax.text.tokenizer import Tokenizer, train_sentencepiece
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document
-from mempo_jax.tools.search import ToolEnvironment
+from mempo_jax.tools.environment import ToolEnvironment
+from mempo_jax.tools.search import search_environment
 from mempo_jax.agent.engine import num_slots
 from mempo_jax.core import sharding
 from mempo_jax.core.rollout_mesh import check_fits, rollout_mesh
@@ -520,7 +521,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
     if cfg.dataset == "tiny_world" and cfg.eval_world is not None:  # entities training never saw
         world = evaluation_world(cfg, docs)
         held_q = evaluation_questions(world)
-        eval_env = ToolEnvironment(BM25Index(world.documents), topk=cfg.topk)
+        eval_env = search_environment(BM25Index(world.documents), topk=cfg.topk)
         corpus += f"; held-out: a world of unseen entities, {len(world.documents)} passages"
     if cfg.lora.enabled:  # adapters on the frozen base (mempo_jax.model.lora)
         model_cfg, graphdef, params = add_adapters(model_cfg, params, cfg.lora, cfg.seed, mesh=mesh, rules=rules)
@@ -533,7 +534,7 @@ def build_experiment(cfg: ExperimentConfig, cache_dir: str | pathlib.Path, *, me
                                 min_rows=max(8, sharding.batch_shards(mesh, rules)),
                                 batch_sharding=sharding.logical_to_sharding(("batch", None), mesh, rules),
                                 param_shardings=sharding.param_shardings(policy.params, mesh, rules))
-    return Experiment(cfg, train_q, held_q, docs, offices, ToolEnvironment(backend, topk=cfg.topk), policy, scorer,
+    return Experiment(cfg, train_q, held_q, docs, offices, search_environment(backend, topk=cfg.topk), policy, scorer,
                       corpus, eval_env)
 
 

@@ -9,7 +9,7 @@ A rollout must survive any server, so every failure of a call — server
 down, timeout, HTTP 4xx/5xx, a reply over the byte cap, a gzip bomb or a bad gzip body, an
 unsupported ``Content-Encoding``, JSON nested too deeply, a number too large for a float, any
 shape or type other than the documented one — ends as ``ToolError`` (never another exception),
-which ``ToolEnvironment`` turns into an error observation (``ToolResult.ok`` False).
+which the search tools (``tools.search``) turn into an error observation (``ToolResult.ok`` False).
 
 Limits of one call (one HTTP request and its retries):
 

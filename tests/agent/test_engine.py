@@ -2,9 +2,13 @@
 the re-prefill-every-turn reference (``tests/reference_rollout.py``): same turns on the toy world, greedy float32
 (full and k = 1, with slot refill, with the token budget); sampled trajectories independent of the
 slot layout; prefills hold only what the cache lacks; nothing compiles after the warm-up; the
-blocked attention equals dense softmax attention computed in numpy."""
+blocked attention equals dense softmax attention computed in numpy; sampled trajectories and tool
+answers equal to golden ones recorded from an earlier engine."""
 
 import dataclasses
+import hashlib
+import json
+import os
 import pathlib
 import sys
 
@@ -312,3 +316,66 @@ def test_bfloat16_rollout_weights_are_the_trainers_rounded_to_bfloat16(world):
     engine.rollout(params, own, fmt, env, cfg, jax.random.PRNGKey(5))
     first = lambda trajs: np.asarray(trajs[0].turns[0].output_logprobs[:1])  # noqa: E731 (same first token)
     assert np.abs(first(own) - first(got)).max() > 0  # the rounding is visible: the test sees the cast
+
+
+GOLDEN = REPO / "tests" / "fixtures" / "engine_golden.json"
+GOLDEN_CASES = {  # name: (changes to BASE, PRNG seed); the sampled tests' shapes above: nothing compiles anew
+    "full_refill_budget": (dict(temperature=1.0, context_steps="full", num_slots=3, max_turns=7), 11),
+    "k1_one_slot_each": (dict(temperature=1.0, context_steps=1), 12),
+}
+GOLDEN_TURNS = ("<mem> alice</mem><search> globex rome</search>",
+                "<mem></mem><think> who</think><access> acme</access>",
+                "<mem> bob</mem><think> is</think><access> globex</access>", "<mem></mem><access> lima</access>",
+                "<mem> paris</mem><answer> paris</answer>", "<search> rome",
+                "<mem> oslo</mem><search> oslo</search>")
+
+
+def _golden_record(trajs) -> list[dict]:
+    """What the golden file keeps of each trajectory (log-probs as the sha256 of their float32 bytes)."""
+    return [{"end_reason": tr.end_reason, "answer": tr.answer, "turns": [
+        {"ids": t.output_ids, "logprobs_sha256": None if t.output_logprobs is None else
+         hashlib.sha256(np.asarray(t.output_logprobs, np.float32).tobytes()).hexdigest(),
+         "observation": t.observation_ids, "context_len": t.context_len,
+         "mem_span": None if t.mem_span is None else list(t.mem_span), "tool_ok": t.tool_ok,
+         "error": t.parsed.error} for t in tr.turns]} for tr in trajs]
+
+
+def _golden_observed(world) -> dict:
+    from mempo_jax.agent.trajectory import Trajectory
+    from mempo_jax.agent.turns import apply_tools, make_turn
+    from mempo_jax.tools.bm25 import BM25Index
+    from mempo_jax.tools.corpus import Document
+    from mempo_jax.tools.search import search_environment
+
+    fmt = world[0]
+    out = {name: _golden_record(_run(world, dataclasses.replace(BASE, **change), key=seed))
+           for name, (change, seed) in GOLDEN_CASES.items()}
+    env = search_environment(BM25Index([Document("acme", "acme", "bob works at acme"),
+                                     Document("globex", "globex", "globex is in rome")]), topk=1)
+    trajs = [Trajectory(f"t{i}", i, (("paris",),), fmt.prompt_ids("where")) for i in range(len(GOLDEN_TURNS))]
+    turns = [make_turn(fmt, fmt.tokenizer.encode(text), None, i < len(GOLDEN_TURNS) - 1)
+             for i, text in enumerate(GOLDEN_TURNS)]
+    apply_tools(fmt, env, trajs, turns, dataclasses.replace(BASE, max_turns=1))
+    out["tools"] = _golden_record(trajs)
+    return out
+
+
+def test_engine_and_tools_give_the_golden_trajectories(world):
+    """Sampled turns of the toy model with slot refill, the token budget and k = 1 contexts, and the
+    tool answers to hand-written turns (search, access, an unknown id, an answer, malformed turns, a
+    turn cut by its token budget, the turn limit), against ``tests/fixtures/engine_golden.json``
+    (recorded from an earlier engine on these seeds). Ids, observations, context lengths, ``<mem>``
+    spans, tool flags and end reasons compare exactly; log-probs bit for bit (sha256 of their
+    float32 bytes). ``MEMPO_RECORD_GOLDEN=1`` rewrites the fixture: only after a change meant to
+    move the trajectories."""
+    got = json.loads(json.dumps(_golden_observed(world)))
+    if os.environ.get("MEMPO_RECORD_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps(got, separators=(",", ":")) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert len(got[name]) == len(want[name]), name
+        for i, (g, w) in enumerate(zip(got[name], want[name])):
+            assert g == w, f"{name}: trajectory {i} differs from the golden record"
+    assert {tr["end_reason"] for tr in want["full_refill_budget"]} == {"budget", "max_turns"}  # the cases have teeth
+    assert [t["tool_ok"] for tr in want["tools"] for t in tr["turns"]] == [True, True, True, False, True, False, False]

@@ -262,9 +262,9 @@ def _docs():
 def test_access_serves_only_corpus_documents(arg):
     from mempo_jax.text.protocol import parse_turn
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
-    env = ToolEnvironment(BM25Index(_docs()), topk=1)
+    env = search_environment(BM25Index(_docs()), topk=1)
     res = env.execute(parse_turn(f"<mem>m</mem><access>{arg}</access>"))
     assert res.ok is False and "No document with id" in res.observation or res.kind == "error"
     assert "root:" not in res.observation
@@ -277,9 +277,9 @@ def test_access_serves_only_corpus_documents(arg):
 def test_access_result_is_a_corpus_document_or_an_error(arg):
     from mempo_jax.text.protocol import ParsedTurn
     from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
-    env = ToolEnvironment(BM25Index(_docs()), topk=1)
+    env = search_environment(BM25Index(_docs()), topk=1)
     res = env.execute(ParsedTurn("m", None, "access", arg, None))
     assert (res.ok and res.observation in {d.contents for d in _docs()}) or (not res.ok)
 
@@ -387,7 +387,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
     from mempo_jax.rl.rewards import score_trajectories
     from mempo_jax.rl.step import compute_advantages
     from mempo_jax.agent.slot_sampler import SampleOutput
-    from mempo_jax.tools.search import ToolEnvironment
+    from mempo_jax.tools.search import search_environment
 
     tok = WordTokenizer()
     tags = [tok.piece_id(t) for t in ("<mem>", "</mem>", "<search>", "</search>", "<answer>", "</answer>",
@@ -437,7 +437,7 @@ def test_random_outputs_and_tool_results_keep_bookkeeping_consistent(data):
         sampled.append((tokens, logp, lengths))
         return SampleOutput(tokens, logp, np.arange(max_new)[None] < lengths[:, None], lengths, stopped)
 
-    env = ToolEnvironment(_random_backend(data), topk=2)
+    env = search_environment(_random_backend(data), topk=2)
     trajs = new_trajectories(AgentFormat.plain(tok), questions, group)
     ReferenceEngine(sample_fn).rollout(None, trajs, AgentFormat.plain(tok), env, cfg, jax.random.PRNGKey(0))
 

@@ -112,7 +112,6 @@ def sft_params():
     import jax
 
     from mempo_jax.text.protocol import parse_turn, render_turn
-    from mempo_jax.agent.rollout import encode_observation
     from mempo_jax.core.batching import pad_sequences
     from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
@@ -125,7 +124,7 @@ def sft_params():
     for q in questions:
         prompt = AgentFormat.plain(tok).prompt_ids(q.question)
         first = render_turn(" " + q.question, " search", "search", " " + keywords[q.id])
-        obs = encode_observation(AgentFormat.plain(tok), env.execute(parse_turn(first)).observation, 12)
+        obs = AgentFormat.plain(tok).observation_ids(env.execute(parse_turn(first)).observation, 12)
         second = render_turn(" " + keywords[q.id] + " " + q.golds[0][0], " answer", "answer", " " + q.golds[0][0])
         t1, t2 = tok.encode(first), tok.encode(second)
         rows.append((prompt + t1, [0.0] * len(prompt) + [1.0] * len(t1)))

@@ -17,7 +17,7 @@ from mempo_jax.text.chat_template import (
     ACTION_DESCRIPTIONS, TOOL_RESULT_LAYOUTS, ChatTemplate, PlainTemplate, encode_rendered, observation_frame,
     observation_text, question_messages, system_prompt)
 from mempo_jax.text.protocol import ACCESS, ANSWER, INFORMATION, MEM, SEARCH, THINK
-from mempo_jax.agent.rollout import SYSTEM_PROMPT, encode_observation
+from mempo_jax.agent.rollout import SYSTEM_PROMPT
 from mempo_jax.text.hf_tokenizer import HFTokenizer
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
@@ -344,7 +344,7 @@ def test_assistant_layout_gives_the_rollouts_observation_ids(spm_tokenizer):
     before, after = observation_frame(PlainTemplate(), "assistant")
     obs = "[doc 3] Ada works for Babbage."
     ids = encode_rendered(spm_tokenizer, before) + spm_tokenizer.encode(obs)[:5] + encode_rendered(spm_tokenizer, after)
-    assert ids == encode_observation(AgentFormat.plain(spm_tokenizer), obs, 5)
+    assert ids == AgentFormat.plain(spm_tokenizer).observation_ids(obs, 5)
 
 
 def test_layouts_that_cannot_be_derived_are_clear_errors(smollm2_dir):

@@ -18,7 +18,7 @@ from mempo_jax.tools.corpus import Document, write_corpus_jsonl
 from mempo_jax.tools.remote import RemoteSearchBackend
 from mempo_jax.commands.retrieval_server import main
 from mempo_jax.tools.retrieval_server import build_index
-from mempo_jax.tools.search import ToolEnvironment, ToolError
+from mempo_jax.tools.search import ToolError, search_environment
 
 from conftest import free_port, retrieval_server
 
@@ -134,7 +134,8 @@ def test_remote_backend_matches_local_index(server, local_index):
         assert remote.get("7") == DOCS[7] and remote.get("77") is None
         turns = [parse_turn(render_turn("m", None, a, q)) for a, q in
                  [("search", "comet"), ("access", "5"), ("access", "55"), ("search", "orchid falcon")]]
-        assert ToolEnvironment(remote, topk=2).execute_batch(turns) == ToolEnvironment(local_index, topk=2).execute_batch(turns)
+        assert (search_environment(remote, topk=2).execute_batch(turns)
+                == search_environment(local_index, topk=2).execute_batch(turns))
 
 
 # -- the client against stub servers -------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_server_down_is_an_error_observation():
     with pytest.raises(ToolError) as err:
         backend.search(["x"], topk=3)
     assert err.value.reason == "unreachable"
-    env = ToolEnvironment(backend, topk=3)
+    env = search_environment(backend, topk=3)
     turns = [parse_turn(render_turn("m", None, "search", "x")), parse_turn(render_turn("m", None, "access", "1"))]
     results = env.execute_batch(turns)
     assert [(r.kind, r.ok) for r in results] == [("search", False), ("access", False)]
@@ -228,7 +229,7 @@ def test_stub_failures(stub, reason, attempts):
     assert err.value.reason == reason
     assert stub.requests == attempts
     assert elapsed < (retries + 1) * 0.5 + 1.0  # bounded: attempts × timeout + backoff + slack
-    result = ToolEnvironment(backend, topk=3).execute(parse_turn(render_turn("m", None, "search", "q")))
+    result = search_environment(backend, topk=3).execute(parse_turn(render_turn("m", None, "search", "q")))
     assert result.kind == "search" and not result.ok and reason in result.observation
 
 

@@ -24,7 +24,7 @@ from mempo_jax.tools import retrieval_server
 from mempo_jax.tools.bm25 import BM25Index
 from mempo_jax.tools.corpus import Document, write_corpus_jsonl
 from mempo_jax.tools.remote import DEFAULT_MAX_RESPONSE_BYTES, RemoteSearchBackend
-from mempo_jax.tools.search import ToolEnvironment, ToolError
+from mempo_jax.tools.search import ToolError, search_environment
 
 DOC = Document("7", "Violin", "The violin is a string instrument.")
 ROW = DOC.to_row()
@@ -185,7 +185,7 @@ def test_hostile_reply_is_a_tool_error_and_an_error_observation(hostile):
     with pytest.raises(ToolError):
         backend.get("7")
     turns = [parse_turn(render_turn("m", None, "search", "violin")), parse_turn(render_turn("m", None, "access", "7"))]
-    results = ToolEnvironment(backend, topk=3).execute_batch(turns)
+    results = search_environment(backend, topk=3).execute_batch(turns)
     assert [(r.kind, r.ok) for r in results] == [("search", False), ("access", False)]
     assert results[0].observation.startswith("Search failed (") and "127.0.0.1" not in results[0].observation
     assert time.monotonic() - start < 4 * deadline + 3.0  # four calls, each within its deadline

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mempo_jax.text.protocol import parse_turn, render_turn
 from mempo_jax.tools.bm25 import BM25Index, top_k
 from mempo_jax.tools.corpus import Document, Hit, load_corpus, write_corpus_jsonl
-from mempo_jax.tools.search import ToolEnvironment, ToolError, ToolResult, format_hits
+from mempo_jax.tools.search import ToolError, ToolResult, format_hits, search_environment
 
 DOCS = [
     Document("0", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France."),
@@ -180,7 +180,7 @@ def _turn(action, arg):
 
 
 def test_execute_search_access_and_errors(index):
-    env = ToolEnvironment(index, topk=2)
+    env = search_environment(index, topk=2)
     res = env.execute(_turn("search", "highest mountain"))
     assert res.kind == "search" and res.ok
     assert res.observation.startswith("[doc 2] Mount Everest: Mount Everest is")
@@ -195,8 +195,9 @@ def test_execute_search_access_and_errors(index):
     assert res.kind == "error" and not res.ok and "missing <mem>" in res.observation
     with pytest.raises(ValueError):
         env.execute(_turn("answer", "Paris"))
-    closed = ToolEnvironment(index, topk=2, allow_access=False).execute(_turn("access", "17"))
-    assert closed.kind == "access" and not closed.ok and "Ada" not in closed.observation
+    closed = search_environment(index, topk=2, allow_access=False).execute(_turn("access", "17"))
+    assert closed.kind == "error" and not closed.ok and "Ada" not in closed.observation
+    assert closed.observation.startswith("Format error: unknown action <access>.")
 
 
 class CountingBackend:
@@ -223,10 +224,10 @@ def test_execute_batch_equals_execute_and_batches(index):
         _turn("search", "the of"),
     ]
     backend = CountingBackend(index)
-    env = ToolEnvironment(backend, topk=3)
+    env = search_environment(backend, topk=3)
     batch = env.execute_batch(turns)
     assert backend.search_calls == 1
-    assert batch == [ToolEnvironment(index, topk=3).execute(t) for t in turns]
+    assert batch == [search_environment(index, topk=3).execute(t) for t in turns]
     assert [r.ok for r in batch] == [True, True, False, True, False, True]
     assert batch[5].observation == "No results."
     with pytest.raises(ValueError):
@@ -243,7 +244,7 @@ class FailingBackend:
 
 
 def test_backend_failure_becomes_observation():
-    env = ToolEnvironment(FailingBackend(), topk=3)
+    env = search_environment(FailingBackend(), topk=3)
     res = env.execute_batch([_turn("search", "a"), _turn("search", "b"), _turn("access", "1")])
     assert [(r.kind, r.ok) for r in res] == [("search", False), ("search", False), ("access", False)]
     assert "timeout" in res[0].observation and "unreachable" in res[2].observation
