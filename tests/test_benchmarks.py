@@ -129,9 +129,7 @@ def test_all_padding_mini_batch_does_not_move_the_params():
     # the program itself also keeps params when its mini-batch has no loss token
     packed = dict(empty, segment_ids=empty["valid"].astype(np.int32),  # one sequence per row
                   positions=np.maximum(np.cumsum(empty["valid"], axis=1) - 1, 0).astype(np.int32))
-    placed = learner._place_batch(packed)
-    learner.params, learner.opt_state, _ = learner._ppo_step(learner.params, None, learner.opt_state, placed, 2,
-                                                             LossConfig())
+    learner.state, _ = learner.steps.ppo_step(learner.state, learner.steps.place(packed), 2, LossConfig())
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(snap, jax.tree.leaves(learner.params)))
 
 

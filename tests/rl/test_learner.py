@@ -29,23 +29,23 @@ def _rows(rng, n, length=LENGTH):
 
 
 class _Recorder:
-    """Wraps ``learner._ppo_step``: records each call's batch (numpy), and the parameters before
-    and after it; ``run=False`` records without running the program (shape/row checks only)."""
+    """Wraps ``learner.steps.ppo_step``: records each call's batch (numpy), and the parameters
+    before and after it; ``run=False`` records without running the program (shape/row checks only)."""
 
     def __init__(self, learner, run=True):
-        self.inner, self.run, self.calls = learner._ppo_step, run, []
-        learner._ppo_step = self
+        self.inner, self.run, self.calls = learner.steps.ppo_step, run, []
+        learner.steps.ppo_step = self
 
-    def __call__(self, params, frozen, opt_state, batch, n_micro, loss_cfg, tail=0):
-        before = [np.array(x) for x in jax.tree.leaves(params)]  # copied: the program donates params
+    def __call__(self, state, batch, n_micro, loss_cfg, tail=0):
+        before = [np.array(x) for x in jax.tree.leaves(state.params)]  # copied: the program donates params
         batch = {k: np.asarray(v) for k, v in batch.items()}
         self.layouts = getattr(self, "layouts", []) + [(len(batch["loss_mask"]) // n_micro, tail)]
         if not self.run:
             self.calls.append((batch, before, before))
-            return params, opt_state, {"actor/pg_loss": 0.0}
-        params, opt_state, m = self.inner(params, frozen, opt_state, batch, n_micro, loss_cfg, tail)
-        self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(params)]))
-        return params, opt_state, m
+            return state.replace(step=state.step + 1), {"actor/pg_loss": 0.0}
+        state, m = self.inner(state, batch, n_micro, loss_cfg, tail)
+        self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(state.params)]))
+        return state, m
 
     def real_rows(self):
         """Source rows per call: packed sequences (a segment start each) or non-empty rows."""
@@ -262,7 +262,7 @@ def test_pack_token_rows_refuses_left_padding_and_a_loss_in_column_0():
 
 
 def _opt_leaves(learner):
-    return [np.array(x) for x in jax.tree.leaves(learner.opt_state)]
+    return [np.array(x) for x in jax.tree.leaves(learner.state.opt_state)]
 
 
 def test_zero_advantage_mini_batch_moves_adam_unless_skipped():
