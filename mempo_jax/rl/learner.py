@@ -210,9 +210,9 @@ class TrainSteps:
         rep = replicated(self.mesh)
         self._init = jax.jit(optimizer.init, in_shardings=(ts,), out_shardings=opt)
         # The programs take (trainable, frozen, opt_state, batch) and return the new trainable part.
-        self._sft = jax.jit(self._sft_impl, static_argnums=(4,), donate_argnums=(0, 2),
+        self._sft = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
                             in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
-        self._ppo = jax.jit(self._ppo_impl, static_argnums=(4, 5, 6), donate_argnums=(0, 2),
+        self._ppo = jax.jit(self._ppo_step_impl, static_argnums=(4, 5, 6), donate_argnums=(0, 2),
                             in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
         self.logprobs = PackedLogprobs(logits_fn, self.temperature, rows_per_call=logprob_chunk_rows,
                                        min_rows=batch_shards(self.mesh, rules), min_length=TRAIN_MIN_LENGTH,
@@ -243,7 +243,7 @@ class TrainSteps:
         return jax.device_put(dict(batch), self.batch_sharding)
 
     def batch_shapes(self, keys: tuple[str, ...], rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """The abstract ``[rows, length]`` batch of ``keys`` (``SFT_KEYS`` / ``PPO_KEYS``) on the ``batch`` sharding."""
+        """The abstract ``[rows, length]`` batch of ``keys`` (``SFT_KEYS`` / ``PPO_KEYS``), ``batch`` sharding."""
         return {k: jax.ShapeDtypeStruct((int(rows), int(length)), _DTYPES.get(k, jnp.float32),
                                         sharding=self.batch_sharding) for k in keys}
 
@@ -281,10 +281,10 @@ class TrainSteps:
 
     def lower_sft(self, state: TrainState, rows: int, length: int, n_micro: int) -> jax.stages.Lowered:
         """``sft_step``'s program lowered at a ``[rows, length]`` batch (``state`` may be abstract)."""
-        return self._sft.lower(state.trainable, state.frozen, state.opt_state, self.batch_shapes(SFT_KEYS, rows, length),
-                               int(n_micro))
+        batch = self.batch_shapes(SFT_KEYS, rows, length)
+        return self._sft.lower(state.trainable, state.frozen, state.opt_state, batch, int(n_micro))
 
-    def _sft_impl(self, params, frozen, opt_state, batch, n_micro):
+    def _sft_step_impl(self, params, frozen, opt_state, batch, n_micro):
         denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
         micro = self._split_micro_sharded(batch, n_micro)
 
@@ -330,10 +330,11 @@ class TrainSteps:
     def lower_ppo(self, state: TrainState, rows: int, length: int, n_micro: int, loss_cfg: LossConfig,
                   tail_rows: int = 0) -> jax.stages.Lowered:
         """``ppo_step``'s program lowered at a ``[rows, length]`` batch (``state`` may be abstract)."""
-        return self._ppo.lower(state.trainable, state.frozen, state.opt_state, self.batch_shapes(PPO_KEYS, rows, length),
-                               int(n_micro), loss_cfg, int(tail_rows))
+        batch = self.batch_shapes(PPO_KEYS, rows, length)
+        return self._ppo.lower(state.trainable, state.frozen, state.opt_state, batch, int(n_micro), loss_cfg,
+                               int(tail_rows))
 
-    def _ppo_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig, tail_rows: int = 0):
+    def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig, tail_rows: int = 0):
         # The packed forward and per-sequence aggregation give each sequence what it gets alone.
         denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch["segment_ids"]), 1.0)
         rows = batch["input_ids"].shape[0]
@@ -643,5 +644,5 @@ def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
 
 
-__all__ = ["Learner", "LocalRows", "OptimConfig", "PPOPlan", "PPO_KEYS", "RowPlacement", "SFT_KEYS", "TrainState", "TrainSteps",
-           "fill_whole_micro_batches", "make_optimizer", "mini_batch_slices", "ppo_plan"]
+__all__ = ["Learner", "LocalRows", "OptimConfig", "PPOPlan", "PPO_KEYS", "RowPlacement", "SFT_KEYS", "TrainState",
+           "TrainSteps", "fill_whole_micro_batches", "make_optimizer", "mini_batch_slices", "ppo_plan"]

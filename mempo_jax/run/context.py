@@ -258,8 +258,9 @@ class RunContext:
         barrier: its construction runs global programs)."""
         policy = self.exp.policy
         self.sync.barrier()
-        return Learner(policy.logits_fn, params, opt, mesh=policy.mesh, rules=policy.rules, pad_id=policy.tokenizer.pad_id,
-                       placement=lockstep.LockstepRows(self.sync, policy.tokenizer.pad_id), **kw)
+        pad_id = policy.tokenizer.pad_id
+        return Learner(policy.logits_fn, params, opt, mesh=policy.mesh, rules=policy.rules, pad_id=pad_id,
+                       placement=lockstep.LockstepRows(self.sync, pad_id), **kw)
 
     def opt_target(self, opt):
         """The optimizer state's restore target, with its shardings on the mesh (the state of the

@@ -492,19 +492,19 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     ex = cfg.execution
     fn = make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options)
     steps = TrainSteps(fn, make_optimizer(cfg.optim), abstract, mesh=mesh, rules=rules)
-    state = steps.init(abstract)  # abstract, with the run's shardings
+    train_state = steps.init(abstract)  # abstract, with the run's shardings
     s = step_shapes(cfg, plan_cfg)
     bs = steps.batch_sharding
     sds = lambda r, length, dt: jax.ShapeDtypeStruct((r, int(length)), dt, sharding=bs)  # noqa: E731
     length = s["train_len"]
-    programs = {"update": lambda: steps.lower_ppo(state, s["micro_batch_rows"], length, 1, LossConfig())}
+    programs = {"update": lambda: steps.lower_ppo(train_state, s["micro_batch_rows"], length, 1, LossConfig())}
     if cfg.sft.steps > 0:
-        rows = ex.sft_micro_batch_rows or ex.micro_batch_rows
-        programs["sft"] = lambda: steps.lower_sft(state, rows, length, 1)
-    programs["logprobs"] = lambda: steps.logprobs.lower(state.params, s["logprob_rows"], length)
+        sft_rows = ex.sft_micro_batch_rows or ex.micro_batch_rows
+        programs["sft"] = lambda: steps.lower_sft(train_state, sft_rows, length, 1)
+    programs["logprobs"] = lambda: steps.logprobs.lower(train_state.params, s["logprob_rows"], length)
     scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=steps.param_shardings)
     r, sl = s["scoring_rows"], s["scoring_len"]
-    programs["scoring"] = lambda: scorer.packed_logprobs.lower(state.params, *[sds(r, sl, jnp.int32)] * 3,
+    programs["scoring"] = lambda: scorer.packed_logprobs.lower(train_state.params, *[sds(r, sl, jnp.int32)] * 3,
                                                                *[sds(r, sl // ANSWER_FRACTION, jnp.int32)] * 2)
 
     # the rollout: one host's rollout mesh, as experiment.make_policy builds it

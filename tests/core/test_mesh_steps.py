@@ -115,7 +115,7 @@ def ppo_222(model, ppo_batch):
 def test_params_and_opt_state_keep_their_rule_shardings(model, ppo_batch, ppo_222):
     _, _, _, _, graphdef, params = model
     learner = ppo_222[0]
-    mesh = learner.mesh
+    mesh = learner.steps.mesh
     attn = learner.params["layers"]["attn"]
     assert attn["q"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)  # [layers, embed, heads, head_dim]
     assert attn["o"].get_value().sharding.spec == P(None, "tensor", None, "fsdp")
