@@ -141,8 +141,7 @@ def fill_whole_micro_batches(batch: Mapping[str, np.ndarray], micro: int, tail: 
 
 @struct.dataclass
 class TrainState:
-    """What training changes (MaxText's ``TrainState``): a pytree of the policy's parameters and
-    optimizer state, which the steps of ``TrainSteps`` map to a new one.
+    """What training changes (MaxText's ``TrainState``), a pytree that ``TrainSteps`` maps to the next.
 
     Attributes:
       trainable: the optimized parameters (an ``nnx.State``): the LoRA adapters of a model with
@@ -173,22 +172,18 @@ _DTYPES = {"input_ids": jnp.int32, "valid": jnp.bool_, "segment_ids": jnp.int32,
 class TrainSteps:
     """The jitted steps of training, pure functions of a ``TrainState`` (docs/algorithm.md §5).
 
-    ``sft_step(state, batch, n_micro)`` and ``ppo_step(state, batch, n_micro, loss_cfg,
-    tail_rows)`` return ``(new state, metrics)``: gradients of the ``[B, L]`` batch accumulated
-    over ``n_micro`` micro-batches (``lax.scan``; one loss denominator for the whole batch,
-    tunix-style ``(sum, denominator)`` losses), then one optimizer step of the trainable part.
-    They consume ``state``'s trainable part and optimizer state (donated buffers), never its
-    frozen part. ``logprobs`` is the detached packed log-prob pass (``PackedLogprobs``).
-    ``lower_sft`` / ``lower_ppo`` lower a step at abstract batch shapes (nothing runs): the ahead-of-time
-    programs of ``Learner.precompile`` and ``run.memory_plan.phase_programs``.
+    ``sft_step`` / ``ppo_step`` map ``(state, batch)`` to ``(state, metrics)``: gradients
+    accumulated over micro-batches (``lax.scan``), then one optimizer step of the trainable part
+    (its buffers and the optimizer state's are donated; the frozen part never is). ``logprobs``:
+    the detached packed log-prob pass. ``lower_sft`` / ``lower_ppo``: a step lowered at abstract
+    shapes (``rl.step.precompile_rl_step``, ``run.memory_plan.phase_programs``).
 
     Args:
       logits_fn: the model (``model.forward.LogitsFn``: its hidden states and LM head, the head
         applied in chunks, ``token_stats``; its own rematerialisation applies to the decoder
         layers of the update and SFT step).
       optimizer: an optax transformation.
-      params: the policy parameters (a pytree; nnx.State) or their ``jax.ShapeDtypeStruct``s:
-        the structure the shardings are derived from.
+      params: the policy parameters (nnx.State) or their ``jax.ShapeDtypeStruct``s (for the shardings).
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
       mesh: the device mesh (default ``sharding.local_mesh()``). Parameters are placed by their
         logical-axis rules, the optimizer state by ``opt_state_shardings``, batches ``[B, L]``
@@ -264,20 +259,23 @@ class TrainSteps:
             x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
 
     # ---- SFT -------------------------------------------------------------------------------
+    def _apply(self, program, state: TrainState, batch, *static) -> tuple[TrainState, dict]:
+        trainable, opt_state, metrics = program(state.trainable, state.frozen, state.opt_state, batch, *static)
+        return state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1), metrics
+
     def sft_step(self, state: TrainState, batch: Mapping[str, ArrayLike], n_micro: int) -> tuple[TrainState, dict]:
         """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
 
         Args:
           state: the state (its trainable part and optimizer state are consumed).
           batch: ``SFT_KEYS``: ``input_ids [B,L] int32``, ``valid [B,L] bool``, ``loss_mask [B,L]
-            float32``, placed (``place``); ``B`` a multiple of ``n_micro``.
+            float32``; ``B`` a multiple of ``n_micro``.
           n_micro: micro-batches of the gradient accumulation.
 
         Returns:
           ``(state at step + 1, {"sft/loss", "sft/grad_norm"} as replicated scalars)``.
         """
-        trainable, opt_state, metrics = self._sft(state.trainable, state.frozen, state.opt_state, batch, n_micro)
-        return state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1), metrics
+        return self._apply(self._sft, state, batch, int(n_micro))
 
     def lower_sft(self, state: TrainState, rows: int, length: int, n_micro: int) -> jax.stages.Lowered:
         """``sft_step``'s program lowered at a ``[rows, length]`` batch (``state`` may be abstract)."""
@@ -310,10 +308,10 @@ class TrainSteps:
 
         Args:
           state: the state (its trainable part and optimizer state are consumed).
-          batch: ``PPO_KEYS`` ``[B, L]``, rows packed end to end (``segment_ids`` / ``positions``,
-            ``packing.pack_token_rows``), placed (``place``); ``B`` a multiple of ``n_micro``.
-          n_micro: micro-batches of ``B / n_micro`` rows; a micro-batch without loss tokens is
-            skipped at run time (it adds exactly zero).
+          batch: ``PPO_KEYS`` ``[B, L]``, rows packed end to end (``packing.pack_token_rows``);
+            ``B`` a multiple of ``n_micro``.
+          n_micro: micro-batches of ``B / n_micro`` rows; one without loss tokens is skipped at run
+            time (it adds exactly zero).
           loss_cfg: the loss options (static).
           tail_rows: with ``0 < tail_rows < B / n_micro`` the last micro-batch runs ``tail_rows``
             rows at a time (``tail_rows``, ``fill_whole_micro_batches``).
@@ -323,9 +321,7 @@ class TrainSteps:
           ``actor/grad_norm`` and ``actor/update_skipped`` (1 for a non-finite gradient: then the
           parameters and optimizer state are unchanged, as for a batch without loss tokens).
         """
-        trainable, opt_state, metrics = self._ppo(state.trainable, state.frozen, state.opt_state, batch, int(n_micro),
-                                                  loss_cfg, int(tail_rows))
-        return state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1), metrics
+        return self._apply(self._ppo, state, batch, int(n_micro), loss_cfg, int(tail_rows))
 
     def lower_ppo(self, state: TrainState, rows: int, length: int, n_micro: int, loss_cfg: LossConfig,
                   tail_rows: int = 0) -> jax.stages.Lowered:
@@ -403,7 +399,6 @@ class LocalRows:
     """One process: its rows are the step's rows (``RowPlacement``)."""
 
     def global_rows(self, op: str, rows: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-        """``(rows, 0)``."""
         return dict(rows), 0
 
 
@@ -423,8 +418,7 @@ class Learner:
         ``resume.FaultHooks.update_rows``).
       pad_id: the id on padding of packed update rows.
       placement: how this process's rows become the step's rows (default ``LocalRows``; several
-        processes: ``run.lockstep.LockstepRows``, after a barrier, as construction runs global
-        programs).
+        processes: ``run.lockstep.LockstepRows``, after a barrier: construction runs global programs).
 
     Attributes:
       steps: the ``TrainSteps``; state: the current ``TrainState`` (replaced by every step).
@@ -448,15 +442,9 @@ class Learner:
         """The policy's whole parameter state (``TrainState.params``)."""
         return self.state.params
 
-    @property
-    def num_updates(self) -> int:
-        """Optimizer steps scheduled so far (``TrainState.step``)."""
-        return self.state.step
-
     def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """``TrainSteps.sft_step`` on ``batch`` (``SFT_KEYS``, ``[B, L]``; on several processes every
-        process's rows), in micro-batches of ``micro_batch_rows`` (``B`` a multiple of it, or
-        smaller). Returns the metrics as floats."""
+        """``TrainSteps.sft_step`` on ``batch`` (``SFT_KEYS [B, L]``, ``B`` a multiple of
+        ``micro_batch_rows`` or smaller; the processes' rows gathered); its metrics as floats."""
         batch, _ = self.placement.global_rows("sft", batch)
         b = batch["input_ids"].shape[0]
         n_micro = max(1, b // min(self.micro_batch_rows, b))
@@ -541,24 +529,6 @@ class Learner:
         g, start = self.placement.global_rows("logprobs", {"input_ids": input_ids, "valid": valid})
         out = self.steps.logprobs(params, g["input_ids"], g["valid"])
         return out[start : start + input_ids.shape[0], : input_ids.shape[1]]
-
-    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig) -> int:
-        """Compile the PPO update program ahead of time (``TrainSteps.lower_ppo(...).compile()``;
-        nothing runs, no buffer is donated) at every length in ``lengths``.
-
-        Args:
-          lengths: sequence lengths ``L`` (the training-row length buckets).
-          ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
-            (``ppo_plan(...).rows`` and ``rows // micro``).
-          loss_cfg: the loss options (a static argument of the PPO program).
-
-        Returns:
-          The number of programs built.
-        """
-        tail = self.steps.tail_rows(ppo_rows // int(n_micro))
-        for length in lengths:
-            self.steps.lower_ppo(self.state, ppo_rows, length, n_micro, loss_cfg, tail).compile()
-        return len(lengths)
 
     def precompile_once(self, key, build: Callable[[], T]) -> T | None:
         """``build()`` when ``key`` (e.g. the ``RLConfig``) differs from the key of the last build

@@ -70,7 +70,10 @@ def precompile_rl_step(cluster: RLCluster, cfg: RLConfig, key: jax.Array) -> dic
                      if cfg.scores_memory else 0)
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
-    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
+    tail = learner.steps.tail_rows(plan.micro)
+    for length in training_length_buckets(cfg):  # compiled, not run: no buffer is donated
+        learner.steps.lower_ppo(learner.state, plan.rows, length, plan.rows // plan.micro, cfg.loss, tail).compile()
+    out["learner"] = len(training_length_buckets(cfg))
     # the reference log-probs, and the old ones with old_logprobs = "trainer"
     out["old_logprobs"] = learner.steps.logprobs.precompile(learner.params, training_length_buckets(cfg))
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)

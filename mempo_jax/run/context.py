@@ -244,7 +244,7 @@ class RunContext:
 
     def meta(self, stage: str, step: int, learner, **extra) -> dict:
         """A durable point's metadata: stage, step, updates, seed, elapsed time and log offsets."""
-        return {"stage": stage, "step": int(step), "updates": int(learner.num_updates), "seed": self.cfg.seed,
+        return {"stage": stage, "step": int(step), "updates": int(learner.state.step), "seed": self.cfg.seed,
                 "elapsed_s": time.time() - self.t_start, **self.logs.offsets(), **extra}
 
     def agree_on_preemption(self) -> None:
@@ -274,7 +274,7 @@ class RunContext:
     def save(self, ckpt, step: int, learner, meta: dict) -> None:
         """Save ``learner``'s ``TrainState`` as checkpoint ``step`` of ``ckpt``: its trainable part
         (the adapters of a LoRA run: the base is rebuilt from the config) and optimizer state;
-        its step is ``meta["updates"]`` (``meta``)."""
+        its step is ``meta["updates"]`` (``RunContext.meta``)."""
         ckpt.save(step, learner.state.trainable, learner.state.opt_state, meta)
         release_free_memory()  # the save's host copies (an asynchronous save's: the previous one's)
 
@@ -405,11 +405,7 @@ def _restore(ctx: RunContext, point):
     check_run_artifacts(ctx.run_dir, policy.tokenizer, policy.model_cfg)
     # Checkpoints hold the trainable part (RunContext.save); the frozen base is the one built now.
     target, frozen = split_trainable(policy.params)
-
-    def state(restored):
-        trainable, opt_state, meta = restored
-        return TrainState(trainable, frozen, opt_state, int(meta["updates"])), meta
-
+    state = lambda r: (TrainState(r[0], frozen, r[1], int(r[2]["updates"])), r[2])  # noqa: E731 (params, opt, meta)
     sft = state(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
     rl = None
     if point.rl_step is not None:

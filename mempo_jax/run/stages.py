@@ -84,7 +84,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
         f1 = np.asarray([r["f1"] for r in mine], np.float64)
         metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
         out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
-        ctx.logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
+        ctx.logs.write(learner.state.step, f"eval_{stage}_{mode_name(mode)}", metrics)
         ctx.say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
                 f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
     return out, per_q, per_f1, records

@@ -128,7 +128,7 @@ def test_ppo_update_feeds_even_mini_batches_of_one_shape(n, k, micro, bound, siz
     assert {b["input_ids"].shape for b, _, _ in rec.calls} == {(plan.rows, LENGTH)}
     seen = np.concatenate([b["old_logprobs"][_starts(b)] for b, _, _ in rec.calls])
     assert sorted(seen.astype(int).tolist()) == list(range(n))  # every row exactly once
-    assert learner.num_updates == k
+    assert learner.state.step == k
 
 
 def _computed_rows(batch, micro, tail):
@@ -282,7 +282,7 @@ def test_zero_advantage_mini_batch_moves_adam_unless_skipped():
         m = learner.ppo_update(zero, loss_cfg, 1, np.random.default_rng(1), max_rows=16)
         after = [np.array(x) for x in jax.tree.leaves(learner.params)]
         moved[mode] = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
-        assert learner.num_updates == 2
+        assert learner.state.step == 2
         if mode == "train":
             assert m["actor/grad_norm"] == 0.0 and "actor/zero_advantage_skipped" not in m
         else:
@@ -302,7 +302,7 @@ def test_only_the_zero_advantage_mini_batch_is_skipped():
     learner = _learner(params, graphdef, micro=4)
     rec = _Recorder(learner)
     m = learner.ppo_update(rows, LossConfig(zero_advantage="skip"), 2, np.random.default_rng(7), max_rows=16)
-    assert len(rec.calls) == 1 and rec.real_rows() == [5] and learner.num_updates == 2
+    assert len(rec.calls) == 1 and rec.real_rows() == [5] and learner.state.step == 2
     assert m["actor/zero_advantage_skipped"] == 0.5 and "actor/pg_loss" in m
 
 
