@@ -146,8 +146,7 @@ def run(args, hooks=None) -> dict:
         # The RL evaluation and the export read the policy alone: the optimizer state, the frozen
         # reference's own arrays (with adapters the base is the policy's) and a restored RL
         # checkpoint's optimizer state are freed before the evaluation's KV cache is built
-        _free(learner.state.opt_state, split_trainable(ref_params)[0],
-              ctx.rl_state[0].opt_state if ctx.rl_state is not None else None)
+        _free(learner.state.opt_state, split_trainable(ref_params)[0], ctx.rl_state and ctx.rl_state[0].opt_state)
         learner.state, ref_params = learner.state.replace(opt_state=None), None
         evals["rl"], per_q["rl"] = stages.evaluate_stage(ctx, "rl", learner, ctx.point.eval_rl, ctx.rl_ckpt,
                                                          cfg.rl.steps)

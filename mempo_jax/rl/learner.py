@@ -455,18 +455,14 @@ class Learner:
                    rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
         """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
 
-        Rows (on several processes: every process's, in process order; ``rng`` then in the same
+        Rows (on several processes every process's, in process order; ``rng`` then in the same
         state on each) are shuffled and split evenly into ``num_mini_batches`` contiguous
-        mini-batches of the shuffled order (``mini_batch_slices``: sizes differ by at most one,
-        e.g. 130 rows in 2 → [65, 65]; this fixes which rows share an update). Each mini-batch is
-        packed end to end into the plan's fixed row count (``ppo_plan``;
-        ``packing.pack_token_rows``; the rest all-invalid rows), its rows with loss tokens filling
-        whole micro-batches first (``fill_whole_micro_batches``), and run by
-        ``TrainSteps.ppo_step``. A mini-batch without loss tokens is not run at all (no optimizer
-        step: Adam's momentum would otherwise move the parameters on a zero gradient), nor, with
-        ``loss_cfg.zero_advantage = "skip"``, one whose loss tokens all carry advantage 0;
-        ``TrainState.step`` still counts them, as it counts an update skipped for a non-finite
-        gradient.
+        mini-batches (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in 2 →
+        [65, 65]). Each is packed end to end into the plan's fixed row count (``ppo_plan``,
+        ``packing.pack_token_rows``), its rows with loss tokens filling whole micro-batches first
+        (``fill_whole_micro_batches``), and run by ``TrainSteps.ppo_step`` unless ``_trains``
+        says not (``TrainState.step`` counts it all the same, as an update skipped for a
+        non-finite gradient).
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
@@ -502,12 +498,7 @@ class Learner:
         zero_skipped = []
         for start, stop in mini_batch_slices(n, num_mini_batches):
             idx = order[start:stop]
-            loss_tokens = rows["loss_mask"][idx] > 0
-            skip = not np.any(loss_tokens)
-            if not skip and loss_cfg.zero_advantage == "skip":
-                zero_skipped.append(not np.any(rows["advantages"][idx][loss_tokens]))
-                skip = zero_skipped[-1]
-            if skip:  # a scheduled slot: counted, as an update skipped for a non-finite gradient is
+            if not _trains(rows, idx, loss_cfg, zero_skipped):  # a scheduled slot: counted all the same
                 self.state = self.state.replace(step=self.state.step + 1)
                 continue
             mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
@@ -538,6 +529,19 @@ class Learner:
         out = build()
         self._precompiled_for = key
         return out
+
+
+def _trains(rows: Mapping[str, np.ndarray], idx: np.ndarray, loss_cfg: LossConfig, zero_skipped: list) -> bool:
+    """Whether the mini-batch of rows ``idx`` runs: not without loss tokens (Adam's momentum would
+    move the parameters on a zero gradient), nor, with ``loss_cfg.zero_advantage = "skip"``, with
+    advantage 0 on every loss token (whether it is, appended to ``zero_skipped``)."""
+    loss_tokens = rows["loss_mask"][idx] > 0
+    if not np.any(loss_tokens):
+        return False
+    if loss_cfg.zero_advantage == "skip":
+        zero_skipped.append(not np.any(rows["advantages"][idx][loss_tokens]))
+        return not zero_skipped[-1]
+    return True
 
 
 def mini_batch_slices(n: int, num_mini_batches: int) -> list[tuple[int, int]]:
