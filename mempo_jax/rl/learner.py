@@ -200,7 +200,7 @@ class TrainSteps:
         self.mesh, self.rules = mesh_or_local(mesh), rules
         ps = self.param_shardings = param_shardings(params, self.mesh, rules)
         ts, fs = split_trainable(ps)  # trainable / frozen (None without adapters) shardings
-        opt = self.opt_shardings = opt_state_shardings(optimizer, split_trainable(params)[0], self.mesh, rules)
+        opt = opt_state_shardings(optimizer, split_trainable(params)[0], self.mesh, rules)
         bs = self.batch_sharding = logical_to_sharding(("batch", None), self.mesh, rules)
         rep = replicated(self.mesh)
         self._init = jax.jit(optimizer.init, in_shardings=(ts,), out_shardings=opt)

@@ -405,7 +405,11 @@ def _restore(ctx: RunContext, point):
     check_run_artifacts(ctx.run_dir, policy.tokenizer, policy.model_cfg)
     # Checkpoints hold the trainable part (RunContext.save); the frozen base is the one built now.
     target, frozen = split_trainable(policy.params)
-    state = lambda r: (TrainState(r[0], frozen, r[1], int(r[2]["updates"])), r[2])  # noqa: E731 (params, opt, meta)
+
+    def state(restored):  # Checkpointer.restore's (trainable, opt_state or None, meta)
+        trainable, opt_state, meta = restored
+        return TrainState(trainable, frozen, opt_state, int(meta["updates"])), meta
+
     sft = state(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
     rl = None
     if point.rl_step is not None:
