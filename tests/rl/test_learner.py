@@ -309,3 +309,20 @@ def test_only_the_zero_advantage_mini_batch_is_skipped():
 def test_unknown_zero_advantage_strategy_names_the_field():
     with pytest.raises(ValueError, match="zero_advantage"):
         LossConfig(zero_advantage="drop")
+
+
+def test_train_steps_map_a_state_to_the_next():
+    """``TrainSteps.ppo_step`` is a function of its state: the same state (copies: the step donates
+    its input) and batch give bitwise the same next state, one step further, and the state passed
+    in is not changed."""
+    cfg, graphdef, params = toy_model(VOCAB, seed=6)
+    learner = _learner(params, graphdef, micro=4, optimizer=optax.adam(1e-2))
+    batch = _one_sequence_per_row(_rows(np.random.default_rng(3), 8), 8)
+    state, before = learner.state, [np.array(x) for x in jax.tree.leaves(learner.state)]
+    copy = lambda s: jax.tree.map(lambda x: x.copy(), s)  # noqa: E731
+    (a, ma), (b, mb) = (learner.steps.ppo_step(copy(state), batch, 2, LossConfig()) for _ in range(2))
+    assert a.step == b.step == state.step + 1 and ma.keys() == mb.keys()
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert all(np.array_equal(ma[k], mb[k]) for k in ma)
+    assert not np.array_equal(jax.tree.leaves(a.trainable)[0], before[0])  # it moved
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(state), before))

@@ -304,6 +304,9 @@ def test_one_process_wrappers_pass_through():
     sync, scorer = lockstep.distribute(lambda *a: "scored")
     assert not sync.multiprocess and scorer(1, [2], [3], [4]) == "scored"
     sync.barrier()  # no-op
+    rows = {"input_ids": np.ones((2, 3), np.int32)}
+    got, start = lockstep.LockstepRows(sync, pad_id=9).global_rows("update", rows)
+    assert start == 0 and got.keys() == rows.keys() and got["input_ids"] is rows["input_ids"]
     assert allgather(np.arange(3)).tolist() == [[0, 1, 2]]
     assert gather_lists([[1, 2], [], [3]]) == [[1, 2], [], [3]]
     ids, = gather_rows([np.ones((2, 3), np.int32)], [2], 5, [9], side="left")
