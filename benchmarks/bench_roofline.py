@@ -2,7 +2,7 @@
 machine's peak measured by a large ``jnp.dot``.
 
 * Peak: the best of several ``[n, n] @ [n, n]`` float32 products (``2 n³`` FLOPs each).
-* Update: one ``Learner._ppo_step`` (forward + backward + AdamW) of the benchmark model on a
+* Update: one ``TrainSteps.ppo_step`` (forward + backward + AdamW) of the benchmark model on a
   ``[rows, L]`` batch as one micro-batch; FLOPs from XLA's cost analysis of the compiled
   program (cross-checked with the analytic ``3 × forward``).
 * Decode: the sampler's per-token step, isolated as ``(t(N2) − t(N1)) / (N2 − N1)`` between two
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     batch = ppo_batch(rows, length, cfg.vocab_size)
     loss = LossConfig()
-    compiled = learner._ppo_step.lower(learner.params, None, learner.opt_state, batch, 1, loss).compile()
+    compiled = learner.steps.lower_ppo(learner.state, rows, length, 1, loss).compile()
     try:
         ca = compiled.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     analytic = 3 * forward_flops(cfg, rows, length)
 
     def update():
-        learner.params, learner.opt_state, m = learner._ppo_step(learner.params, None, learner.opt_state, batch, 1, loss)
+        learner.state, m = learner.steps.ppo_step(learner.state, batch, 1, loss)
         jax.block_until_ready(m)
 
     update()

@@ -235,7 +235,7 @@ def tunix_same_weights(cfg, params, folder: str | os.PathLike):
 def ppo_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
     """A synthetic ``[rows, length]`` PPO batch (random ids, one sequence per row filling it, every
     token trained on, old / reference log-probs −5, normal advantages), packed as
-    ``Learner._ppo_step`` takes it (``segment_ids`` 1, ``positions`` 0 … length − 1)."""
+    ``TrainSteps.ppo_step`` takes it (``segment_ids`` 1, ``positions`` 0 … length − 1)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

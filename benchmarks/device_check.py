@@ -210,8 +210,7 @@ def section_update(ctx) -> dict:
     loss = LossConfig()
 
     def step():
-        learner.params, learner.opt_state, m = learner._ppo_step(learner.params, None, learner.opt_state, batch, 1,
-                                                                 loss)
+        learner.state, m = learner.steps.ppo_step(learner.state, batch, 1, loss)
         jax.block_until_ready(m)
 
     step()

@@ -122,16 +122,14 @@ def test_all_padding_mini_batch_does_not_move_the_params():
     rows = _rows(np.random.default_rng(0), 8, 16, 40)
     learner.ppo_update(rows, LossConfig(), 1, np.random.default_rng(0))  # Adam has momentum now
     snap = [np.array(x) for x in jax.tree.leaves(learner.params)]
-    updates = learner.num_updates
+    updates = learner.state.step
     empty = dict(rows, loss_mask=np.zeros_like(rows["loss_mask"]))
     assert learner.ppo_update(empty, LossConfig(), 2, np.random.default_rng(0)) == {}
-    assert learner.num_updates == updates + 2  # scheduled slots are counted, as for a non-finite skip
+    assert learner.state.step == updates + 2  # scheduled slots are counted, as for a non-finite skip
     # the program itself also keeps params when its mini-batch has no loss token
     packed = dict(empty, segment_ids=empty["valid"].astype(np.int32),  # one sequence per row
                   positions=np.maximum(np.cumsum(empty["valid"], axis=1) - 1, 0).astype(np.int32))
-    placed = learner._place_batch(packed)
-    learner.params, learner.opt_state, _ = learner._ppo_step(learner.params, None, learner.opt_state, placed, 2,
-                                                             LossConfig())
+    learner.state, _ = learner.steps.ppo_step(learner.state, learner.steps.place(packed), 2, LossConfig())
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(snap, jax.tree.leaves(learner.params)))
 
 

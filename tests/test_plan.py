@@ -72,7 +72,7 @@ def test_resident_bytes_equal_real_shards_on_the_mesh(small, real):
     mesh, model_cfg, _, learner = real
     assert p.mesh == {"data": 1, "fsdp": 4, "tensor": 2} and p.num_devices == 8
     assert p.params == _device_bytes(learner.params) == p.reference
-    assert p.opt_state == _device_bytes(learner.opt_state)
+    assert p.opt_state == _device_bytes(learner.state.opt_state)
     rows, size = p.shapes["rollout_rows"], p.shapes["cache_len"]
     cache = jax.jit(lambda: init_cache(model_cfg, rows, size), out_shardings=cache_shardings(model_cfg, rows, size, mesh))()
     assert p.kv_cache == _device_bytes(cache)
@@ -86,15 +86,6 @@ def _temp(compiled) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def _update_batch(mesh, length: int, rows: int = 16) -> dict:
-    """A zero packed PPO micro-batch ``[rows, length]`` laid out over the mesh's batch axes."""
-    sh = logical_to_sharding(("batch", None), mesh, shape=(rows, length))
-    return {k: jax.device_put(np.zeros((rows, length), dt), sh)
-            for k, dt in [("input_ids", np.int32), ("segment_ids", np.int32), ("positions", np.int32),
-                          ("valid", bool), ("loss_mask", np.float32),
-                          ("old_logprobs", np.float32), ("ref_logprobs", np.float32), ("advantages", np.float32)]}
-
-
 def test_activation_estimates_bound_xla_temp_allocation(small, real):
     """The sampling and update estimates of a small model are at least XLA's temp allocation for
     that program (compiled for the 8-device CPU mesh), and not more than 3x it; the scorer's packed
@@ -103,8 +94,7 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
     mesh, model_cfg, graphdef, learner = real
     s = p.shapes
     rows_sh = lambda shape: logical_to_sharding(("batch", None), mesh, shape=shape)  # noqa: E731
-    b = _update_batch(mesh, s["train_len"])
-    xla = {"update": _temp(learner._ppo_step.lower(learner.params, None, learner.opt_state, b, 1, LossConfig()).compile())}
+    xla = {"update": _temp(learner.steps.lower_ppo(learner.state, 16, s["train_len"], 1, LossConfig()).compile())}
     rows, prompt = s["rollout_rows"], s["prompt_len"]
     slots = SlotSampler(graphdef, model_cfg, (2,), 0, mesh=mesh, rules=tuple(pod.mesh.rules))
     state = slots.init_state(rows, s["cache_len"], 8)
@@ -113,7 +103,7 @@ def test_activation_estimates_bound_xla_temp_allocation(small, real):
         learner.params, state, r, np.zeros((rows, prompt), np.int32), r * 0 + prompt, r * 0, r >= 0, r * 0, r,
         jax.random.PRNGKey(0), jnp.float32(1), jnp.float32(1), greedy=False, use_top_p=False).compile())
     scorer = MemoryRewardScorer(make_logits_fn(graphdef, mesh=mesh), 0, [1], batch_sharding=rows_sh(None),
-                                param_shardings=learner.param_shardings)
+                                param_shardings=learner.steps.param_shardings)
     z = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"]), np.int32), rows_sh(None))
     at = jax.device_put(np.zeros((s["scoring_rows"], s["scoring_len"] // ANSWER_FRACTION), np.int32), rows_sh(None))
     # the packed call the scorer makes (ids, segment ids, positions [R, L]; logits_at, targets [R, K])
@@ -139,8 +129,7 @@ def test_blocked_attention_below_the_row_length_lowers_the_update_in_the_plan_an
     assert p2.phases["update"] < p.phases["update"] and p2.phases["logprobs"] < p.phases["logprobs"]
     fn = make_logits_fn(graphdef, mesh=mesh, **cfg2.execution.forward_options)
     blocked = Learner(fn, learner.params, make_optimizer(cfg2.optim), micro_batch_rows=16, mesh=mesh)
-    b = _update_batch(mesh, p.shapes["train_len"])
-    xla = {name: _temp(lr._ppo_step.lower(lr.params, None, lr.opt_state, b, 1, LossConfig()).compile())
+    xla = {name: _temp(lr.steps.lower_ppo(lr.state, 16, p.shapes["train_len"], 1, LossConfig()).compile())
            for name, lr in (("dense", learner), ("blocked", blocked))}
     assert xla["blocked"] < xla["dense"]
     assert xla["blocked"] <= p2.phases["update"] <= 3 * xla["blocked"], (xla, p2.phases["update"])
@@ -267,7 +256,7 @@ def test_lora_plan_counts_the_adapters_state_alone_as_the_real_shards(small):
     learner = Learner(make_logits_fn(graphdef), params, make_optimizer(cfg.optim), micro_batch_rows=16, mesh=mesh)
     assert p.params == _device_bytes(learner.params)
     assert p.reference == _device_bytes(lora.trainable_part(learner.params)) < p.params / 4
-    assert p.opt_state == _device_bytes(learner.opt_state)
+    assert p.opt_state == _device_bytes(learner.state.opt_state)
     assert p.shapes["gradient_bytes"] == 2 * p.reference
     full = small[2]  # the same config without adapters (float32)
     assert p.peak == p.params + p.reference + p.opt_state + max(p.phases.values()) < full.peak

@@ -142,13 +142,13 @@ def run(args, hooks=None) -> dict:
         evals["sft"], per_q["sft"] = stages.evaluate_stage(ctx, "sft", learner, ctx.point.eval_sft, ctx.sft_ckpt,
                                                            cfg.sft.steps)
         # RL builds its own optimizer state: the SFT one (and a restored SFT checkpoint's) is freed first
-        _free(learner.opt_state, ctx.sft_state[1] if ctx.sft_state is not None else None)
+        _free(learner.state.opt_state, ctx.sft_state[0].opt_state if ctx.sft_state is not None else None)
         learner = stages.rl_stage(ctx, learner.params, ref_params, stack)
         # The RL evaluation and the export read the policy alone: the optimizer state, the frozen
         # reference's own arrays (with adapters the base is the policy's) and a restored RL
         # checkpoint's optimizer state are freed before the evaluation's KV cache is built
-        _free(learner.opt_state, split_trainable(ref_params)[0], ctx.rl_state[1] if ctx.rl_state is not None else None)
-        learner.opt_state = ref_params = None
+        _free(learner.state.opt_state, split_trainable(ref_params)[0], ctx.rl_state and ctx.rl_state[0].opt_state)
+        learner.state, ref_params = learner.state.replace(opt_state=None), None
         evals["rl"], per_q["rl"] = stages.evaluate_stage(ctx, "rl", learner, ctx.point.eval_rl, ctx.rl_ckpt,
                                                          cfg.rl.steps)
         exported = None

@@ -1,28 +1,24 @@
-"""What the RL step takes: the policy learner and the memory-reward scorer, as ``Protocol``s, and
-``RLCluster``, the one bundle ``rl_step`` is handed.
+"""What the RL step takes: the memory-reward scorer as a ``Protocol``, and ``RLCluster``, the one
+bundle ``rl_step`` is handed.
 
-The rollout engine the step samples with is ``agent.rollout.Engine``. ``rl.learner.Learner``
-(and ``run.lockstep.DistributedLearner``), ``rl.memory_reward.MemoryRewardScorer`` (and
-``run.lockstep.DistributedScorer``) implement these; tests give scripted stand-ins.
+The rollout engine the step samples with is ``agent.rollout.Engine``; the policy and its update
+are ``rl.learner.Learner`` (on several processes with ``run.lockstep.LockstepRows``).
+``rl.memory_reward.MemoryRewardScorer`` (and ``run.lockstep.DistributedScorer``) implement
+``MemoryScorer``; tests give scripted stand-ins.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
-import numpy as np
 from flax import nnx
-from jaxtyping import Bool, Float, Int
 
 from mempo_jax.agent.format import AgentFormat
 from mempo_jax.agent.rollout import Engine
-from mempo_jax.rl.losses import LossConfig
+from mempo_jax.rl.learner import Learner
 from mempo_jax.rl.memory_reward import MemoryRewardOutput
-from mempo_jax.rl.packed_logprobs import PackedLogprobs
 from mempo_jax.tools.environment import ToolEnvironment
-
-T = TypeVar("T")
 
 
 @runtime_checkable
@@ -46,37 +42,12 @@ class MemoryScorer(Protocol):
         """Compile the scoring programs at ``lengths`` ahead of time; return their count."""
 
 
-@runtime_checkable
-class PolicyLearner(Protocol):
-    """The policy's parameters, optimizer state and the passes the RL step runs on them."""
-
-    params: Any
-    micro_batch_rows: int
-
-    def detached_logprobs(self, params: Any, input_ids: Int[np.ndarray, "rows length"],
-                          valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
-        """``[R, L]`` float32 per-token log-probs of ``params`` (no gradient), at the sampler's temperature."""
-
-    def packed_logprobs(self) -> PackedLogprobs:
-        """The packed log-prob pass of ``detached_logprobs`` (its programs are precompiled apart)."""
-
-    def precompile(self, lengths: Sequence[int], ppo_rows: int, n_micro: int, loss_cfg: LossConfig) -> int:
-        """Compile the update at ``lengths`` ahead of time; return the number of programs."""
-
-    def precompile_once(self, key: Any, build: Callable[[], T]) -> T | None:
-        """``build()`` unless the last build was for ``key``; ``None`` when skipped."""
-
-    def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
-                   rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
-        """One PPO epoch over ``rows``, in place; the epoch's metrics."""
-
-
 @dataclasses.dataclass(frozen=True)
 class RLCluster:
     """Everything an RL step runs on (tunix's ``RLCluster``: the actor, the reference and the rollout).
 
     Attributes:
-      learner: the policy: parameters, optimizer state and the update (``PolicyLearner``).
+      learner: the policy: its ``TrainState`` and the update (``rl.learner.Learner``).
       reference: the frozen reference policy's parameters (the KL term's).
       engine: the rollout engine (``agent.rollout.Engine``).
       scorer: the memory-reward scorer (``MemoryScorer``).
@@ -84,7 +55,7 @@ class RLCluster:
       tool_env: the host tools.
     """
 
-    learner: PolicyLearner
+    learner: Learner
     reference: nnx.State
     engine: Engine
     scorer: MemoryScorer
@@ -92,4 +63,4 @@ class RLCluster:
     tool_env: ToolEnvironment
 
 
-__all__ = ["MemoryScorer", "PolicyLearner", "RLCluster"]
+__all__ = ["MemoryScorer", "RLCluster"]

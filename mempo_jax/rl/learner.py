@@ -1,20 +1,24 @@
-"""Jitted numeric steps of training: detached log-probs, the SFT step and the PPO update.
+"""The update: a ``TrainState`` pytree, the jitted steps that are pure functions of it
+(``TrainSteps``: SFT, PPO, detached log-probs) and ``Learner``, the host loop that feeds them.
 
-The learner owns the policy parameters and the optimizer state. All functions are jitted once
-per (rows, seq) bucket; mini-batches are split into micro-batches that accumulate gradients
-with one denominator for the whole mini-batch (docs/algorithm.md §5: gradient accumulation equals the
-full-batch gradient; tunix-style (sum, denominator) losses).
+Every step is jitted once per (rows, seq) bucket; mini-batches are split into micro-batches that
+accumulate gradients with one denominator for the whole mini-batch (docs/algorithm.md §5:
+gradient accumulation equals the full-batch gradient; tunix-style (sum, denominator) losses).
+One process and several run the same steps; only how a process's rows become the step's rows
+differs (``RowPlacement``: ``LocalRows``, ``run.lockstep.LockstepRows``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, NamedTuple, TypeVar
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
+from jax.typing import ArrayLike
 from jaxtyping import Bool, Float, Int
 
 from mempo_jax.core.batching import bucket_length
@@ -109,7 +113,7 @@ def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
 
 def fill_whole_micro_batches(batch: Mapping[str, np.ndarray], micro: int, tail: int) -> dict[str, np.ndarray]:
     """``batch``'s rows reordered for an update whose last micro-batch runs ``tail`` rows at a
-    time (``Learner._ppo_step``): the rows with loss tokens fill whole micro-batches of ``micro``
+    time (``TrainSteps.ppo_step``): the rows with loss tokens fill whole micro-batches of ``micro``
     rows from the first, and the rest of them (fewer than ``micro``, or what those micro-batches
     cannot hold) start the last micro-batch; rows without loss tokens fill the gaps. The update
     skips a micro-batch without loss tokens, so it computes the loss rows rounded up to ``micro``
@@ -135,71 +139,92 @@ def fill_whole_micro_batches(batch: Mapping[str, np.ndarray], micro: int, tail: 
     return {k: np.asarray(v)[order] for k, v in batch.items()}
 
 
-class Learner:
-    """Policy parameters, optimizer state and the jitted steps that use them.
+@struct.dataclass
+class TrainState:
+    """What training changes (MaxText's ``TrainState``), a pytree that ``TrainSteps`` maps to the next.
+
+    Attributes:
+      trainable: the optimized parameters (an ``nnx.State``): the LoRA adapters of a model with
+        adapters (``model.lora.split_trainable``), else every parameter. What a checkpoint stores.
+      frozen: the other parameters (the base weights under adapters, ``None`` without): read by
+        every step, never updated or donated.
+      opt_state: the optimizer state of ``trainable`` (``None`` once freed).
+      step: optimizer steps scheduled so far (``Learner.ppo_update`` counts skipped ones too); a
+        host ``int``, static pytree data (tree maps over the state touch its arrays only).
+    """
+
+    trainable: Any
+    frozen: Any
+    opt_state: Any
+    step: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def params(self):
+        """The whole parameter state (``join(trainable, frozen)``)."""
+        return join(self.trainable, self.frozen)
+
+
+SFT_KEYS = ("input_ids", "valid", "loss_mask")  # an SFT batch
+PPO_KEYS = SFT_KEYS + ("old_logprobs", "ref_logprobs", "advantages", "segment_ids", "positions")  # a packed PPO batch
+_DTYPES = {"input_ids": jnp.int32, "valid": jnp.bool_, "segment_ids": jnp.int32, "positions": jnp.int32}
+
+
+class TrainSteps:
+    """The jitted steps of training, pure functions of a ``TrainState`` (docs/algorithm.md §5).
+
+    ``sft_step`` / ``ppo_step`` map ``(state, batch)`` to ``(state, metrics)``: gradients
+    accumulated over micro-batches (``lax.scan``), then one optimizer step of the trainable part
+    (its buffers and the optimizer state's are donated; the frozen part never is). ``logprobs``:
+    the detached packed log-prob pass. ``lower_sft`` / ``lower_ppo``: a step lowered at abstract
+    shapes (``rl.step.precompile_rl_step``, ``run.memory_plan.phase_programs``).
 
     Args:
       logits_fn: the model (``model.forward.LogitsFn``: its hidden states and LM head, the head
         applied in chunks, ``token_stats``; its own rematerialisation applies to the decoder
         layers of the update and SFT step).
-      params: the policy parameters (a pytree; nnx.State), or their ``jax.ShapeDtypeStruct``s
-        (nothing allocated: the programs can be lowered and compiled, not run). With LoRA adapters
-        (``nnx.LoRAParam`` leaves, ``model.lora``) only they are trained: the SFT and PPO steps
-        differentiate, update and donate the adapters alone, the optimizer state covers them
-        alone, and the base weights are passed through unchanged (never donated).
       optimizer: an optax transformation.
+      params: the policy parameters (nnx.State) or their ``jax.ShapeDtypeStruct``s (for the shardings).
       temperature: the sampler's temperature, used for every log-prob the trainer computes.
-      micro_batch_rows: rows per micro-batch in gradient accumulation.
-      logprob_chunk_rows: most packed rows per call of the detached log-prob pass
-        (``packed_logprobs``).
-      mesh: the device mesh (default ``sharding.local_mesh()``: one device is the smallest mesh).
-        ``params`` (an ``nnx.State``) are placed by their logical-axis rules, the optimizer state
-        by ``opt_state_shardings``, batches ``[B, L]`` over the ``batch`` rule, and every jitted
-        step declares these in/out shardings (metrics and log-probs come back replicated). Batch
-        rows must divide by ``batch_shards(mesh)``.
+      mesh: the device mesh (default ``sharding.local_mesh()``). Parameters are placed by their
+        logical-axis rules, the optimizer state by ``opt_state_shardings``, batches ``[B, L]``
+        over the ``batch`` rule, and every step declares these in/out shardings (metrics and
+        log-probs come back replicated). Batch rows must divide by ``batch_shards(mesh)``.
       rules: logical → mesh axis rules (``mempo_jax.core.sharding.DEFAULT_RULES``).
-      before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
-        its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
-        ``faults.FaultHooks.update_rows``).
-      pad_id: the id on padding of packed update rows.
+      logprob_chunk_rows: most packed rows per call of the detached log-prob pass.
     """
 
-    def __init__(self, logits_fn: LogitsFn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
-                 micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
-                 logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
-                 before_update=None, pad_id: int = 0):
-        self.logits_fn = logits_fn
-        self.params = params
-        self.optimizer = optimizer
+    def __init__(self, logits_fn: LogitsFn, optimizer: optax.GradientTransformation, params, temperature: float = 1.0,
+                 *, mesh=None, rules=DEFAULT_RULES, logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS):
+        self.logits_fn, self.optimizer = logits_fn, optimizer
         self.temperature = float(temperature) if temperature > 0 else 1.0
-        self.micro_batch_rows = int(micro_batch_rows)
-        self.logprob_chunk_rows = int(logprob_chunk_rows)
-        self.num_updates = 0
-        self.before_update = before_update
-        self.pad_id = int(pad_id)
-        self._packed_logprobs = None  # packed_logprobs(), built on first use
-        self._precompiled_for = None  # precompile_once's last key
-        self.mesh = mesh = mesh_or_local(mesh)
-        self.rules = rules
-        ps = self.param_shardings = param_shardings(params, mesh, rules)
+        self.mesh, self.rules = mesh_or_local(mesh), rules
+        ps = self.param_shardings = param_shardings(params, self.mesh, rules)
         ts, fs = split_trainable(ps)  # trainable / frozen (None without adapters) shardings
-        opt = self.opt_shardings = opt_state_shardings(optimizer, split_trainable(params)[0], mesh, rules)
-        bs = self.batch_sharding = logical_to_sharding(("batch", None), mesh, rules)
-        rep = replicated(mesh)
-        init = jax.jit(optimizer.init, in_shardings=(ts,), out_shardings=opt)
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):  # compile-only (the plan)
-            self.params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params, ps)
-            self.opt_state = jax.eval_shape(init, split_trainable(self.params)[0])
-        else:
-            self.params = jax.device_put(params, ps)
-            self.opt_state = init(split_trainable(self.params)[0])
-        # The steps take (trainable, frozen, opt_state, batch) and return the new trainable part.
-        self._sft_step = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
-                                 in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
-        self._ppo_step = jax.jit(self._ppo_step_impl, static_argnums=(4, 5, 6), donate_argnums=(0, 2),
-                                 in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
+        opt = opt_state_shardings(optimizer, split_trainable(params)[0], self.mesh, rules)
+        bs = self.batch_sharding = logical_to_sharding(("batch", None), self.mesh, rules)
+        rep = replicated(self.mesh)
+        self._init = jax.jit(optimizer.init, in_shardings=(ts,), out_shardings=opt)
+        # The programs take (trainable, frozen, opt_state, batch) and return the new trainable part.
+        self._sft = jax.jit(self._sft_step_impl, static_argnums=(4,), donate_argnums=(0, 2),
+                            in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
+        self._ppo = jax.jit(self._ppo_step_impl, static_argnums=(4, 5, 6), donate_argnums=(0, 2),
+                            in_shardings=(ts, fs, opt, bs), out_shardings=(ts, opt, rep))
+        self.logprobs = PackedLogprobs(logits_fn, self.temperature, rows_per_call=logprob_chunk_rows,
+                                       min_rows=batch_shards(self.mesh, rules), min_length=TRAIN_MIN_LENGTH,
+                                       param_shardings=ps, batch_sharding=bs)
 
-    def _place_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
+    def init(self, params) -> TrainState:
+        """The state at step 0: ``params`` placed on the mesh and a fresh optimizer state;
+        ``jax.ShapeDtypeStruct`` params give an abstract state (with shardings) to lower against."""
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params,
+                                  self.param_shardings)
+            trainable, frozen = split_trainable(params)
+            return TrainState(trainable, frozen, jax.eval_shape(self._init, trainable))
+        trainable, frozen = split_trainable(jax.device_put(params, self.param_shardings))
+        return TrainState(trainable, frozen, self._init(trainable))
+
+    def place(self, batch: Mapping[str, np.ndarray]) -> dict:
         """``batch`` put on the ``batch`` sharding.
 
         Raises:
@@ -212,6 +237,19 @@ class Learner:
                              f"{dict(self.mesh.shape)}")
         return jax.device_put(dict(batch), self.batch_sharding)
 
+    def batch_shapes(self, keys: tuple[str, ...], rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The abstract ``[rows, length]`` batch of ``keys`` (``SFT_KEYS`` / ``PPO_KEYS``), ``batch`` sharding."""
+        return {k: jax.ShapeDtypeStruct((int(rows), int(length)), _DTYPES.get(k, jnp.float32),
+                                        sharding=self.batch_sharding) for k in keys}
+
+    def tail_rows(self, micro: int) -> int:
+        """Rows per micro-batch of an update's last micro-batch, which ``ppo_step`` runs as
+        ``micro // tail_rows`` smaller ones (``fill_whole_micro_batches``): the smallest multiple
+        of the mesh's batch shards, at least a quarter of ``micro``, that divides ``micro``;
+        ``micro`` itself (no split) where there is none."""
+        shards = batch_shards(self.mesh, self.rules)
+        return next((t for t in range(max(micro // 4, 1), micro) if t % shards == 0 and micro % t == 0), micro)
+
     def _split_micro_sharded(self, batch, n_micro):
         """``[B, ...]`` → ``[n_micro, B / n_micro, ...]``; the micro-batch rows stay on the
         ``batch`` axes (constraint with the shape-aware rule, so an indivisible micro-batch is
@@ -220,30 +258,30 @@ class Learner:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, logical_to_sharding((None, "batch") + (None,) * (x.ndim - 2), self.mesh, self.rules, x.shape)), micro)
 
-    def precompile(self, lengths, ppo_rows: int, n_micro: int, loss_cfg: LossConfig) -> int:
-        """Compile the PPO update program ahead of time (``jit.lower(...).compile()``; nothing
-        runs, no buffer is donated) at every length in ``lengths``.
+    # ---- SFT -------------------------------------------------------------------------------
+    def _apply(self, program, state: TrainState, batch, *static) -> tuple[TrainState, dict]:
+        trainable, opt_state, metrics = program(state.trainable, state.frozen, state.opt_state, batch, *static)
+        return state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1), metrics
+
+    def sft_step(self, state: TrainState, batch: Mapping[str, ArrayLike], n_micro: int) -> tuple[TrainState, dict]:
+        """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
 
         Args:
-          lengths: sequence lengths ``L`` (the training-row length buckets).
-          ppo_rows, n_micro: the ``[rows, L]`` mini-batch and its micro-batch count
-            (``ppo_plan(...).rows`` and ``rows // micro``).
-          loss_cfg: the loss options (a static argument of the PPO program).
+          state: the state (its trainable part and optimizer state are consumed).
+          batch: ``SFT_KEYS``: ``input_ids [B,L] int32``, ``valid [B,L] bool``, ``loss_mask [B,L]
+            float32``; ``B`` a multiple of ``n_micro``.
+          n_micro: micro-batches of the gradient accumulation.
 
         Returns:
-          The number of programs built.
+          ``(state at step + 1, {"sft/loss", "sft/grad_norm"} as replicated scalars)``.
         """
-        sds = lambda rows, length, dt: jax.ShapeDtypeStruct((rows, int(length)), dt, sharding=self.batch_sharding)  # noqa: E731
-        for length in lengths:
-            batch = {"input_ids": sds(ppo_rows, length, jnp.int32), "valid": sds(ppo_rows, length, jnp.bool_)}
-            batch.update({k: sds(ppo_rows, length, jnp.float32)
-                          for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
-            batch.update({k: sds(ppo_rows, length, jnp.int32) for k in ("segment_ids", "positions")})
-            self._ppo_step.lower(*split_trainable(self.params), self.opt_state, batch, int(n_micro), loss_cfg,
-                                 self.tail_rows(ppo_rows // int(n_micro))).compile()
-        return len(lengths)
+        return self._apply(self._sft, state, batch, int(n_micro))
 
-    # ---- SFT -------------------------------------------------------------------------------
+    def lower_sft(self, state: TrainState, rows: int, length: int, n_micro: int) -> jax.stages.Lowered:
+        """``sft_step``'s program lowered at a ``[rows, length]`` batch (``state`` may be abstract)."""
+        batch = self.batch_shapes(SFT_KEYS, rows, length)
+        return self._sft.lower(state.trainable, state.frozen, state.opt_state, batch, int(n_micro))
+
     def _sft_step_impl(self, params, frozen, opt_state, batch, n_micro):
         denom = jnp.maximum(batch["loss_mask"].sum(), 1.0)
         micro = self._split_micro_sharded(batch, n_micro)
@@ -263,34 +301,37 @@ class Learner:
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"sft/loss": loss, "sft/grad_norm": optax.tree.norm(grads)}
 
-    def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """One cross-entropy step on generated tokens (``loss_mask``), token-mean over the batch.
+    # ---- PPO -------------------------------------------------------------------------------
+    def ppo_step(self, state: TrainState, batch: Mapping[str, ArrayLike], n_micro: int, loss_cfg: LossConfig,
+                 tail_rows: int = 0) -> tuple[TrainState, dict]:
+        """One PPO optimizer step (docs/algorithm.md §5: clipped ratio, dual clip, KL, aggregation).
 
         Args:
-          batch: ``input_ids [B,L] int32``, ``valid [B,L] bool``, ``loss_mask [B,L] float32``;
-            ``B`` a multiple of ``micro_batch_rows`` (or smaller than it).
-        """
-        b = batch["input_ids"].shape[0]
-        n_micro = max(1, b // min(self.micro_batch_rows, b))
-        trainable, frozen = split_trainable(self.params)
-        trainable, self.opt_state, m = self._sft_step(trainable, frozen, self.opt_state, self._place_batch(batch), n_micro)
-        self.params = join(trainable, frozen)
-        self.num_updates += 1
-        return {k: float(v) for k, v in jax.device_get(m).items()}
+          state: the state (its trainable part and optimizer state are consumed).
+          batch: ``PPO_KEYS`` ``[B, L]``, rows packed end to end (``packing.pack_token_rows``);
+            ``B`` a multiple of ``n_micro``.
+          n_micro: micro-batches of ``B / n_micro`` rows; one without loss tokens is skipped at run
+            time (it adds exactly zero).
+          loss_cfg: the loss options (static).
+          tail_rows: with ``0 < tail_rows < B / n_micro`` the last micro-batch runs ``tail_rows``
+            rows at a time (``tail_rows``, ``fill_whole_micro_batches``).
 
-    # ---- PPO -------------------------------------------------------------------------------
-    def tail_rows(self, micro: int) -> int:
-        """Rows per micro-batch of an update's last micro-batch, which ``ppo_update`` runs as
-        ``micro // tail_rows`` smaller ones (``fill_whole_micro_batches``): the smallest multiple
-        of the mesh's batch shards, at least a quarter of ``micro``, that divides ``micro``;
-        ``micro`` itself (no split) where there is none."""
-        shards = batch_shards(self.mesh, self.rules)
-        return next((t for t in range(max(micro // 4, 1), micro) if t % shards == 0 and micro % t == 0), micro)
+        Returns:
+          ``(state at step + 1, metrics)``: verl's ``actor/*`` names, token-means over the batch,
+          ``actor/grad_norm`` and ``actor/update_skipped`` (1 for a non-finite gradient: then the
+          parameters and optimizer state are unchanged, as for a batch without loss tokens).
+        """
+        return self._apply(self._ppo, state, batch, int(n_micro), loss_cfg, int(tail_rows))
+
+    def lower_ppo(self, state: TrainState, rows: int, length: int, n_micro: int, loss_cfg: LossConfig,
+                  tail_rows: int = 0) -> jax.stages.Lowered:
+        """``ppo_step``'s program lowered at a ``[rows, length]`` batch (``state`` may be abstract)."""
+        batch = self.batch_shapes(PPO_KEYS, rows, length)
+        return self._ppo.lower(state.trainable, state.frozen, state.opt_state, batch, int(n_micro), loss_cfg,
+                               int(tail_rows))
 
     def _ppo_step_impl(self, params, frozen, opt_state, batch, n_micro, loss_cfg: LossConfig, tail_rows: int = 0):
-        # The batch holds rows packed end to end (``segment_ids`` / ``positions``, ``ppo_update``):
-        # the packed forward and per-sequence aggregation give each sequence what it gets alone.
-        # With ``0 < tail_rows < rows // n_micro`` the last micro-batch runs tail_rows rows at a time.
+        # The packed forward and per-sequence aggregation give each sequence what it gets alone.
         denom = jnp.maximum(loss_denominator(batch["loss_mask"], loss_cfg.loss_agg_mode, batch["segment_ids"]), 1.0)
         rows = batch["input_ids"].shape[0]
         micro_rows = rows // n_micro
@@ -319,8 +360,6 @@ class Learner:
             return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, msum, metrics)
 
         def body(carry, mb):
-            # A micro-batch without loss tokens (row padding up to the fixed mini-batch shape)
-            # adds exactly zero: it is skipped at run time instead of computed.
             return jax.lax.cond(jnp.any(mb["loss_mask"] > 0), accumulate, lambda c, _: c, carry, mb), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -345,24 +384,85 @@ class Learner:
         metrics["actor/update_skipped"] = 1.0 - finite.astype(jnp.float32)
         return params, opt_state, metrics
 
+
+class RowPlacement(Protocol):
+    """How this process's rows become the rows of a global step (``Learner``'s strategy):
+    ``LocalRows`` on one process, ``run.lockstep.LockstepRows`` on several."""
+
+    def global_rows(self, op: str, rows: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """Every process's ``[R_p, L_p]`` rows for ``op`` (``"update"``, ``"sft"``, ``"logprobs"``),
+        concatenated in process order and right-padded to the longest, and the index of this
+        process's first row in them (a collective on several processes)."""
+
+
+class LocalRows:
+    """One process: its rows are the step's rows (``RowPlacement``)."""
+
+    def global_rows(self, op: str, rows: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        return dict(rows), 0
+
+
+class Learner:
+    """The host side of training: a ``TrainState``, the ``TrainSteps`` that update it, and the
+    loops that feed them (SFT batches, PPO epochs split into mini-batches).
+
+    Args:
+      logits_fn, params, optimizer, temperature, mesh, rules, logprob_chunk_rows: as
+        ``TrainSteps`` (``params`` placed as ``TrainSteps.init``; ``jax.ShapeDtypeStruct``s give a
+        learner that can lower and compile its programs, not run them). With LoRA adapters
+        (``nnx.LoRAParam`` leaves, ``model.lora``) only they are trained, the optimizer state
+        covers them alone, and the base weights pass through unchanged.
+      micro_batch_rows: rows per micro-batch in gradient accumulation.
+      before_update: optional ``rows -> rows``, called at the start of every ``ppo_update`` with
+        its rows (the trainer's hook: the step's preemption commit and the test fault hooks,
+        ``faults.FaultHooks.update_rows``).
+      pad_id: the id on padding of packed update rows.
+      placement: how this process's rows become the step's rows (default ``LocalRows``; several
+        processes: ``run.lockstep.LockstepRows``, after a barrier: construction runs global programs).
+
+    Attributes:
+      steps: the ``TrainSteps``; state: the current ``TrainState`` (replaced by every step).
+    """
+
+    def __init__(self, logits_fn: LogitsFn, params, optimizer: optax.GradientTransformation, temperature: float = 1.0,
+                 micro_batch_rows: int = DEFAULT_MICRO_BATCH_ROWS, *, mesh=None, rules=DEFAULT_RULES,
+                 logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS, before_update=None, pad_id: int = 0,
+                 placement: RowPlacement | None = None):
+        self.steps = TrainSteps(logits_fn, optimizer, params, temperature, mesh=mesh, rules=rules,
+                                logprob_chunk_rows=logprob_chunk_rows)
+        self.state = self.steps.init(params)
+        self.micro_batch_rows = int(micro_batch_rows)
+        self.before_update = before_update
+        self.pad_id = int(pad_id)
+        self.placement = LocalRows() if placement is None else placement
+        self._precompiled_for = None  # precompile_once's last key
+
+    @property
+    def params(self):
+        """The policy's whole parameter state (``TrainState.params``)."""
+        return self.state.params
+
+    def sft_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """``TrainSteps.sft_step`` on ``batch`` (``SFT_KEYS [B, L]``, ``B`` a multiple of
+        ``micro_batch_rows`` or smaller; the processes' rows gathered); its metrics as floats."""
+        batch, _ = self.placement.global_rows("sft", batch)
+        b = batch["input_ids"].shape[0]
+        n_micro = max(1, b // min(self.micro_batch_rows, b))
+        self.state, m = self.steps.sft_step(self.state, self.steps.place(batch), n_micro)
+        return {k: float(v) for k, v in jax.device_get(m).items()}
+
     def ppo_update(self, rows: Mapping[str, np.ndarray], loss_cfg: LossConfig, num_mini_batches: int,
                    rng: np.random.Generator, *, max_rows: int | None = None) -> dict[str, float]:
         """One PPO epoch over ``rows``, split into ``num_mini_batches`` optimizer steps.
 
-        Rows are shuffled and split evenly into ``num_mini_batches`` contiguous mini-batches of
-        the shuffled order (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in
-        2 → [65, 65], 1,100 in 4 → [275] · 4; this fixes which rows share an update). Each
-        mini-batch is then packed end to end into the plan's fixed row count (``ppo_plan``;
-        ``packing.pack_token_rows``, same length; the rest all-invalid rows), and split
-        into micro-batches of ``micro_batch_rows``, the last of them run ``tail_rows`` rows at a
-        time, with the rows that carry loss tokens filling whole micro-batches first
-        (``fill_whole_micro_batches``); micro-batches without loss tokens (the padding that
-        packing leaves) are skipped inside the program, and a
-        mini-batch without loss tokens is not run at all (no optimizer step: Adam's momentum
-        would otherwise move the parameters on a zero gradient), nor, with
-        ``loss_cfg.zero_advantage = "skip"``, one whose loss tokens all carry advantage 0;
-        ``num_updates`` still counts them, as it counts an update skipped for a non-finite
-        gradient.
+        Rows (on several processes every process's, in process order; ``rng`` then in the same
+        state on each) are shuffled and split evenly into ``num_mini_batches`` contiguous
+        mini-batches (``mini_batch_slices``: sizes differ by at most one, e.g. 130 rows in 2 →
+        [65, 65]). Each is packed end to end into the plan's fixed row count (``ppo_plan``,
+        ``packing.pack_token_rows``), its rows with loss tokens filling whole micro-batches first
+        (``fill_whole_micro_batches``), and run by ``TrainSteps.ppo_step`` unless ``_trains``
+        says not (``TrainState.step`` counts it all the same, as an update skipped for a
+        non-finite gradient).
 
         Args:
           rows: ``input_ids [R, L] int32, valid [R, L] bool, loss_mask, old_logprobs,
@@ -371,7 +471,7 @@ class Learner:
           loss_cfg: clip, dual clip, KL and aggregation options.
           num_mini_batches: optimizer steps per epoch (fewer when a mini-batch is all padding).
           rng: numpy generator for the shuffle.
-          max_rows: an upper bound on ``R`` that depends on the config only (e.g.
+          max_rows: an upper bound on one process's ``R`` that depends on the config only (e.g.
             ``bounds.training_row_bound``): every mini-batch is then ``[ppo_plan(...).rows, L]``
             whatever ``R`` is, so the update compiles once per length bucket. ``None``: the
             mini-batch rows follow ``R`` (one program per row bucket).
@@ -386,32 +486,25 @@ class Learner:
         Raises:
           ValueError: as ``ppo_plan``.
         """
+        rows, _ = self.placement.global_rows("update", rows)
         if self.before_update is not None:
             rows = self.before_update(rows)
         n = rows["input_ids"].shape[0]
         order = rng.permutation(n)
-        plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows, max_rows)
-        tail = self.tail_rows(plan.micro)
+        plan = ppo_plan(n, num_mini_batches, self.micro_batch_rows,
+                        None if max_rows is None else max_rows * jax.process_count())
+        tail = self.steps.tail_rows(plan.micro)
         out: dict[str, list[float]] = {}
         zero_skipped = []
         for start, stop in mini_batch_slices(n, num_mini_batches):
             idx = order[start:stop]
-            loss_tokens = rows["loss_mask"][idx] > 0
-            if not np.any(loss_tokens):
-                self.num_updates += 1  # counted like a skipped non-finite update: a scheduled slot
+            if not _trains(rows, idx, loss_cfg, zero_skipped):  # a scheduled slot: counted all the same
+                self.state = self.state.replace(step=self.state.step + 1)
                 continue
-            if loss_cfg.zero_advantage == "skip":
-                zero_skipped.append(not np.any(rows["advantages"][idx][loss_tokens]))
-                if zero_skipped[-1]:
-                    self.num_updates += 1
-                    continue
             mb = pack_token_rows({k: v[idx] for k, v in rows.items()}, plan.rows, self.pad_id)
             mb = fill_whole_micro_batches(mb, plan.micro, tail)
-            trainable, frozen = split_trainable(self.params)
-            trainable, self.opt_state, m = self._ppo_step(trainable, frozen, self.opt_state, self._place_batch(mb),
-                                                          plan.rows // plan.micro, loss_cfg, tail)
-            self.params = join(trainable, frozen)
-            self.num_updates += 1
+            self.state, m = self.steps.ppo_step(self.state, self.steps.place(mb), plan.rows // plan.micro, loss_cfg,
+                                                tail)
             for k, v in jax.device_get(m).items():
                 out.setdefault(k, []).append(float(v))
         metrics = {k: float(np.mean(v)) for k, v in out.items()}
@@ -419,28 +512,14 @@ class Learner:
             metrics["actor/zero_advantage_skipped"] = float(np.mean(zero_skipped))
         return metrics
 
-    # ---- the RL step's detached passes and its ahead-of-time programs ------------------------
-    def on_global_rows(self, fn, params, input_ids: Int[np.ndarray, "rows length"],
-                       valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
-        """``fn(params, input_ids, valid)``: on one process over its own rows
-        (``run.lockstep.DistributedLearner`` runs it over every process's rows)."""
-        return fn(params, input_ids, valid)
-
-    def packed_logprobs(self) -> PackedLogprobs:
-        """This learner's ``PackedLogprobs`` (built on first use and kept)."""
-        if self._packed_logprobs is None:
-            self._packed_logprobs = PackedLogprobs(
-                self.logits_fn, self.temperature, rows_per_call=self.logprob_chunk_rows,
-                min_rows=batch_shards(self.mesh, self.rules), min_length=TRAIN_MIN_LENGTH,
-                param_shardings=self.param_shardings, batch_sharding=self.batch_sharding)
-        return self._packed_logprobs
-
     def detached_logprobs(self, params, input_ids: Int[np.ndarray, "rows length"],
                           valid: Bool[np.ndarray, "rows length"]) -> Float[np.ndarray, "rows length"]:
         """``[R, L]`` float32 per-token log-probs of ``params`` over ``input_ids [R, L]`` (no
-        gradient), at the learner's temperature: one packed pass (``packed_logprobs``), over the
-        global rows on several processes."""
-        return self.on_global_rows(self.packed_logprobs(), params, input_ids, valid)
+        gradient), at the learner's temperature: one packed pass (``TrainSteps.logprobs``), over
+        every process's rows on several processes (this process's returned)."""
+        g, start = self.placement.global_rows("logprobs", {"input_ids": input_ids, "valid": valid})
+        out = self.steps.logprobs(params, g["input_ids"], g["valid"])
+        return out[start : start + input_ids.shape[0], : input_ids.shape[1]]
 
     def precompile_once(self, key, build: Callable[[], T]) -> T | None:
         """``build()`` when ``key`` (e.g. the ``RLConfig``) differs from the key of the last build
@@ -450,6 +529,19 @@ class Learner:
         out = build()
         self._precompiled_for = key
         return out
+
+
+def _trains(rows: Mapping[str, np.ndarray], idx: np.ndarray, loss_cfg: LossConfig, zero_skipped: list) -> bool:
+    """Whether the mini-batch of rows ``idx`` runs: not without loss tokens (Adam's momentum would
+    move the parameters on a zero gradient), nor, with ``loss_cfg.zero_advantage = "skip"``, with
+    advantage 0 on every loss token (whether it is, appended to ``zero_skipped``)."""
+    loss_tokens = rows["loss_mask"][idx] > 0
+    if not np.any(loss_tokens):
+        return False
+    if loss_cfg.zero_advantage == "skip":
+        zero_skipped.append(not np.any(rows["advantages"][idx][loss_tokens]))
+        return not zero_skipped[-1]
+    return True
 
 
 def mini_batch_slices(n: int, num_mini_batches: int) -> list[tuple[int, int]]:
@@ -482,7 +574,7 @@ class PPOPlan(NamedTuple):
         every mini-batch is padded to its natural bucket (``R`` padded as a whole before).
       per_mb: the most real rows of one mini-batch, ``ceil(R / num_mini_batches)``
         (``mini_batch_slices``).
-      rows: rows of every ``_ppo_step`` call (``>= per_mb``).
+      rows: rows of every ``TrainSteps.ppo_step`` call (``>= per_mb``).
       micro: rows per micro-batch (divides ``rows``).
     """
 
@@ -526,4 +618,5 @@ def ppo_plan(n: int, num_mini_batches: int, micro_batch_rows: int, max_rows: int
 _VERL_NAMES = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "kl": "kl_loss"}
 
 
-__all__ = ["Learner", "OptimConfig", "PPOPlan", "fill_whole_micro_batches", "make_optimizer", "mini_batch_slices", "ppo_plan"]
+__all__ = ["Learner", "LocalRows", "OptimConfig", "PPOPlan", "PPO_KEYS", "RowPlacement", "SFT_KEYS", "TrainState",
+           "TrainSteps", "fill_whole_micro_batches", "make_optimizer", "mini_batch_slices", "ppo_plan"]

@@ -28,7 +28,7 @@ class PackedLogprobs:
       rows_per_call: most packed rows per call (a power of two).
       min_rows: smallest row bucket (the mesh's batch shards).
       min_length: smallest length bucket.
-      param_shardings, batch_sharding: optional shardings (as ``Learner``'s): the call then
+      param_shardings, batch_sharding: optional shardings (as ``TrainSteps``'): the call then
         declares ``in_shardings=(params, batch × 3)`` and a replicated output.
 
     Raises:
@@ -107,17 +107,22 @@ class PackedLogprobs:
         unless one row is longer. Returns the number of programs built."""
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
-        kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
         built = 0
         for length in lengths:
             r = self.min_rows
             while r <= self.rows_per_call:
-                self._call.lower(params, *[jax.ShapeDtypeStruct((r, int(length)), jnp.int32, **kw)] * 3).compile()
+                self.lower(params, r, length).compile()
                 built += 1
                 r *= 2
         if lengths:
             self._length_cap = max(int(x) for x in lengths)
         return built
+
+    def lower(self, params, rows: int, length: int) -> jax.stages.Lowered:
+        """The packed pass's program lowered at ``[rows, length]`` int32 inputs (nothing runs;
+        ``params`` may be ``jax.ShapeDtypeStruct``s)."""
+        kw = {} if self.batch_sharding is None else {"sharding": self.batch_sharding}
+        return self._call.lower(params, *[jax.ShapeDtypeStruct((int(rows), int(length)), jnp.int32, **kw)] * 3)
 
 
 __all__ = ["PackedLogprobs"]

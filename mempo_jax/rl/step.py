@@ -35,8 +35,8 @@ from mempo_jax.rl.bounds import (mem_group_count, mem_turn_bound, scoring_length
                                  training_row_bound)
 from mempo_jax.rl.config import RLConfig
 from mempo_jax.rl.group_filter import group_share, kept_trajectories, zero_std_group_share
-from mempo_jax.rl.interfaces import PolicyLearner, RLCluster
-from mempo_jax.rl.learner import TRAIN_MIN_LENGTH, ppo_plan
+from mempo_jax.rl.interfaces import RLCluster
+from mempo_jax.rl.learner import TRAIN_MIN_LENGTH, Learner, ppo_plan
 from mempo_jax.rl.memory_reward import (MEMORY_BASELINES, MEMORY_GROUPINGS, MEMORY_TRAJECTORIES, MemoryRewardOutput,
                                         memory_reward_values)
 from mempo_jax.rl.memory_views import memory_contexts, scored_memory_turns
@@ -70,9 +70,12 @@ def precompile_rl_step(cluster: RLCluster, cfg: RLConfig, key: jax.Array) -> dic
                      if cfg.scores_memory else 0)
     plan = ppo_plan(training_row_bound(cfg) * jax.process_count(), cfg.num_mini_batches, learner.micro_batch_rows,
                     training_row_bound(cfg) * jax.process_count())
-    out["learner"] = learner.precompile(training_length_buckets(cfg), plan.rows, plan.rows // plan.micro, cfg.loss)
+    tail = learner.steps.tail_rows(plan.micro)
+    for length in training_length_buckets(cfg):  # compiled, not run: no buffer is donated
+        learner.steps.lower_ppo(learner.state, plan.rows, length, plan.rows // plan.micro, cfg.loss, tail).compile()
+    out["learner"] = len(training_length_buckets(cfg))
     # the reference log-probs, and the old ones with old_logprobs = "trainer"
-    out["old_logprobs"] = learner.packed_logprobs().precompile(learner.params, training_length_buckets(cfg))
+    out["old_logprobs"] = learner.steps.logprobs.precompile(learner.params, training_length_buckets(cfg))
     n, b, mb = n_traj, bucket_length(training_row_bound(cfg), 1), bucket_length(mem_turn_bound(cfg), 1)
     sds = jax.ShapeDtypeStruct
     for length in training_length_buckets(cfg):
@@ -97,7 +100,7 @@ def pad_columns(rows: TrainingRows, min_length: int, pad_id: int) -> TrainingRow
                                loss_mask=pad(rows.loss_mask, 0.0), old_logprobs=pad(rows.old_logprobs, 0.0))
 
 
-def detached_logprobs(learner: PolicyLearner, params, rows: TrainingRows) -> Float[np.ndarray, "rows length"]:
+def detached_logprobs(learner: Learner, params, rows: TrainingRows) -> Float[np.ndarray, "rows length"]:
     """``[R, L]`` float32 per-token log-probs of ``params`` over the step's rows (no gradient),
     at the learner's temperature (``Learner.detached_logprobs``: one packed pass). The reference
     and the PPO "old" log-probs both come from here."""
@@ -108,7 +111,7 @@ def policy_old_logprobs(learner, rows: TrainingRows) -> tuple[Float[np.ndarray, 
     """The PPO "old" log-probs recomputed by the policy before the update, and the sampler/trainer gap.
 
     One detached pass of ``learner.params`` (the policy that sampled the step) over the
-    training rows, packed (``Learner.packed_logprobs``), at the learner's temperature: verl's
+    training rows, packed (``TrainSteps.logprobs``), at the learner's temperature: verl's
     ``compute_log_prob`` before ``update_policy``. In float32 it agrees with the sampler to ~1e-5; in bfloat16 the
     cached-decode and full-forward numerics differ, and the clip would act on that noise.
 

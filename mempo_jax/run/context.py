@@ -36,7 +36,7 @@ from mempo_jax.core.host_memory import release_free_memory
 
 from mempo_jax.run import lockstep
 from mempo_jax.run.checkpoint import Checkpointer, check_run_artifacts, save_run_artifacts
-from mempo_jax.rl.learner import make_optimizer
+from mempo_jax.rl.learner import Learner, TrainState, make_optimizer
 from mempo_jax.core.mesh_config import MeshConfig
 from mempo_jax.core.paths import write_text_atomic
 from mempo_jax.run.preemption import Preemption
@@ -45,11 +45,10 @@ from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, chec
                                   find_resume_point, restore_newest)
 from mempo_jax.run.run_logs import RunLogs, check_logs
 from mempo_jax.core.sharding import batch_shards, opt_state_shardings
-from mempo_jax.model.lora import trainable_part, with_trainable
+from mempo_jax.model.lora import split_trainable, trainable_part
 
 if TYPE_CHECKING:
     import optax
-    from flax import nnx
 
     from mempo_jax.config import ExperimentConfig
 
@@ -57,9 +56,9 @@ if TYPE_CHECKING:
     from mempo_jax.run.experiment import Experiment
     from mempo_jax.run.resume import ResumePoint
 
-    # A restored checkpoint: ``(params, opt_state or None, meta)`` (``Checkpointer.restore``),
-    # the params with the frozen base put back (``with_trainable``).
-    Restored = tuple[nnx.State, Optional[optax.OptState], dict]
+    # A restored checkpoint: its ``TrainState`` (the frozen base put back; no optimizer state
+    # where none was restored) and its metadata.
+    Restored = tuple[TrainState, dict]
 
 # Independent random streams: PRNG keys fold_in(fold_in(key(seed), stream), step); numpy
 # generators default_rng([seed, stream, step]). The SFT data keeps one generator (seeded by the
@@ -143,7 +142,7 @@ class RLCheckpoint:
       data_iterator: the grain iterator state (a JSON-able dict).
       offsets: the metric-log offsets at that point (``RunLogs.offsets``).
       faults: the ``FaultCounter`` state.
-      updates: optimizer updates done (``Learner.num_updates``).
+      updates: optimizer updates done (``TrainState.step``).
     """
 
     step: int
@@ -249,7 +248,7 @@ class RunContext:
 
     def meta(self, stage: str, step: int, learner, **extra) -> dict:
         """A durable point's metadata: stage, step, updates, seed, elapsed time and log offsets."""
-        return {"stage": stage, "step": int(step), "updates": int(learner.num_updates), "seed": self.cfg.seed,
+        return {"stage": stage, "step": int(step), "updates": int(learner.state.step), "seed": self.cfg.seed,
                 "elapsed_s": time.time() - self.t_start, **self.logs.offsets(), **extra}
 
     def agree_on_preemption(self) -> None:
@@ -258,11 +257,14 @@ class RunContext:
         if self.multi and not pre.requested and distributed.allgather(np.asarray([pre.requested], np.int32)).any():
             pre.requested, pre.received_at = True, time.monotonic()
 
-    def new_learner(self, params, opt, **kw):
-        """A (lockstep) learner of the policy on the run's mesh."""
+    def new_learner(self, params, opt, **kw) -> Learner:
+        """A learner of the policy on the run's mesh, its rows gathered in lockstep (after a
+        barrier: its construction runs global programs)."""
         policy = self.exp.policy
-        return lockstep.DistributedLearner(policy.logits_fn, params, opt, mesh=policy.mesh, rules=policy.rules,
-                                           sync=self.sync, pad_id=policy.tokenizer.pad_id, **kw)
+        self.sync.barrier()
+        pad_id = policy.tokenizer.pad_id
+        return Learner(policy.logits_fn, params, opt, mesh=policy.mesh, rules=policy.rules, pad_id=pad_id,
+                       placement=lockstep.LockstepRows(self.sync, pad_id), **kw)
 
     def opt_target(self, opt):
         """The optimizer state's restore target, with its shardings on the mesh (the state of the
@@ -274,9 +276,10 @@ class RunContext:
                             opt_state_shardings(opt, trainable, policy.mesh, policy.rules))
 
     def save(self, ckpt, step: int, learner, meta: dict) -> None:
-        """Save ``learner``'s trainable parameters (the adapters of a LoRA run: the base is rebuilt
-        from the config) and optimizer state as checkpoint ``step`` of ``ckpt``."""
-        ckpt.save(step, trainable_part(learner.params), learner.opt_state, meta)
+        """Save ``learner``'s ``TrainState`` as checkpoint ``step`` of ``ckpt``: its trainable part
+        (the adapters of a LoRA run: the base is rebuilt from the config) and optimizer state;
+        its step is ``meta["updates"]`` (``RunContext.meta``)."""
+        ckpt.save(step, learner.state.trainable, learner.state.opt_state, meta)
         release_free_memory()  # the save's host copies (an asynchronous save's: the previous one's)
 
 
@@ -398,20 +401,24 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
 def _restore(ctx: RunContext, point):
     """Everything a resume needs, read and checked (a corrupt checkpoint: ``CorruptCheckpoint``).
 
-    Returns ``(sft_state, rl_state)``: ``(params, opt_state, meta)`` triples or None."""
+    Returns ``(sft_state, rl_state)``: ``(TrainState, meta)`` pairs or None."""
     exp, policy = ctx.exp, ctx.exp.policy
     check_processes_agree(point, policy.tokenizer, len(exp.train_questions), len(exp.heldout_questions))
     if point.fresh:
         return None, None
     check_run_artifacts(ctx.run_dir, policy.tokenizer, policy.model_cfg)
     # Checkpoints hold the trainable part (RunContext.save); the frozen base is the one built now.
-    full = lambda state: (with_trainable(policy.params, state[0]), *state[1:])  # noqa: E731
-    target = trainable_part(policy.params)
-    sft = full(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
+    target, frozen = split_trainable(policy.params)
+
+    def state(restored):  # Checkpointer.restore's (trainable, opt_state or None, meta)
+        trainable, opt_state, meta = restored
+        return TrainState(trainable, frozen, opt_state, int(meta["updates"])), meta
+
+    sft = state(ctx.sft_ckpt.restore(point.sft_step, target, None if point.sft_done else ctx.opt_target(ctx.sft_opt)))
     rl = None
     if point.rl_step is not None:
-        rl = full(ctx.rl_ckpt.restore(point.rl_step, target, ctx.opt_target(ctx.rl_opt)))
-        RLCheckpoint.from_meta(rl[2], point.rl_step, ctx.rl_key, ctx.cfg.rl_seed, point.source)  # checks the RNG stream
+        rl = state(ctx.rl_ckpt.restore(point.rl_step, target, ctx.opt_target(ctx.rl_opt)))
+        RLCheckpoint.from_meta(rl[1], point.rl_step, ctx.rl_key, ctx.cfg.rl_seed, point.source)  # checks the RNG stream
     check_logs(ctx.run_dir, point.newest(), point.source)
     return sft, rl
 

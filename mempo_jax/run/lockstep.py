@@ -15,10 +15,10 @@ objects' calls):
 
 * ``DistributedScorer(scorer, sync)`` — scores every process's ``<mem>`` turns in one global
   stacked batch, returns this process's.
-* ``DistributedLearner(...)`` — a ``Learner`` whose ``ppo_update`` / ``sft_step`` take this
-  process's rows, run on the concatenated global batch, and return the global metrics;
-  ``on_global_rows`` runs any per-row function (the packed log-prob pass) the same way and
-  returns this process's slice.
+* ``LockstepRows(sync, pad_id)`` — the ``rl.learner.Learner``'s row placement: its SFT step, PPO
+  update and packed log-prob pass take this process's rows and run on the concatenated global
+  batch (the same ``TrainSteps`` as on one process); metrics are global, log-probs this
+  process's slice.
 
 Source: JAX "Multi-process environments" (every process runs the same programs; host-local data
 is assembled into global arrays); the header protocol is this project's.
@@ -32,11 +32,11 @@ import jax
 import numpy as np
 
 from mempo_jax.core.distributed import allgather, gather_lists, gather_rows
-from mempo_jax.rl.learner import Learner
 from mempo_jax.rl.memory_reward import MemoryRewardOutput
 
 SCORE, LOGPROBS, UPDATE, SFT, BARRIER = 2, 3, 4, 5, 6
 OP_NAMES = {SCORE: "score", LOGPROBS: "logprobs", UPDATE: "update", SFT: "sft", BARRIER: "barrier"}
+_OPS = {name: op for op, name in OP_NAMES.items()}
 HEADER = 16  # int32 words per process: op, then the op's sizes
 
 
@@ -126,60 +126,31 @@ class DistributedScorer:
         return self.scorer.precompile(params, lengths)
 
 
-class DistributedLearner(Learner):
-    """A ``Learner`` fed with this process's rows on several processes.
+class LockstepRows:
+    """The rows of a global step gathered from every process (``rl.learner.RowPlacement``): the
+    learner runs its steps on every process's rows in process order.
 
-    Args are ``Learner``'s (give it the run's ``mesh``), plus:
+    Args:
       sync: the run's ``HostSync``.
       pad_id: padding id for the column padding of gathered rows.
-
-    Construction waits at a barrier, since it runs global programs (placement, optimizer init).
     """
 
-    def __init__(self, *args, sync: HostSync, pad_id: int = 0, **kwargs):
-        self.sync = sync
-        sync.barrier()
-        super().__init__(*args, pad_id=pad_id, **kwargs)
+    def __init__(self, sync: HostSync, pad_id: int = 0):
+        self.sync, self.pad_id = sync, int(pad_id)
 
-    def _gather(self, op: int, rows: dict) -> tuple[dict, np.ndarray, int]:
+    def global_rows(self, op: str, rows) -> tuple[dict, int]:
+        """Every process's ``[R_p, L_p]`` rows of ``op`` (``"update"``, ``"sft"``, ``"logprobs"``),
+        right-padded to the longest (``input_ids`` with ``pad_id``, the rest with 0) and
+        concatenated in process order, and this process's first row; ``(rows, 0)`` on one process."""
+        if not self.sync.multiprocess:
+            return dict(rows), 0
         first = next(iter(rows.values()))
-        headers = self.sync.agree(op, [first.shape[0], first.shape[1]])
+        headers = self.sync.agree(_OPS[op], [first.shape[0], first.shape[1]])
         counts, width = headers[:, 1], int(headers[:, 2].max())
         keys = list(rows)
         fills = [self.pad_id if k == "input_ids" else 0 for k in keys]
         arrays = gather_rows([np.asarray(rows[k]) for k in keys], counts, width, fills, side="right")
-        return dict(zip(keys, arrays)), counts, width
-
-    def on_global_rows(self, fn, params, input_ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """``fn(params, ids, valid) -> [R, L]`` run on every process's rows (right-padded to the
-        longest, process order), this process's ``[R_p, L_p]`` slice returned; ``fn`` itself on
-        one process."""
-        if not self.sync.multiprocess:
-            return fn(params, input_ids, valid)
-        g, counts, _ = self._gather(LOGPROBS, {"input_ids": input_ids, "valid": valid})
-        out = fn(params, g["input_ids"], g["valid"])
-        start = int(counts[: jax.process_index()].sum())
-        return out[start : start + input_ids.shape[0], : input_ids.shape[1]]
-
-    def ppo_update(self, rows, loss_cfg, num_mini_batches, rng, *, max_rows=None):
-        """``Learner.ppo_update`` on the concatenation of every process's rows (process order).
-
-        ``rng`` must be in the same state on every process (same seed, same use), as the shuffle
-        of the global rows is drawn from it on each of them. ``max_rows`` bounds one process's
-        rows (the global bound is ``max_rows · process_count``).
-        """
-        if not self.sync.multiprocess:
-            return super().ppo_update(rows, loss_cfg, num_mini_batches, rng, max_rows=max_rows)
-        g, _, _ = self._gather(UPDATE, dict(rows))
-        bound = None if max_rows is None else max_rows * jax.process_count()
-        return super().ppo_update(g, loss_cfg, num_mini_batches, rng, max_rows=bound)
-
-    def sft_step(self, batch):
-        """``Learner.sft_step`` on the concatenation of every process's batch rows."""
-        if not self.sync.multiprocess:
-            return super().sft_step(batch)
-        g, _, _ = self._gather(SFT, dict(batch))
-        return super().sft_step(g)
+        return dict(zip(keys, arrays)), int(counts[: jax.process_index()].sum())
 
 
 def distribute(scorer, sync: Optional[HostSync] = None):

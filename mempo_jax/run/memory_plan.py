@@ -14,7 +14,7 @@ Every pass scans the decoder layers as they are stored (stacked, ``[num_layers, 
 program holds a copy of them; an fsdp mesh gathers one layer's weights at a time.
 
 * sampling: KV cache + prefill (``[rows, P, vocab]`` logits, one layer's transients);
-* log-probs (``Learner.logprobs`` chunks; the reference and the trainer's old log-probs run
+* log-probs (``TrainSteps.logprobs`` chunks; the reference and the trainer's old log-probs run
   packed, ``rl.step.detached_logprobs``, on no more rows per call at the same length bucket,
   which this bound covers; a packed call may pick 2× or 4× that length when it computes fewer
   positions, capped at the longest precompiled length only after ``RLConfig.precompile``: not
@@ -447,9 +447,10 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     (``step_shapes``), with abstract parameters (nothing allocated): ``{name: () -> jax.stages.Lowered}``
     (each lowered when called).
 
-    * ``update``: the PPO step (``Learner._ppo_step``) on one micro-batch of ``micro_batch_rows`` x
-      ``train_len`` packed rows; ``sft``: the SFT step on ``sft_micro_batch_rows`` (when SFT runs);
-    * ``logprobs``: the packed log-prob pass of the reference / old log-probs (``PackedLogprobs``);
+    * ``update``: the PPO step (``TrainSteps.lower_ppo``) on one micro-batch of ``micro_batch_rows`` x
+      ``train_len`` packed rows; ``sft``: the SFT step (``TrainSteps.lower_sft``) on
+      ``sft_micro_batch_rows`` (when SFT runs);
+    * ``logprobs``: the packed log-prob pass of the reference / old log-probs (``TrainSteps.logprobs``);
     * ``scoring``: the memory-reward scorer's packed pass (``MemoryRewardScorer.packed_logprobs``);
     * ``prefill`` / ``decode``: the slot sampler's ``extend`` at the largest prefill call
       (``engine.extend_shapes``) and its ``decode`` chunk over every slot, on the rollout mesh of
@@ -473,13 +474,11 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     from mempo_jax.agent.engine import extend_shapes, num_slots
     from mempo_jax.agent.slot_sampler import SlotSampler
     from mempo_jax.core.rollout_mesh import rollout_mesh
-    from mempo_jax.core.sharding import logical_to_sharding, make_mesh
+    from mempo_jax.core.sharding import make_mesh
     from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
-    from mempo_jax.model.lora import split_trainable
-    from mempo_jax.rl.learner import Learner, make_optimizer
+    from mempo_jax.rl.learner import TrainSteps, make_optimizer
     from mempo_jax.rl.losses import LossConfig
     from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
-    from mempo_jax.rl.packed_logprobs import PackedLogprobs
 
     n = tpu.num_devices
     devices = list(jax.devices() if devices is None else devices)
@@ -492,34 +491,20 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     graphdef, abstract = split_model(abstract_model(model_cfg))
     ex = cfg.execution
     fn = make_logits_fn(graphdef, mesh=mesh, rules=rules, **ex.forward_options)
-    learner = Learner(fn, abstract, make_optimizer(cfg.optim), micro_batch_rows=ex.micro_batch_rows, mesh=mesh,
-                      rules=rules)
+    steps = TrainSteps(fn, make_optimizer(cfg.optim), abstract, mesh=mesh, rules=rules)
+    train_state = steps.init(abstract)  # abstract, with the run's shardings
     s = step_shapes(cfg, plan_cfg)
-    bs = logical_to_sharding(("batch", None), mesh, rules)
+    bs = steps.batch_sharding
     sds = lambda r, length, dt: jax.ShapeDtypeStruct((r, int(length)), dt, sharding=bs)  # noqa: E731
     length = s["train_len"]
-
-    def ppo_batch(rows):
-        batch = {k: sds(rows, length, jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
-        batch["valid"] = sds(rows, length, jnp.bool_)
-        batch.update({k: sds(rows, length, jnp.float32)
-                      for k in ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")})
-        return batch
-
-    programs = {"update": lambda: learner._ppo_step.lower(*split_trainable(learner.params), learner.opt_state,
-                                                          ppo_batch(s["micro_batch_rows"]), 1, LossConfig())}
+    programs = {"update": lambda: steps.lower_ppo(train_state, s["micro_batch_rows"], length, 1, LossConfig())}
     if cfg.sft.steps > 0:
-        rows = ex.sft_micro_batch_rows or ex.micro_batch_rows
-        sft_batch = {"input_ids": sds(rows, length, jnp.int32), "valid": sds(rows, length, jnp.bool_),
-                     "loss_mask": sds(rows, length, jnp.float32)}
-        programs["sft"] = lambda: learner._sft_step.lower(*split_trainable(learner.params), learner.opt_state,
-                                                          sft_batch, 1)
-    lp = PackedLogprobs(fn, 1.0, rows_per_call=s["logprob_rows"], param_shardings=learner.param_shardings,
-                        batch_sharding=bs)
-    programs["logprobs"] = lambda: lp._call.lower(learner.params, *[sds(s["logprob_rows"], length, jnp.int32)] * 3)
-    scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=learner.param_shardings)
+        sft_rows = ex.sft_micro_batch_rows or ex.micro_batch_rows
+        programs["sft"] = lambda: steps.lower_sft(train_state, sft_rows, length, 1)
+    programs["logprobs"] = lambda: steps.logprobs.lower(train_state.params, s["logprob_rows"], length)
+    scorer = MemoryRewardScorer(fn, 0, [1], batch_sharding=bs, param_shardings=steps.param_shardings)
     r, sl = s["scoring_rows"], s["scoring_len"]
-    programs["scoring"] = lambda: scorer.packed_logprobs.lower(learner.params, *[sds(r, sl, jnp.int32)] * 3,
+    programs["scoring"] = lambda: scorer.packed_logprobs.lower(train_state.params, *[sds(r, sl, jnp.int32)] * 3,
                                                                *[sds(r, sl // ANSWER_FRACTION, jnp.int32)] * 2)
 
     # the rollout: one host's rollout mesh, as experiment.make_policy builds it

@@ -84,7 +84,7 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
         f1 = np.asarray([r["f1"] for r in mine], np.float64)
         metrics.update(kind_metrics(held, em, f1))  # "eval/<kind>/em", /f1, /n
         out[mode_name(mode)], per_q[mode_name(mode)], per_f1[mode_name(mode)] = metrics, em, f1
-        ctx.logs.write(learner.num_updates, f"eval_{stage}_{mode_name(mode)}", metrics)
+        ctx.logs.write(learner.state.step, f"eval_{stage}_{mode_name(mode)}", metrics)
         ctx.say(f"[mempo] eval {stage} {mode_name(mode)}: EM {metrics['em']:.3f} F1 {metrics['f1']:.3f} "
                 f"TT {metrics['tt']:.0f} PT {metrics['pt']:.0f}", flush=True)
     return out, per_q, per_f1, records
@@ -211,13 +211,12 @@ def sft_stage(ctx: RunContext, learner, sft_file, stack) -> None:
       NumericalFault: a non-finite SFT step. Preempted: a SIGTERM (the state is saved first).
     """
     cfg, point, ck = ctx.cfg, ctx.point, ctx.cfg.checkpoint
-    if point.sft_done:
-        learner.params, learner.num_updates = ctx.sft_state[0], int(ctx.sft_state[2]["updates"])
+    if point.sft_done:  # its parameters and step (no optimizer state was restored)
+        learner.state = ctx.sft_state[0].replace(opt_state=learner.state.opt_state)
         return
     start = 0
     if ctx.sft_state is not None:
-        learner.params, learner.opt_state, m = ctx.sft_state
-        learner.num_updates, start = int(m["updates"]), point.sft_step
+        learner.state, start = ctx.sft_state[0], point.sft_step
     batches = iter(())
     if cfg.sft.steps > 0:
         with ctx.interruptible():
@@ -340,9 +339,9 @@ class _RLRun:
         self.faults = FaultCounter(cfg.checkpoint.max_consecutive_nonfinite, cfg.rl.num_mini_batches * cfg.rl.ppo_epochs)
         self.start = 0
         if ctx.rl_state is not None:
-            self.learner.params, self.learner.opt_state, meta = ctx.rl_state
+            self.learner.state, meta = ctx.rl_state
             record = RLCheckpoint.from_meta(meta, ctx.point.rl_step, ctx.rl_key, cfg.rl_seed, ctx.point.source)
-            self.learner.num_updates, self.start = record.updates, record.step
+            self.start = record.step
             self.order.set_state(record.data_iterator)
             self.faults.load(record.faults)
 

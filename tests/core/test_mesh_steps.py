@@ -93,8 +93,8 @@ def test_one_ppo_step_agrees_across_meshes(model, ppo_batch, ppo_reference, ppo_
         if "k_bias" not in name:  # softmax ignores a key bias: its gradient is 0 up to rounding, which Adam
             # normalises to +-lr steps of arbitrary sign, on any mesh
             assert np.linalg.norm(new - ref) <= 1e-5 * np.linalg.norm(ref), name
-    assert relative_error(learner.opt_state[1][0].mu, ref_learner.opt_state[1][0].mu) <= 1e-5
-    assert relative_error(learner.opt_state[1][0].nu, ref_learner.opt_state[1][0].nu) <= 1e-5
+    assert relative_error(learner.state.opt_state[1][0].mu, ref_learner.state.opt_state[1][0].mu) <= 1e-5
+    assert relative_error(learner.state.opt_state[1][0].nu, ref_learner.state.opt_state[1][0].nu) <= 1e-5
 
 
 def test_mesh_of_one_device_equals_no_mesh(model, ppo_batch, ppo_reference):
@@ -115,23 +115,23 @@ def ppo_222(model, ppo_batch):
 def test_params_and_opt_state_keep_their_rule_shardings(model, ppo_batch, ppo_222):
     _, _, _, _, graphdef, params = model
     learner = ppo_222[0]
-    mesh = learner.mesh
+    mesh = learner.steps.mesh
     attn = learner.params["layers"]["attn"]
     assert attn["q"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)  # [layers, embed, heads, head_dim]
     assert attn["o"].get_value().sharding.spec == P(None, "tensor", None, "fsdp")
     assert learner.params["embed"].get_value().sharding.spec == P("tensor", "fsdp")  # [vocab, embed]
     assert learner.params["embed"].get_value().addressable_shards[0].data.shape == (params["embed"].shape[0] // 2, 16)
-    adam = learner.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    adam = learner.state.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
     assert adam.mu["layers"]["attn"]["q"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)
     assert adam.count.sharding.spec == P()
-    expected = opt_state_shardings(learner.optimizer, params, mesh)
-    for arr, sh in zip(jax.tree.leaves(learner.opt_state), jax.tree.leaves(expected)):
+    expected = opt_state_shardings(learner.steps.optimizer, params, mesh)
+    for arr, sh in zip(jax.tree.leaves(learner.state.opt_state), jax.tree.leaves(expected)):
         assert arr.sharding == sh
-    placed = learner._place_batch(ppo_batch)
+    placed = learner.steps.place(ppo_batch)
     assert placed["input_ids"].sharding.spec == P(("data", "fsdp"), None)
     assert batch_shards(mesh) == 4
     with pytest.raises(ValueError, match="does not divide over 4 batch shards"):
-        learner._place_batch({k: v[:6] for k, v in ppo_batch.items()})
+        learner.steps.place({k: v[:6] for k, v in ppo_batch.items()})
 
 
 def test_kv_cache_sharding_follows_rules(model):

@@ -94,7 +94,7 @@ def test_bf16_packed_scoring_and_ppo_step(models):
         learner.ppo_update(batch, LossConfig(), 1, np.random.default_rng(0))
         leaves = jax.tree.leaves(learner.params)
         assert all(x.dtype == jnp.float32 for x in leaves)  # float32 master weights after the update
-        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(learner.opt_state) if hasattr(x, "dtype")
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(learner.state.opt_state) if hasattr(x, "dtype")
                    and jnp.issubdtype(x.dtype, jnp.floating))  # float32 optimizer state
         deltas.append(np.concatenate([(np.asarray(a) - np.asarray(b)).ravel()
                                       for a, b in zip(leaves, jax.tree.leaves(params))]))

@@ -81,7 +81,7 @@ def test_learner_trains_the_adapters_alone_and_the_reference_shares_the_base():
     frozen = lora.split_trainable(learner.params)[1]
     for a, b in zip(jax.tree.leaves(lora.split_trainable(ref)[1]), jax.tree.leaves(frozen)):
         assert a is b  # the same base arrays: no second copy
-    adam = learner.opt_state[1][0]  # chain(clip, adamw)
+    adam = learner.state.opt_state[1][0]  # chain(clip, adamw)
     assert jax.tree.structure(adam.mu) == jax.tree.structure(lora.trainable_part(learner.params))
     base_before = [np.array(x) for x in jax.tree.leaves(frozen)]
     ids, valid = _batch(2, b=4, t=10)

@@ -29,23 +29,23 @@ def _rows(rng, n, length=LENGTH):
 
 
 class _Recorder:
-    """Wraps ``learner._ppo_step``: records each call's batch (numpy), and the parameters before
-    and after it; ``run=False`` records without running the program (shape/row checks only)."""
+    """Wraps ``learner.steps.ppo_step``: records each call's batch (numpy), and the parameters
+    before and after it; ``run=False`` records without running the program (shape/row checks only)."""
 
     def __init__(self, learner, run=True):
-        self.inner, self.run, self.calls = learner._ppo_step, run, []
-        learner._ppo_step = self
+        self.inner, self.run, self.calls = learner.steps.ppo_step, run, []
+        learner.steps.ppo_step = self
 
-    def __call__(self, params, frozen, opt_state, batch, n_micro, loss_cfg, tail=0):
-        before = [np.array(x) for x in jax.tree.leaves(params)]  # copied: the program donates params
+    def __call__(self, state, batch, n_micro, loss_cfg, tail=0):
+        before = [np.array(x) for x in jax.tree.leaves(state.params)]  # copied: the program donates params
         batch = {k: np.asarray(v) for k, v in batch.items()}
         self.layouts = getattr(self, "layouts", []) + [(len(batch["loss_mask"]) // n_micro, tail)]
         if not self.run:
             self.calls.append((batch, before, before))
-            return params, opt_state, {"actor/pg_loss": 0.0}
-        params, opt_state, m = self.inner(params, frozen, opt_state, batch, n_micro, loss_cfg, tail)
-        self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(params)]))
-        return params, opt_state, m
+            return state.replace(step=state.step + 1), {"actor/pg_loss": 0.0}
+        state, m = self.inner(state, batch, n_micro, loss_cfg, tail)
+        self.calls.append((batch, before, [np.array(x) for x in jax.tree.leaves(state.params)]))
+        return state, m
 
     def real_rows(self):
         """Source rows per call: packed sequences (a segment start each) or non-empty rows."""
@@ -128,7 +128,7 @@ def test_ppo_update_feeds_even_mini_batches_of_one_shape(n, k, micro, bound, siz
     assert {b["input_ids"].shape for b, _, _ in rec.calls} == {(plan.rows, LENGTH)}
     seen = np.concatenate([b["old_logprobs"][_starts(b)] for b, _, _ in rec.calls])
     assert sorted(seen.astype(int).tolist()) == list(range(n))  # every row exactly once
-    assert learner.num_updates == k
+    assert learner.state.step == k
 
 
 def _computed_rows(batch, micro, tail):
@@ -262,7 +262,7 @@ def test_pack_token_rows_refuses_left_padding_and_a_loss_in_column_0():
 
 
 def _opt_leaves(learner):
-    return [np.array(x) for x in jax.tree.leaves(learner.opt_state)]
+    return [np.array(x) for x in jax.tree.leaves(learner.state.opt_state)]
 
 
 def test_zero_advantage_mini_batch_moves_adam_unless_skipped():
@@ -282,7 +282,7 @@ def test_zero_advantage_mini_batch_moves_adam_unless_skipped():
         m = learner.ppo_update(zero, loss_cfg, 1, np.random.default_rng(1), max_rows=16)
         after = [np.array(x) for x in jax.tree.leaves(learner.params)]
         moved[mode] = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
-        assert learner.num_updates == 2
+        assert learner.state.step == 2
         if mode == "train":
             assert m["actor/grad_norm"] == 0.0 and "actor/zero_advantage_skipped" not in m
         else:
@@ -302,10 +302,27 @@ def test_only_the_zero_advantage_mini_batch_is_skipped():
     learner = _learner(params, graphdef, micro=4)
     rec = _Recorder(learner)
     m = learner.ppo_update(rows, LossConfig(zero_advantage="skip"), 2, np.random.default_rng(7), max_rows=16)
-    assert len(rec.calls) == 1 and rec.real_rows() == [5] and learner.num_updates == 2
+    assert len(rec.calls) == 1 and rec.real_rows() == [5] and learner.state.step == 2
     assert m["actor/zero_advantage_skipped"] == 0.5 and "actor/pg_loss" in m
 
 
 def test_unknown_zero_advantage_strategy_names_the_field():
     with pytest.raises(ValueError, match="zero_advantage"):
         LossConfig(zero_advantage="drop")
+
+
+def test_train_steps_map_a_state_to_the_next():
+    """``TrainSteps.ppo_step`` is a function of its state: the same state (copies: the step donates
+    its input) and batch give bitwise the same next state, one step further, and the state passed
+    in is not changed."""
+    cfg, graphdef, params = toy_model(VOCAB, seed=6)
+    learner = _learner(params, graphdef, micro=4, optimizer=optax.adam(1e-2))
+    batch = _one_sequence_per_row(_rows(np.random.default_rng(3), 8), 8)
+    state, before = learner.state, [np.array(x) for x in jax.tree.leaves(learner.state)]
+    copy = lambda s: jax.tree.map(lambda x: x.copy(), s)  # noqa: E731
+    (a, ma), (b, mb) = (learner.steps.ppo_step(copy(state), batch, 2, LossConfig()) for _ in range(2))
+    assert a.step == b.step == state.step + 1 and ma.keys() == mb.keys()
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert all(np.array_equal(ma[k], mb[k]) for k in ma)
+    assert not np.array_equal(jax.tree.leaves(a.trainable)[0], before[0])  # it moved
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(state), before))

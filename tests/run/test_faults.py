@@ -115,12 +115,12 @@ def test_learner_skips_a_nonfinite_update_bit_for_bit():
             "old_logprobs": np.full((4, 16), -3.0, np.float32),
             "ref_logprobs": np.full((4, 16), -3.0, np.float32), "advantages": np.ones((4, 16), np.float32)}
     snap = lambda t: [np.array(x) for x in jax.tree.leaves(t)]  # noqa: E731
-    p0, o0 = snap(learner.params), snap(learner.opt_state)
+    p0, o0 = snap(learner.params), snap(learner.state.opt_state)
     m = learner.ppo_update(dict(rows, advantages=np.full((4, 16), np.nan, np.float32)), LossConfig(), 1,
                            np.random.default_rng(0))
     assert m["actor/update_skipped"] == 1.0 and not np.isfinite(m["actor/grad_norm"])
     assert all(np.array_equal(a, b) for a, b in zip(p0, snap(learner.params)))
-    assert all(np.array_equal(a, b) for a, b in zip(o0, snap(learner.opt_state)))
+    assert all(np.array_equal(a, b) for a, b in zip(o0, snap(learner.state.opt_state)))
     for _ in range(2):  # the warm-up schedule's first learning rate is 0
         m = learner.ppo_update(rows, LossConfig(), 1, np.random.default_rng(0))
         assert m["actor/update_skipped"] == 0.0

@@ -50,7 +50,7 @@ def run_rl_step(params, mesh, seed: int = 0):
     from mempo_jax.run import lockstep
     from mempo_jax.text.protocol import STOP_TAGS
     from mempo_jax.core.distributed import process_slice
-    from mempo_jax.rl.learner import OptimConfig, make_optimizer
+    from mempo_jax.rl.learner import Learner, OptimConfig, make_optimizer
     from mempo_jax.model.forward import make_logits_fn
     from mempo_jax.rl.interfaces import RLCluster
     from mempo_jax.rl.step import rl_step
@@ -72,10 +72,10 @@ def run_rl_step(params, mesh, seed: int = 0):
                   param_shardings=param_shardings(params, mesh))
     scorer = MemoryRewardScorer(logits_fn, tok.pad_id, [tok.piece_id("<answer>")], temperature=1.0, **kw)
     sync, scorer = lockstep.distribute(scorer)
-    learner = lockstep.DistributedLearner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3,
-                                                                                        warmup_steps=1)),
-                                          temperature=1.0, micro_batch_rows=8, mesh=mesh, sync=sync,
-                                          pad_id=tok.pad_id)
+    sync.barrier()  # the learner's construction runs global programs
+    learner = Learner(logits_fn, params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1)),
+                      temperature=1.0, micro_batch_rows=8, mesh=mesh, pad_id=tok.pad_id,
+                      placement=lockstep.LockstepRows(sync, tok.pad_id))
     ref_params = jax.tree.map(lambda x: x.copy(), learner.params)
     share = process_slice(len(questions))
     cluster = RLCluster(learner, ref_params, engine, scorer, AgentFormat.plain(tok), env)
@@ -303,6 +303,9 @@ def test_one_process_wrappers_pass_through():
     sync, scorer = lockstep.distribute(lambda *a: "scored")
     assert not sync.multiprocess and scorer(1, [2], [3], [4]) == "scored"
     sync.barrier()  # no-op
+    rows = {"input_ids": np.ones((2, 3), np.int32)}
+    got, start = lockstep.LockstepRows(sync, pad_id=9).global_rows("update", rows)
+    assert start == 0 and got.keys() == rows.keys() and got["input_ids"] is rows["input_ids"]
     assert allgather(np.arange(3)).tolist() == [[0, 1, 2]]
     assert gather_lists([[1, 2], [], [3]]) == [[1, 2], [], [3]]
     ids, = gather_rows([np.ones((2, 3), np.int32)], [2], 5, [9], side="left")
