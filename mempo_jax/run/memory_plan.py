@@ -44,6 +44,26 @@ import dataclasses
 import math
 import pathlib
 
+from mempo_jax.agent.engine import extend_shapes, num_slots
+from mempo_jax.agent.slot_sampler import SlotSampler, slot_cache_size
+from mempo_jax.agent.trajectory import FULL
+from mempo_jax.core.batching import bucket_length
+from mempo_jax.core.rollout_mesh import rollout_mesh
+from mempo_jax.core.sharding import (DEFAULT_RULES, logical_to_spec, make_mesh, opt_state_shardings, param_shardings,
+                                     rule_axes)
+from mempo_jax.model.attention_xla import BLOCK_K, BLOCK_Q, use_blocked
+from mempo_jax.model.config import ModelConfig, PRESET_SHAPES
+from mempo_jax.model.decoder import init_cache
+from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
+from mempo_jax.model.hf_io import read_hf_config
+from mempo_jax.model.lora import split_trainable
+from mempo_jax.model.placement import cache_shardings
+from mempo_jax.model.resize import protocol_tag_rows
+from mempo_jax.rl.learner import TrainSteps, make_optimizer
+from mempo_jax.rl.losses import LossConfig
+from mempo_jax.rl.memory_reward import ANSWER_FRACTION, DEFAULT_CHUNK_ROWS, MemoryRewardScorer
+from mempo_jax.text.hf_tokenizer import HFTokenizer
+
 GIB = 2**30
 # Calibration of the activation estimate against XLA's own ``compiled.memory_analysis()`` of each
 # phase's program (tests/test_plan.py: SmolLM2- and Qwen2.5-0.5B-shaped models on an emulated
@@ -147,14 +167,8 @@ def model_config(cfg, mesh=None, rules=None):
     Raises:
       ValueError: an unknown preset.
     """
-    from mempo_jax.model.config import PRESET_SHAPES, ModelConfig
 
     if cfg.model.checkpoint and model_source(cfg) == cfg.model.checkpoint:
-        from mempo_jax.core.sharding import DEFAULT_RULES
-        from mempo_jax.model.hf_io import read_hf_config
-        from mempo_jax.model.resize import protocol_tag_rows
-        from mempo_jax.text.hf_tokenizer import HFTokenizer
-
         model_cfg = read_hf_config(cfg.model.checkpoint, **dict(cfg.model.overrides))
         if cfg.model.tags == "text":
             return model_cfg
@@ -183,7 +197,6 @@ def _gathered_bytes(abstract, shardings, mesh, rules) -> int:
     gathered over it (still split over ``tensor``): what a matmul of each needs whole."""
     import jax
 
-    from mempo_jax.core.sharding import param_shardings, rule_axes
 
     def kept(target):
         return tuple(a for a in rule_axes(target) if a not in ("fsdp", "data")) or None
@@ -208,9 +221,6 @@ def step_shapes(cfg, plan_cfg) -> dict:
     Returns a dict with ``rollout_rows``, ``prompt_len`` (P), ``cache_len`` (S = P + N),
     ``train_len``, ``scoring_rows``, ``scoring_len``.
     """
-    from mempo_jax.agent.trajectory import FULL
-    from mempo_jax.core.batching import bucket_length
-    from mempo_jax.rl.memory_reward import DEFAULT_CHUNK_ROWS
 
     ro = cfg.rl.rollout
     traj = cfg.rl.questions_per_step * cfg.rl.group_size
@@ -223,8 +233,6 @@ def step_shapes(cfg, plan_cfg) -> dict:
     ex = cfg.execution
     scoring_rows = min(all_rows, ex.scoring_chunk_rows or DEFAULT_CHUNK_ROWS)  # as MemoryRewardScorer chunks
     # the slot cache: one slot per trajectory, prefill rows of prefill_chunk
-    from mempo_jax.agent.engine import num_slots
-    from mempo_jax.agent.slot_sampler import slot_cache_size
 
     rows, cache_len = num_slots(ro, traj), slot_cache_size(ro.max_context_tokens)
     prompt = min(ro.prefill_chunk, cache_len)
@@ -245,7 +253,6 @@ class _Act:
     def elems(self, axes, shape) -> int:
         from jax.sharding import NamedSharding
 
-        from mempo_jax.core.sharding import logical_to_spec
 
         spec = logical_to_spec(axes, self.rules, self.mesh.shape, shape)
         return math.prod(NamedSharding(self.mesh, spec).shard_shape(tuple(shape)))
@@ -259,7 +266,6 @@ class _Act:
     def blocked(self, length, slots) -> bool:
         """Whether ``length`` queries over ``slots`` keys take the blocked attention
         (``attention_xla.use_blocked`` at ``ExecutionConfig.dense_attention_max_len``)."""
-        from mempo_jax.model.attention_xla import use_blocked
 
         return use_blocked(length, slots, min_len=self.dense_max_len)
 
@@ -268,7 +274,6 @@ class _Act:
         dense path; on the blocked path one ``BLOCK_Q x BLOCK_K`` tile per row and head, or with
         ``saved`` (the backward pass, which rematerialises one query block at a time) that query
         block's scores over every key, ``BLOCK_Q x slots``."""
-        from mempo_jax.model.attention_xla import BLOCK_K, BLOCK_Q
 
         if self.blocked(length, slots):
             length, slots = min(length, BLOCK_Q), (slots if saved else min(slots, BLOCK_K))
@@ -327,13 +332,6 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
     """
     import jax
 
-    from mempo_jax.rl.learner import make_optimizer
-    from mempo_jax.model.decoder import init_cache
-    from mempo_jax.model.forward import abstract_model, split_model
-    from mempo_jax.model.placement import cache_shardings
-    from mempo_jax.core.sharding import opt_state_shardings, param_shardings
-    from mempo_jax.rl.memory_reward import ANSWER_FRACTION
-    from mempo_jax.model.lora import split_trainable
 
     mesh = mesh_cfg.abstract(tpu.num_devices)
     rules = mesh_cfg.rules
@@ -431,7 +429,6 @@ def eval_slots(cfg, tpu) -> int | None:
     """KV-cache slots of an evaluation rollout on one host (``run.stages``: ``EvalConfig.num_slots``,
     else one per held-out question of the host, bucketed as ``engine.num_slots``); ``None`` when
     ``EvalConfig.num_questions`` is 0 (every held-out question: a count the recipe does not fix)."""
-    from mempo_jax.agent.engine import num_slots
 
     ro = cfg.rl.rollout
     if cfg.eval.num_slots:
@@ -471,14 +468,6 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from mempo_jax.agent.engine import extend_shapes, num_slots
-    from mempo_jax.agent.slot_sampler import SlotSampler
-    from mempo_jax.core.rollout_mesh import rollout_mesh
-    from mempo_jax.core.sharding import make_mesh
-    from mempo_jax.model.forward import abstract_model, make_logits_fn, split_model
-    from mempo_jax.rl.learner import TrainSteps, make_optimizer
-    from mempo_jax.rl.losses import LossConfig
-    from mempo_jax.rl.memory_reward import ANSWER_FRACTION, MemoryRewardScorer
 
     n = tpu.num_devices
     devices = list(jax.devices() if devices is None else devices)
@@ -666,8 +655,6 @@ def rollout_plan(cfg, mesh_cfg, tpu, plan_cfg) -> dict:
       "params_bytes", "cache_bytes", "sync_bytes", "per_device_bytes", "fits"}`` (bytes per chip
       except ``sync_bytes``, the parameter bytes each chip receives in the weight sync).
     """
-    from mempo_jax.agent.engine import num_slots
-    from mempo_jax.agent.slot_sampler import slot_cache_size
 
     model_cfg = cfg.lora.model_config(model_config(cfg))  # LoraConfig: the base dtype, float32 adapters
     host = chips_per_host(tpu)
