@@ -29,6 +29,9 @@ from mempo_jax.core.mesh_config import MeshConfig
 from mempo_jax.model.lora import LoraConfig
 from mempo_jax.rl.config import RLConfig
 from mempo_jax.core.validation import check, require
+from mempo_jax.agent.trajectory import parse_context_steps
+from mempo_jax.model.config import ModelConfig, PRESET_SHAPES
+from mempo_jax.model.decoder import REMAT_CHOICES
 
 
 DEFAULT_GIN = recipes.resolve_recipe(recipes.DEFAULT_RECIPE)  # the default recipe's file
@@ -78,8 +81,6 @@ class ModelOptions:
     system_prompt_path: str = ""
 
     def __post_init__(self):
-        from mempo_jax.model.config import PRESET_SHAPES, ModelConfig
-
         presets = sorted(["tiny", *PRESET_SHAPES])
         check(self, "preset", str, choices=presets)
         check(self, "overrides", tuple)
@@ -253,8 +254,6 @@ class ExecutionConfig:
         return None if self.rollout_dtype == "float32" else self.rollout_dtype
 
     def __post_init__(self):
-        from mempo_jax.model.decoder import REMAT_CHOICES
-
         check(self, "micro_batch_rows", int, lo=1)
         check(self, "sft_micro_batch_rows", int, lo=0)
         check(self, "logprob_chunk_rows", int, lo=1)
@@ -299,8 +298,6 @@ class EvalConfig:
     num_slots: int = 0
 
     def __post_init__(self):
-        from mempo_jax.agent.trajectory import parse_context_steps
-
         check(self, "num_questions", int, lo=0)
         check(self, "temperature", float, lo=0.0)
         check(self, "context_modes", tuple)

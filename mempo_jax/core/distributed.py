@@ -22,6 +22,8 @@ from jax.typing import ArrayLike
 from jaxtyping import Shaped
 
 from mempo_jax.core.paths import is_remote
+from mempo_jax.core.peers import PeerWatch
+from mempo_jax.core.validation import check
 
 # Environment variables read by ``maybe_initialize`` (explicit clusters, e.g. CPU tests or GPUs).
 ENV_COORDINATOR = "MEMPO_COORDINATOR"  # "host:port" of process 0
@@ -47,8 +49,6 @@ class DistributedConfig:
     peer_timeout_s: float = 30.0
 
     def __post_init__(self):
-        from mempo_jax.core.validation import check
-
         check(self, "peer_timeout_s", float, lo=2.0, hi=600.0)
 
     @property
@@ -112,8 +112,6 @@ def watch_peers(config: DistributedConfig, run_dir: Optional[str] = None, guardi
     if jax.process_count() == 1:
         return None
     from jax._src import distributed as jax_distributed  # the joined client (orbax reads it the same way)
-
-    from mempo_jax.core.peers import PeerWatch
 
     state = jax_distributed.global_state
     return PeerWatch(state.client, jax.process_index(), jax.process_count(), config.peer_timeout_s,

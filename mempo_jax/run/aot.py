@@ -22,6 +22,8 @@ import os
 import re
 import time
 
+from mempo_jax.run.memory_plan import _memory, build_plan, eval_slots, phase_programs, program_plan_bytes, rollout_plan
+
 INSTALL_HINT = "libtpu is not installed: pip install 'mempo-jax[tpu]'"
 
 # Chips of a slice → its topology (Cloud TPU "TPU versions": v5e / v6e slices are 2-D tori of up to
@@ -165,7 +167,6 @@ def compile_program(name: str, build, hbm_bytes: int) -> dict:
       ``"bytes_accessed"``; not compiled: ``"error"`` (the compiler's first line) and, when it ran
       out of HBM, ``"tpu_bytes"`` / ``"hbm_bytes"`` as the compiler names them.
     """
-    from mempo_jax.run.memory_plan import _memory
 
     import jax
 
@@ -204,8 +205,6 @@ def aot_report(cfg, pod, topology: str | None = None, only=None) -> dict:
       RuntimeError: ``libtpu_problem``, or a topology libtpu cannot build.
       ValueError: as ``phase_programs`` (a mesh that does not match the slice).
     """
-    from mempo_jax.run.memory_plan import (build_plan, eval_slots, phase_programs, program_plan_bytes,
-                                           rollout_plan)
 
     topo = topology or topology_name(pod.tpu)
     devices = slice_devices(topo, pod.tpu.accelerator_type)

@@ -19,6 +19,11 @@ import pathlib
 from typing import Optional, Sequence
 
 from mempo_jax.tools.corpus import Document
+from mempo_jax.data.qa_formats import detect_format
+from mempo_jax.tools.bm25 import BM25Index
+from mempo_jax.tools.corpus import load_corpus, pool_hotpotqa_contexts, pool_musique_paragraphs
+from mempo_jax.tools.remote import RemoteSearchBackend
+from mempo_jax.tools.search import ToolError
 
 
 def pooled_passages(path: str | os.PathLike) -> Optional[list[Document]]:
@@ -31,8 +36,6 @@ def pooled_passages(path: str | os.PathLike) -> Optional[list[Document]]:
     Raises:
       ValueError: an empty or malformed file (naming file, line and field).
     """
-    from mempo_jax.data.qa_formats import detect_format
-    from mempo_jax.tools.corpus import pool_hotpotqa_contexts, pool_musique_paragraphs
 
     fmt = detect_format(path)
     if fmt in ("hotpotqa", "2wikimultihopqa"):
@@ -76,8 +79,6 @@ def connect_retriever(url: str, option: str = "--retriever_url", **client_kw):
       ValueError: one line naming ``option`` and the URL when the server is down, times out after
         its retries, or does not speak the Search-R1 protocol.
     """
-    from mempo_jax.tools.remote import RemoteSearchBackend
-    from mempo_jax.tools.search import ToolError
 
     backend = RemoteSearchBackend(url, **client_kw)
     try:
@@ -110,8 +111,6 @@ def plan_corpora(specs: Sequence, corpus: Optional[str], retriever_url: Optional
         unreachable retriever, or a malformed corpus / data file.
       FileNotFoundError: a missing ``--corpus`` file.
     """
-    from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus
 
     if retriever_url:
         backend = connect_retriever(retriever_url)
@@ -170,8 +169,6 @@ def training_backend(qa_paths: Sequence[str | os.PathLike], corpus_path: str = "
         the URL), a malformed corpus / QA file.
       FileNotFoundError: a missing corpus file.
     """
-    from mempo_jax.tools.bm25 import BM25Index
-    from mempo_jax.tools.corpus import load_corpus
 
     if corpus_path and retriever_url:
         raise ValueError(f"{prefix}.corpus_path and {prefix}.retriever_url are exclusive; set one")

@@ -44,6 +44,12 @@ import orbax.checkpoint as ocp
 from mempo_jax.core import paths
 from mempo_jax.core.paths import run_path
 from mempo_jax.model.lora import trainable_part
+from mempo_jax.config_loader import load_config
+from mempo_jax.model.config import ModelConfig
+from mempo_jax.model.forward import abstract_model, split_model
+from mempo_jax.run.experiment import lora_policy_params
+from mempo_jax.text.hf_tokenizer import HFTokenizer
+from mempo_jax.text.tokenizer import SentencePieceTokenizer
 
 CHECKSUM_KEY = "array_checksums"  # reserved key of the metadata item (not returned by ``restore``)
 
@@ -481,7 +487,6 @@ HF_TOKENIZER_DIR = "hf_tokenizer"
 
 def _is_hf_tokenizer(tokenizer) -> bool:
     """An ``HFTokenizer`` (saved as a folder) rather than a SentencePiece model (one file)."""
-    from mempo_jax.text.hf_tokenizer import HFTokenizer
 
     return isinstance(tokenizer, HFTokenizer)
 
@@ -519,10 +524,7 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
                                 f"not found: is {run_dir} a run folder of mempo_jax.commands.train?")
     path = paths.local_copy(path)
     if path.is_dir():
-        from mempo_jax.text.hf_tokenizer import HFTokenizer
-
         return HFTokenizer(path)
-    from mempo_jax.text.tokenizer import SentencePieceTokenizer
 
     return SentencePieceTokenizer(path)
 
@@ -631,8 +633,6 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
       FileNotFoundError: if the folder lacks one of those files or any checkpoint.
       ValueError: if the checkpoint does not match ``model_config.json``.
     """
-    from mempo_jax.model.config import ModelConfig
-    from mempo_jax.model.forward import abstract_model, split_model
 
     run_dir = run_path(run_dir)
     for name in ("model_config.json", folder):
@@ -652,8 +652,5 @@ def load_policy(run_dir: str | os.PathLike, step: Optional[int] = None, folder: 
     params, _, _ = ckpt.restore(step, trainable_part(params))  # a LoRA run's checkpoints hold the adapters
     ckpt.close()
     if model_cfg.lora_rank:
-        from mempo_jax.config_loader import load_config
-        from mempo_jax.run.experiment import lora_policy_params
-
         params = lora_policy_params(load_config([str(paths.local_copy(run_dir / "config.gin"))]), model_cfg, params)
     return tokenizer, model_cfg, graphdef, params

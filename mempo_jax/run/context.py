@@ -46,6 +46,8 @@ from mempo_jax.run.resume import (CORRUPT_DIR, EVAL_RL_FILE, EVAL_SFT_FILE, chec
 from mempo_jax.run.run_logs import RunLogs, check_logs
 from mempo_jax.core.sharding import batch_shards, opt_state_shardings
 from mempo_jax.model.lora import split_trainable, trainable_part
+from mempo_jax import config_loader
+from mempo_jax.run.experiment import build_experiment
 
 if TYPE_CHECKING:
     import optax
@@ -358,7 +360,6 @@ def open_run(args, run_cfg, hooks: FaultHooks, stack: contextlib.ExitStack) -> R
     Raises:
       ValueError / FileNotFoundError: as ``commands.train.run`` (before anything in the run folder changes).
     """
-    from mempo_jax.run.experiment import build_experiment
 
     t_start = time.time()
     run_dir, cfg, ck = paths.run_path(args.run_dir), run_cfg.experiment, run_cfg.experiment.checkpoint
@@ -426,7 +427,6 @@ def _restore(ctx: RunContext, point):
 def _prepare_folder(ctx: RunContext, stack: contextlib.ExitStack) -> RunContext:
     """Every check has passed: the run folder changes from here on (process 0 writes). Returns
     ``ctx`` with its logs, the resumed time taken off ``t_start`` and the resumed ``progress``."""
-    from mempo_jax import config_loader
 
     run_dir, point, exp, policy = ctx.run_dir, ctx.point, ctx.exp, ctx.exp.policy
     newest = point.newest()

@@ -30,6 +30,9 @@ import jax
 from mempo_jax.core import paths
 from mempo_jax.core.paths import run_path
 from mempo_jax.run.export_protocol import ExportProtocol
+from mempo_jax.model.adapters import merge_adapters, save_peft_adapter
+from mempo_jax.model.hf_io import read_hf_config, save_hf_checkpoint
+from mempo_jax.text.hf_tokenizer import HFTokenizer
 
 EXPORT_DIR = "hf_export"
 PEFT_EXPORT_DIR = "peft_adapter"
@@ -65,13 +68,10 @@ def export_policy(folder: str | os.PathLike, model_cfg, params, tokenizer,
       ValueError: a tokenizer without a Hugging Face form (our SentencePiece model), or a config
         that the Qwen2 / Llama layout cannot express (``CheckpointError``).
     """
-    from mempo_jax.model.hf_io import save_hf_checkpoint
-    from mempo_jax.text.hf_tokenizer import HFTokenizer
 
     if not isinstance(tokenizer, HFTokenizer):
         raise ValueError("only a policy with a Hugging Face tokenizer (a run from ModelOptions.checkpoint) can be "
                          "exported as a Hugging Face checkpoint; this one has a SentencePiece model")
-    from mempo_jax.model.adapters import merge_adapters
 
     model_cfg, params = merge_adapters(model_cfg, params)  # a LoRA policy: its merged weights
     folder = run_path(folder)
@@ -108,8 +108,6 @@ def export_adapter(folder: str | os.PathLike, model_cfg, params, source: str | o
       ValueError: the policy has no adapters, or its embedding rows differ from the source's
         (protocol tags added as tokens: the adapters alone do not describe the policy then).
     """
-    from mempo_jax.model.hf_io import read_hf_config
-    from mempo_jax.model.adapters import save_peft_adapter
 
     base = read_hf_config(source)
     if base.vocab_size != model_cfg.vocab_size:

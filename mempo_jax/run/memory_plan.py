@@ -197,7 +197,6 @@ def _gathered_bytes(abstract, shardings, mesh, rules) -> int:
     gathered over it (still split over ``tensor``): what a matmul of each needs whole."""
     import jax
 
-
     def kept(target):
         return tuple(a for a in rule_axes(target) if a not in ("fsdp", "data")) or None
 
@@ -252,7 +251,6 @@ class _Act:
 
     def elems(self, axes, shape) -> int:
         from jax.sharding import NamedSharding
-
 
         spec = logical_to_spec(axes, self.rules, self.mesh.shape, shape)
         return math.prod(NamedSharding(self.mesh, spec).shard_shape(tuple(shape)))
@@ -331,7 +329,6 @@ def build_plan(cfg, mesh_cfg, tpu, plan_cfg) -> MemoryPlan:
       ValueError: a mesh that does not match the device count, or an unknown preset.
     """
     import jax
-
 
     mesh = mesh_cfg.abstract(tpu.num_devices)
     rules = mesh_cfg.rules
@@ -467,7 +464,6 @@ def phase_programs(cfg, mesh_cfg, tpu, plan_cfg, devices=None) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
-
 
     n = tpu.num_devices
     devices = list(jax.devices() if devices is None else devices)

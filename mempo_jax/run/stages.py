@@ -30,6 +30,11 @@ from mempo_jax.run.preemption import Preempted
 from mempo_jax.run.faults import FaultCounter, check_sft_step
 from mempo_jax.run.resume import EVAL_BASE_FILE, EVAL_RL_FILE, EVAL_SFT_FILE, PREDICTIONS_FILE
 from mempo_jax.run.context import COPY_STREAM, REPLAY_STREAM, READER_STREAM, RL_STREAM, RLCheckpoint, RunContext, read_json_or_none
+from mempo_jax.data.messages import conversation_trajectory
+from mempo_jax.data.scripted_agent import scripted_conversation
+from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, reader_rows, sft_rows, with_copy_warmup
+from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_records
+from mempo_jax.run.experiment import entity_token_ids
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -52,7 +57,6 @@ def _evaluate(ctx: RunContext, stage: str, learner) -> tuple[dict, dict, dict, l
     Returns ``(metrics by mode, per-question EM by mode, per-question F1 by mode, prediction
     records)``: the records (``run.evaluation.prediction_records``) of every process's questions,
     mode by mode, in the single-process order."""
-    from mempo_jax.run.evaluation import evaluate_policy, is_kind_metric, kind_metrics, prediction_records
 
     cfg, exp, engine = ctx.cfg, ctx.exp, ctx.exp.policy.engine
     held, held_mine = heldout(ctx)
@@ -165,10 +169,6 @@ def copy_rows_warning(cfg) -> str | None:
 def _sft_batches(ctx: RunContext, sft_file, rng: np.random.Generator):
     """The SFT batch iterator: a messages file or the scripted agent's conversations → rows
     (plus copy rows), batched; the same rows on every process (one generator)."""
-    from mempo_jax.data.messages import conversation_trajectory
-    from mempo_jax.data.scripted_agent import scripted_conversation
-    from mempo_jax.run.experiment import entity_token_ids
-    from mempo_jax.rl.sft import copy_rows, iterate_sft_batches, reader_rows, sft_rows, with_copy_warmup
 
     cfg, exp, tok, fmt = ctx.cfg, ctx.exp, ctx.exp.policy.tokenizer, ctx.exp.policy.fmt
     context_steps = cfg.rl.rollout.context_steps  # the context mode RL trains in
