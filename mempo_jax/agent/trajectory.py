@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mempo_jax.text.protocol import ParsedTurn
+from mempo_jax.core.batching import bucket_length, pad_sequences
 
 FULL = 0  # context_steps value meaning "full history" (configs write "full")
 
@@ -244,8 +245,6 @@ def build_training_rows(
                 ids, mask, old = list(ctx), [0.0] * len(ctx), [0.0] * len(ctx)
                 add_turn_tokens(ids, mask, old, turn, row, ti, tr_i)
                 seqs.append(ids), masks.append(mask), olds.append(old), owners.append(tr_i)
-
-    from mempo_jax.core.batching import bucket_length, pad_sequences
 
     longest = max((len(s) for s in seqs), default=1)
     length = max_len if max_len is not None else bucket_length(longest)

@@ -25,6 +25,7 @@ import gin
 
 from mempo_jax.core.sharding import DEFAULT_RULES, MESH_AXES, rule_axes
 from mempo_jax.core.validation import check
+from mempo_jax.core.sharding import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +90,6 @@ class MeshConfig:
           ValueError: as ``shape``.
         """
         import jax
-
-        from mempo_jax.core.sharding import make_mesh
 
         devices = list(jax.devices() if devices is None else devices)
         return make_mesh(*self.shape(len(devices)), devices=None if len(devices) == jax.device_count() else devices)

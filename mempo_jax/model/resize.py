@@ -40,6 +40,7 @@ from mempo_jax.model.config import ModelConfig
 from mempo_jax.model.forward import abstract_model, split_model
 from mempo_jax.model.hf_io import path_key
 from mempo_jax.core.sharding import DEFAULT_RULES, Rules, mesh_or_local, param_shardings, rule_axes
+from mempo_jax.model.hf_io import _host
 
 DEFAULT_ROW_MULTIPLE = 64  # transformers' pad_to_multiple_of guidance (tensor cores); also TPU-friendly
 MEAN_RESIZING_EPSILON = 1e-9  # transformers: covariance_matrix = epsilon * covariance
@@ -135,7 +136,6 @@ def resize_vocab(
     Raises:
       ValueError: if ``new_rows < cfg.vocab_size``.
     """
-    from mempo_jax.model.hf_io import _host
 
     new_rows = int(new_rows)
     if new_rows < cfg.vocab_size:

@@ -40,6 +40,7 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from mempo_jax.text.protocol import ACCESS, ANSWER, INFORMATION, SEARCH
+from mempo_jax.recipes import find_file
 
 TOOL_RESULT_LAYOUTS: tuple[str, ...] = ("assistant", "user", "tool")
 TEMPLATE_FILE = "chat_template.jinja"
@@ -449,8 +450,6 @@ def system_prompt(enabled_tools: Sequence[str], path: str | os.PathLike | None =
         text = importlib.resources.files("mempo_jax.agent").joinpath(SYSTEM_PROMPT_FILE).read_text(encoding="utf-8")
         where = f"mempo_jax/agent/{SYSTEM_PROMPT_FILE}"
     else:
-        from mempo_jax.recipes import find_file
-
         found = find_file(path)  # the working directory, else a shipped file (configs/prompts/...)
         if found is None:
             raise FileNotFoundError(f"system prompt file not found: {path} (looked in the working directory "
