@@ -195,8 +195,9 @@ def test_placing_placed_weights_copies_nothing(setup):
 
 def test_slot_programs_do_not_grow_with_the_number_of_layers():
     """The decoder's layer loop is a scan in the slot programs: the compiled decode and prefill
-    programs of a 2-layer and a 6-layer model have the same number of HLO instructions, within 2 % (an
-    unrolled loop grows with depth, and XLA:CPU holds host memory per compiled kernel)."""
+    programs of a 2-layer and a 6-layer model have the same number of HLO instructions, within 5 % (an
+    unrolled loop grows with depth, six layers about 3x two; XLA:CPU holds host memory per compiled
+    kernel). The counts move by a few percent with the programs compiled before in the same process."""
     from mempo_jax.agent.slot_sampler import SlotSampler
 
     def instructions(layers):
@@ -215,4 +216,4 @@ def test_slot_programs_do_not_grow_with_the_number_of_layers():
         return [p.compile().as_text().count("\n") for p in (decode, extend)]
 
     two, six = instructions(2), instructions(6)  # unrolled, six layers would hold about 3x the instructions
-    assert all(abs(b - a) <= 0.02 * a for a, b in zip(two, six)), (two, six)
+    assert all(abs(b - a) <= 0.05 * a for a, b in zip(two, six)), (two, six)
